@@ -1,9 +1,14 @@
 """nvme_swapper: tensors <-> files with asynchronous, aligned O_DIRECT I/O.
 
-Knows nothing of models or optimizers: it stores byte images of host tensors under string keys and moves them with
-a pool of worker threads. See :class:`SwapEngine` for the contract and docs/architecture.md for the file layout.
+Knows nothing of models or optimizers: it stores the bytes of host tensors under string keys in a swap file and
+moves them with worker threads (kernel AIO with several requests in flight per thread, or pread/pwrite), returning
+handles to wait on. Start at :class:`SwapEngine`; docs/architecture.md explains the file layout.
 """
 
-from ._buffers import aligned_tensor, is_aligned
+from ._buffers import PAGE, aligned_tensor, is_aligned
+from ._config import AioConfig
+from ._engine import SwapEngine
+from ._handle import SwapHandle
+from ._native import FileIO, ShortTransfer
 
-__all__ = ["aligned_tensor", "is_aligned"]
+__all__ = ["AioConfig", "FileIO", "PAGE", "ShortTransfer", "SwapEngine", "SwapHandle", "aligned_tensor", "is_aligned"]

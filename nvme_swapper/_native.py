@@ -1,0 +1,156 @@
+"""The OS-call boundary of the swap engine: every read and write of a swap file passes through :class:`FileIO`.
+
+Two ways to move bytes live here:
+
+* kernel AIO (``_aio.c``, compiled with the system C compiler on first use, cached, loaded with ctypes, which drops
+  the GIL for the call): one thread keeps ``depth`` O_DIRECT requests in flight;
+* ``os.preadv`` / ``os.pwritev`` (release the GIL too): one request in flight per thread; used where the C compiler
+  or kernel AIO is missing, for buffered files, and for the sub-page tails that go through a bounce buffer.
+
+Keeping every syscall in one small class gives the fault-injection tests a single seam (they subclass it to fail a
+chosen call with ENOSPC, EIO or a short count) without touching the engine under test.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+log = logging.getLogger("nvme_swapper")
+
+_SOURCE = Path(__file__).with_name("_aio.c")
+_lib: ctypes.CDLL | None = None
+_lib_error: str | None = None
+_lib_lock = threading.Lock()
+
+
+def cache_dir() -> Path:
+    """Where compiled helpers are cached: ``$OFFLOAD_CACHE_DIR``, else ``$XDG_CACHE_HOME/offload``, else ~/.cache."""
+    root = os.environ.get("OFFLOAD_CACHE_DIR")
+    if root:
+        return Path(root)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return Path(xdg) / "offload" if xdg else Path.home() / ".cache" / "offload"
+
+
+def _build() -> ctypes.CDLL:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc/gcc) on PATH")
+    source = _SOURCE.read_bytes()
+    tag = hashlib.sha256(source + compiler.encode() + sys.platform.encode()).hexdigest()[:16]
+    target = cache_dir() / "nvme_swapper" / f"aio-{tag}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        try:
+            cmd = [compiler, "-O2", "-shared", "-fPIC", "-o", tmp, str(_SOURCE)]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()}")
+            os.replace(tmp, target)  # atomic: a concurrent build never sees a half-written library
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    lib = ctypes.CDLL(str(target))
+    u64p, i64p, lp = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_long)
+    lib.swp_setup.argtypes = [ctypes.c_long, u64p]
+    lib.swp_destroy.argtypes = [ctypes.c_uint64]
+    lib.swp_run.argtypes = [ctypes.c_uint64, ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_long,
+                            u64p, u64p, i64p, ctypes.c_int, ctypes.c_int, lp, lp]
+    for fn in (lib.swp_setup, lib.swp_destroy, lib.swp_run):
+        fn.restype = ctypes.c_long
+    return lib
+
+
+def kernel_aio() -> ctypes.CDLL | None:
+    """The compiled kernel-AIO runner, or None (with the reason logged once) when it cannot be built here."""
+    global _lib, _lib_error
+    with _lib_lock:
+        if _lib is None and _lib_error is None:
+            try:
+                _lib = _build()
+                probe = ctypes.c_uint64()
+                err = _lib.swp_setup(1, ctypes.byref(probe))
+                if err:
+                    raise OSError(-err, f"io_setup: {os.strerror(-err)}")
+                _lib.swp_destroy(probe.value)
+            except (OSError, RuntimeError) as exc:
+                _lib, _lib_error = None, str(exc)
+                log.warning("kernel AIO unavailable, using threaded pread/pwrite: %s", exc)
+        return _lib
+
+
+def kernel_aio_error() -> str | None:
+    return _lib_error
+
+
+class ShortTransfer(OSError):
+    """A read or write moved fewer bytes than asked (a truncated file, a full disk, a failing device)."""
+
+
+class FileIO:
+    """The syscalls the engine makes on swap files. One instance per engine; methods are thread-safe."""
+
+    def open(self, path: str, flags: int, mode: int = 0o600) -> int:
+        return os.open(path, flags, mode)
+
+    def close(self, fd: int) -> None:
+        os.close(fd)
+
+    def fallocate(self, fd: int, offset: int, length: int) -> None:
+        os.posix_fallocate(fd, offset, length)
+
+    def truncate(self, fd: int, length: int) -> None:
+        os.ftruncate(fd, length)
+
+    def pread(self, fd: int, buf: memoryview, offset: int) -> int:
+        return os.preadv(fd, [buf], offset)
+
+    def pwrite(self, fd: int, buf: memoryview, offset: int) -> int:
+        return os.pwritev(fd, [buf], offset)
+
+    def aio_setup(self, depth: int) -> int:
+        lib = kernel_aio()
+        if lib is None:
+            raise RuntimeError(f"kernel AIO unavailable: {_lib_error}")
+        ctx = ctypes.c_uint64()
+        err = lib.swp_setup(depth, ctypes.byref(ctx))
+        if err:
+            raise OSError(-err, f"io_setup({depth}): {os.strerror(-err)}")
+        return ctx.value
+
+    def aio_destroy(self, ctx: int) -> None:
+        lib = kernel_aio()
+        if lib is not None:
+            lib.swp_destroy(ctx)
+
+    def aio_run(self, ctx: int, depth: int, fd: int, is_write: bool, transfers: list[tuple[int, int, int]],
+                single_submit: bool = False, overlap: bool = True) -> tuple[int, int] | None:
+        """Moves (address, length, offset) transfers; None on success, else (index, result) of the first failure,
+        result being a negative errno or the short byte count."""
+        lib = kernel_aio()
+        if lib is None:
+            raise RuntimeError(f"kernel AIO unavailable: {_lib_error}")
+        n = len(transfers)
+        bufs, lens, offs = (ctypes.c_uint64 * n)(), (ctypes.c_uint64 * n)(), (ctypes.c_int64 * n)()
+        for i, (addr, length, offset) in enumerate(transfers):
+            bufs[i], lens[i], offs[i] = addr, length, offset
+        bad_index, bad_result = ctypes.c_long(), ctypes.c_long()
+        rc = lib.swp_run(ctx, depth, fd, int(is_write), n, bufs, lens, offs, int(single_submit), int(overlap),
+                         ctypes.byref(bad_index), ctypes.byref(bad_result))
+        return None if rc == 0 else (bad_index.value, bad_result.value)
+
+
+def memory_at(address: int, nbytes: int) -> memoryview:
+    """A writable byte view of host memory owned by someone else (a tensor the caller keeps alive)."""
+    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
