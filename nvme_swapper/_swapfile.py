@@ -120,6 +120,7 @@ class SwapFile:
             if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
                 self._io.truncate(self.fd, new_size)  # no fallocate here: a sparse file, filled by the writes
             else:
+                self._io.truncate(self.fd, self.size)  # give back blocks a failed fallocate may have taken
                 raise OSError(exc.errno, f"cannot grow swap file {self.path} to {new_size} bytes: "
                                          f"{os.strerror(exc.errno)}", str(self.path)) from None
         self.size = new_size

@@ -1,0 +1,56 @@
+"""Shared fixtures: real filesystems to test against (a size-limited ext4 image, a tmpfs), mounted when we are root."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+
+
+def _run(*cmd: str) -> bool:
+    return subprocess.run(cmd, capture_output=True).returncode == 0
+
+
+def _mount(kind: str, target: Path, image: Path | None = None, size_mb: int = 16) -> bool:
+    if os.geteuid() != 0:
+        return False
+    target.mkdir(parents=True, exist_ok=True)
+    if kind == "tmpfs":
+        return _run("mount", "-t", "tmpfs", "-o", f"size={size_mb}m,mode=0700", "tmpfs", str(target))
+    assert image is not None
+    with open(image, "wb") as f:
+        f.truncate(size_mb << 20)
+    if not shutil.which("mkfs.ext4") or not _run("mkfs.ext4", "-q", "-F", str(image)):
+        return False
+    return _run("mount", "-o", "loop", str(image), str(target))
+
+
+@pytest.fixture
+def small_ext4(tmp_path: Path):
+    """A 16 MiB ext4 filesystem on a loop device: real ENOSPC from a real filesystem."""
+    target = tmp_path / "small"
+    if not _mount("ext4", target, tmp_path / "small.img"):
+        pytest.skip("needs root and loop mounts to make a size-limited ext4 filesystem")
+    yield target
+    _run("umount", str(target))
+
+
+@pytest.fixture
+def tmpfs_dir(tmp_path: Path):
+    target = tmp_path / "tmpfs"
+    if not _mount("tmpfs", target, size_mb=64):
+        pytest.skip("needs root to mount a tmpfs")
+    yield target
+    _run("umount", str(target))
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_io_threads():
+    """Every test must join the I/O threads it started."""
+    yield
+    alive = [t.name for t in threading.enumerate() if t.name.startswith("nvme_swapper")]
+    assert not alive, f"threads left running: {alive}"
