@@ -62,7 +62,8 @@ class ThreadWorkers:
         started = threading.Barrier(config.thread_count + 1)
         self._start_errors: list[BaseException] = []
         for i in range(config.thread_count):
-            t = threading.Thread(target=self._run, args=(self._bounce.data_ptr() + i * bs, started), name=f"nvme_swapper-io-{i}", daemon=True)
+            t = threading.Thread(target=self._run, args=(self._bounce.data_ptr() + i * bs, started),
+                                 name=f"nvme_swapper-io-{i}", daemon=True)
             t.start()
             self._threads.append(t)
         started.wait()

@@ -1,0 +1,237 @@
+"""Swap-engine throughput against the disk's own limit, measured in the same run.
+
+Workloads: one 2 GiB tensor, and 64 x 32 MiB tensors in flight at once; block sizes 256 KiB / 1 MiB / 4 MiB and
+queue depths 1 / 8 / 32; the engine's kernel-AIO backend ("aio") and the portable aiofiles backend.
+
+The limit: fio (direct=1; libaio and io_uring; queue depths 1 and 8; 1 and 4 MiB blocks; --iomem=shmhuge huge-page
+buffers, which need vm.nr_hugepages: set here when run as root, restored after) and a plain single-threaded
+O_DIRECT pread/pwrite loop over a huge-page buffer. The limit per direction is the best median of those.
+
+This disk is shared and noisy, so every round runs all probes and all engine configurations in a shuffled order,
+and the table reports medians over rounds. Writes are steady-state overwrites for everyone: fio overwrites the file
+it laid out, and the engine first reserves (writes) the space its copy-on-write extents will take.
+
+    python bench/nvme_swapper.py [--dir DIR] [--rounds 3] [--quick] [--out results/nvme_swapper.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from nvme_swapper import AioConfig, SwapEngine, aligned_tensor  # noqa: E402
+from nvme_swapper._native import memory_at  # noqa: E402
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+# the limit ---------------------------------------------------------------------------------------------------------
+
+
+class HugePages:
+    """Raises vm.nr_hugepages for fio's shmhuge buffers while the bench runs (root only), then restores it."""
+
+    PATH = Path("/proc/sys/vm/nr_hugepages")
+
+    def __init__(self, pages: int) -> None:
+        self.pages, self.saved, self.ok = pages, None, False
+
+    def __enter__(self) -> "HugePages":
+        try:
+            self.saved = int(self.PATH.read_text())
+            if self.saved < self.pages:
+                self.PATH.write_text(str(self.pages))
+            self.ok = int(self.PATH.read_text()) >= self.pages
+        except OSError:
+            self.ok = False
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.saved is not None:
+            try:
+                self.PATH.write_text(str(self.saved))
+            except OSError:
+                pass
+
+
+def fio(path: Path, size: int, rw: str, engine: str, depth: int, shmhuge: bool, block: int = MiB) -> float | None:
+    cmd = ["fio", "--name=limit", f"--filename={path}", f"--size={size}", f"--bs={block}", "--direct=1",
+           f"--ioengine={engine}", f"--iodepth={depth}", f"--rw={rw}", "--output-format=json", "--numjobs=1",
+           "--end_fsync=0", "--invalidate=1"]
+    if shmhuge:
+        cmd.append("--iomem=shmhuge")
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        print(f"  fio {engine} qd{depth} {rw} failed: {done.stderr.strip()[:200]}", file=sys.stderr)
+        return None
+    job = json.loads(done.stdout[done.stdout.index("{"):])["jobs"][0]
+    return job["read" if rw == "read" else "write"]["bw_bytes"] / 1e9
+
+
+def pread_loop(path: Path, size: int, is_write: bool, buffer) -> float:
+    """The simplest thing that can reach the disk: one thread, one 1 MiB O_DIRECT request at a time."""
+    fd = os.open(path, os.O_RDWR | os.O_DIRECT)
+    view = memory_at(buffer.data_ptr(), MiB)
+    try:
+        t = time.perf_counter()
+        for off in range(0, size, MiB):
+            (os.pwritev if is_write else os.preadv)(fd, [view], off)
+        return gbps(size, time.perf_counter() - t)
+    finally:
+        os.close(fd)
+
+
+# the engine --------------------------------------------------------------------------------------------------------
+
+
+def drop_cache(engine: SwapEngine) -> None:
+    """Buffered backends must read from the disk, not from pages the previous pass left in memory."""
+    fd = os.open(engine.directory / "swap.0", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def run_engine(directory: Path, backend: str, block: int, depth: int, big, smalls, outs_big, outs_small,
+               threads: int) -> dict[str, float]:
+    cfg = AioConfig(backend=backend, block_size=block, queue_depth=depth, thread_count=min(threads, depth))
+    result = {}
+    with SwapEngine(directory, cfg) as eng:
+        for workload, srcs, outs in (("1x2GiB", [big], [outs_big]), ("64x32MiB", smalls, outs_small)):
+            keys = [f"{workload}-{i}" for i in range(len(srcs))]
+            nbytes = sum(s.numel() * s.element_size() for s in srcs)
+            eng.reserve(nbytes)  # written space: the timed writes are overwrites, as fio's are
+            t = time.perf_counter()
+            for h in [eng.write(k, s) for k, s in zip(keys, srcs)]:
+                h.wait()
+            result[f"{workload} write"] = gbps(nbytes, time.perf_counter() - t)
+            drop_cache(eng)
+            t = time.perf_counter()
+            for h in [eng.read(k, o) for k, o in zip(keys, outs)]:
+                h.wait()
+            result[f"{workload} read"] = gbps(nbytes, time.perf_counter() - t)
+            for k in keys:
+                eng.delete(k)
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir in cwd)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="256 MiB instead of 2 GiB, 1 round (a smoke test)")
+    ap.add_argument("--threads", type=int, default=1, help="engine thread_count (capped at the queue depth)")
+    ap.add_argument("--out", default="results/nvme_swapper.json")
+    args = ap.parse_args()
+
+    total = 256 * MiB if args.quick else 2 * GiB
+    rounds = 1 if args.quick else args.rounds
+    small_count, small_size = 64, total // 64
+    base = Path(args.dir) if args.dir else Path.cwd()
+    work = Path(tempfile.mkdtemp(prefix="bench-nvme-", dir=base))
+    blocks = [256 * KiB, MiB, 4 * MiB]
+    depths = [1, 8, 32]
+    backends = ["aio", "aiofiles"]
+    have_fio = shutil.which("fio") is not None
+    if not have_fio:
+        print("fio not found (Debian package 'fio'): the limit is the pread/pwrite loop alone", file=sys.stderr)
+
+    big, out_big = aligned_tensor(total), aligned_tensor(total)
+    big.random_(0, 256)
+    smalls = [big[i * small_size:(i + 1) * small_size] for i in range(small_count)]  # page-aligned slices
+    outs_small = [out_big[i * small_size:(i + 1) * small_size] for i in range(small_count)]
+    probe_buf = aligned_tensor(2 * MiB)[:MiB]  # a huge page: one physically contiguous request
+    probe_file = work / "probe.dat"
+
+    samples: dict[str, list[float]] = {}
+
+    def add(name: str, value: float | None) -> None:
+        if value is not None:
+            samples.setdefault(name, []).append(value)
+
+    try:
+        with HugePages(128) as huge:
+            if have_fio:  # lay the probe file out once, so every probe write is an overwrite
+                fio(probe_file, total, "write", "libaio", 8, False)
+            else:
+                with open(probe_file, "wb") as f:
+                    f.truncate(total)
+                pread_loop(probe_file, total, True, probe_buf)
+            for r in range(rounds):
+                items: list[tuple] = [("pread",)]
+                if have_fio:
+                    items += [("fio", e, d, bs) for e in ("libaio", "io_uring") for d in (1, 8)
+                              for bs in (MiB, 4 * MiB)]
+                items += [("engine", b, bs, d) for b in backends for bs in blocks for d in depths]
+                random.Random(r).shuffle(items)
+                for item in items:
+                    if item[0] == "pread":
+                        add("limit pread-loop bs=1024K qd=1 write", pread_loop(probe_file, total, True, probe_buf))
+                        add("limit pread-loop bs=1024K qd=1 read", pread_loop(probe_file, total, False, probe_buf))
+                    elif item[0] == "fio":
+                        _, eng_name, d, bs = item
+                        tag = f"limit fio {eng_name} bs={bs // KiB}K qd={d}{' shmhuge' if huge.ok else ''}"
+                        add(f"{tag} write", fio(probe_file, total, "write", eng_name, d, huge.ok, bs))
+                        add(f"{tag} read", fio(probe_file, total, "read", eng_name, d, huge.ok, bs))
+                    else:
+                        _, b, bs, d = item
+                        res = run_engine(work, b, bs, d, big, smalls, out_big, outs_small, args.threads)
+                        for k, v in res.items():
+                            add(f"{b} bs={bs // KiB}K qd={d} {k}", v)
+                print(f"round {r + 1}/{rounds} done", file=sys.stderr, flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    limit = {d: max((v for k, v in med.items() if k.startswith("limit") and k.endswith(d)), default=0.0)
+             for d in ("write", "read")}
+
+    def best(prefix: str, direction: str) -> tuple[str, float]:
+        cands = [(k, v) for k, v in med.items() if k.startswith(prefix) and k.endswith(direction)]
+        return max(cands, key=lambda kv: kv[1]) if cands else ("-", 0.0)
+
+    print(f"\nnvme_swapper bench: {total / GiB:g} GiB per pass, {rounds} round(s), medians in GB/s, dir {base}\n")
+    print(f"{'configuration':44s} {'write':>8s} {'read':>8s}")
+    names = sorted({k.rsplit(" ", 1)[0] for k in med})
+    for name in names:
+        w, r = med.get(f"{name} write"), med.get(f"{name} read")
+        print(f"{name:44s} {w if w is not None else float('nan'):8.2f} {r if r is not None else float('nan'):8.2f}")
+    summary = {}
+    for d in ("write", "read"):
+        k_ours, ours = best("aio", d)
+        k_base, base_v = best("aiofiles", d)
+        summary[d] = {"limit_gbps": limit[d], "ours_best": k_ours, "ours_gbps": ours,
+                      "ours_vs_limit": ours / limit[d] if limit[d] else None,
+                      "aiofiles_best": k_base, "aiofiles_gbps": base_v,
+                      "ours_vs_aiofiles": ours / base_v if base_v else None}
+    print("\nsummary (target: ours >= 0.95 x limit, and ours > aiofiles)")
+    for d, s in summary.items():
+        print(f"  {d:5s}: limit {s['limit_gbps']:.2f}  ours {s['ours_gbps']:.2f} ({s['ours_best']}) "
+              f"= {s['ours_vs_limit']:.3f} x limit, {s['ours_vs_aiofiles']:.2f} x aiofiles ({s['aiofiles_gbps']:.2f})")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"bytes_per_pass": total, "rounds": rounds, "samples": samples, "medians": med,
+                               "limit": limit, "summary": summary, "hugepages_for_fio": huge.ok,
+                               "directory": str(base)}, indent=2))
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
