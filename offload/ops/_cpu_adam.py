@@ -1,0 +1,307 @@
+"""Build, load and call the fused CPU Adam kernel (``cpu_adam.cpp``), with a pure-torch fallback.
+
+The kernel is compiled on first use with ``torch.utils.cpp_extension`` for the widest instruction set this CPU has
+(AVX-512, AVX2 or plain scalar code; read with py-cpuinfo), so one wheel serves every x86 machine and no flag the
+CPU lacks is ever compiled in. Builds live under ``$OFFLOAD_CACHE_DIR`` (default ``~/.cache/offload``) in a directory
+named after the ISA, the Python and the torch version, so they are reused across runs and never mixed.
+
+Two environment variables, read on every call so tests can flip them:
+
+* ``OFFLOAD_CPU_ADAM_BACKEND``: ``auto`` (default: native kernel, or the torch path with one warning if it cannot be
+  built), ``native`` (fail loudly instead of falling back) or ``torch`` (always the torch path).
+* ``OFFLOAD_CPU_ADAM_ISA``: ``avx512``, ``avx2`` or ``scalar`` to use a narrower kernel than the CPU allows.
+
+The torch path evaluates the same formula in the same order, chunk by chunk so its temporaries stay small.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger("offload")
+
+BACKEND_ENV = "OFFLOAD_CPU_ADAM_BACKEND"
+ISA_ENV = "OFFLOAD_CPU_ADAM_ISA"
+CACHE_ENV = "OFFLOAD_CACHE_DIR"
+
+_SOURCE = Path(__file__).with_name("cpu_adam.cpp")
+
+# Widest first. "requires": CPU flags that must all be present; "cflags": what the compiler gets for that level.
+_ISA_LEVELS: dict[str, dict[str, tuple[str, ...]]] = {
+    "avx512": {"requires": ("avx512f", "avx2", "fma", "f16c"), "cflags": ("-mavx512f", "-mavx2", "-mfma", "-mf16c")},
+    "avx2": {"requires": ("avx2", "fma", "f16c"), "cflags": ("-mavx2", "-mfma", "-mf16c")},
+    "scalar": {"requires": (), "cflags": ()},
+}
+
+# Type codes shared with cpu_adam.cpp.
+_GRAD_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_OUT_CODES = {torch.bfloat16: 1, torch.float16: 2}
+_NO_OUT = -1
+
+# Elements per chunk on the torch path: big enough to amortise dispatch, small enough for the temporaries to stay
+# in cache.
+_TORCH_CHUNK = 1 << 18
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as py-cpuinfo reports them (empty when it cannot tell)."""
+    try:
+        import cpuinfo
+
+        return frozenset(cpuinfo.get_cpu_info().get("flags", ()))
+    except Exception as exc:  # py-cpuinfo shells out and parses; any failure just means "assume nothing"
+        logger.warning("offload: could not read CPU flags (%s); CPU Adam uses the scalar kernel", exc)
+        return frozenset()
+
+
+def supported_isas() -> list[str]:
+    """Instruction-set levels this CPU can run, widest first (``scalar`` is always last)."""
+    flags = cpu_flags()
+    return [isa for isa, level in _ISA_LEVELS.items() if all(f in flags for f in level["requires"])]
+
+
+def _requested_isa() -> str:
+    supported = supported_isas()
+    requested = os.environ.get(ISA_ENV, "").strip().lower()
+    if not requested:
+        return supported[0]
+    if requested not in _ISA_LEVELS:
+        raise ValueError(f"{ISA_ENV}={requested!r} is not an ISA level; use one of {list(_ISA_LEVELS)}")
+    if requested not in supported:
+        raise ValueError(f"{ISA_ENV}={requested!r} but this CPU only supports {supported}; unset it or pick one of those")
+    return requested
+
+
+def _requested_backend() -> str:
+    backend = os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
+    if backend not in ("auto", "native", "torch"):
+        raise ValueError(f"{BACKEND_ENV}={backend!r}; use 'auto', 'native' or 'torch'")
+    return backend
+
+
+def cache_dir() -> Path:
+    """Root of offload's build cache: ``$OFFLOAD_CACHE_DIR``, else ``~/.cache/offload``."""
+    root = os.environ.get(CACHE_ENV)
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "offload"
+
+
+@functools.lru_cache(maxsize=None)
+def _build(isa: str) -> ModuleType:
+    """Compile (or reuse the cached build of) the kernel for ``isa`` and import it. Raises on any build failure."""
+    from torch.utils import cpp_extension
+
+    name = f"offload_cpu_adam_{isa}"
+    version_tag = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__.replace('+', '_')}"
+    build_dir = cache_dir() / "cpu_adam" / f"{isa}-{version_tag}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    cflags = ["-O3", "-fopenmp", "-ffp-contract=off", *_ISA_LEVELS[isa]["cflags"]]
+    module = cpp_extension.load(
+        name=name,
+        sources=[str(_SOURCE)],
+        build_directory=str(build_dir),
+        extra_cflags=cflags,
+        extra_ldflags=["-fopenmp"],
+        verbose=False,
+    )
+    assert module.isa == isa, f"built {name} but it reports ISA {module.isa}"
+    return module
+
+
+_warned_fallback = False
+
+
+def _native_module() -> ModuleType | None:
+    """The compiled kernel to use for this call, or None for the torch path (warning once if that is a fallback)."""
+    global _warned_fallback
+    backend = _requested_backend()
+    if backend == "torch":
+        return None
+    isa = _requested_isa()
+    try:
+        return _build(isa)
+    except Exception as exc:
+        if backend == "native":
+            raise RuntimeError(
+                f"could not build the {isa} CPU Adam kernel ({exc}); install a C++ compiler, or set "
+                f"{BACKEND_ENV}=auto to fall back to the slower torch implementation"
+            ) from exc
+        if not _warned_fallback:
+            _warned_fallback = True
+            logger.warning(
+                "offload: could not build the %s CPU Adam kernel (%s); using the pure-torch implementation, "
+                "which gives the same results several times slower. Install a C++ compiler (g++ or clang++) to fix.",
+                isa,
+                exc,
+            )
+        return None
+
+
+def cpu_adam_backend() -> str:
+    """Which implementation :func:`adam_step` uses now: ``"avx512"``, ``"avx2"``, ``"scalar"`` or ``"torch"``.
+
+    Builds the kernel if that has not happened yet.
+    """
+    module = _native_module()
+    return "torch" if module is None else module.isa
+
+
+def _check_buffer(name: str, t: object, numel: int | None, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"adam_step: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(f"adam_step: {name} is on {t.device}; the CPU Adam kernel needs CPU tensors")
+    if t.dtype not in dtypes:
+        allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise ValueError(f"adam_step: {name} has dtype {t.dtype}; allowed: {allowed}")
+    if t.is_sparse or t.layout != torch.strided:
+        raise ValueError(f"adam_step: {name} has layout {t.layout}; only dense (strided) tensors are supported")
+    if not t.is_contiguous():
+        raise ValueError(f"adam_step: {name} is not contiguous; pass a flat contiguous buffer (.contiguous())")
+    if numel is not None and t.numel() != numel:
+        raise ValueError(f"adam_step: {name} has {t.numel()} elements but param has {numel}; sizes must match")
+    return t
+
+
+def adam_step(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adamw_mode: bool = True,
+    bias_correction: bool = True,
+    grad_scale: float = 1.0,
+    out: torch.Tensor | None = None,
+) -> None:
+    """One Adam (``adamw_mode=False``) or AdamW update, in place, in a single pass over memory.
+
+    ``param``, ``exp_avg`` and ``exp_avg_sq`` are contiguous fp32 CPU tensors with the same number of elements;
+    ``grad`` is fp32, bf16 or fp16 and is divided by ``grad_scale`` as it is read (loss-scale unscaling and gradient
+    clipping for free). ``step`` is the 1-based count of this update, used for bias correction. When ``out`` (bf16 or
+    fp16) is given it receives ``param.to(out.dtype)`` of the new parameters, rounded exactly as torch rounds.
+
+    The arithmetic follows ``torch.optim.AdamW(fused=True)``: ``param *= 1 - lr*wd`` (AdamW) or ``grad += wd*param``
+    (Adam); ``exp_avg.lerp_(grad, 1-beta1)``; ``exp_avg_sq = exp_avg_sq*beta2 + (1-beta2)*grad*grad``;
+    ``param -= lr/bc1 * exp_avg / (sqrt(exp_avg_sq)/sqrt(bc2) + eps)``.
+    """
+    _check_buffer("param", param, None, (torch.float32,))
+    n = param.numel()
+    _check_buffer("grad", grad, n, tuple(_GRAD_CODES))
+    _check_buffer("exp_avg", exp_avg, n, (torch.float32,))
+    _check_buffer("exp_avg_sq", exp_avg_sq, n, (torch.float32,))
+    if out is not None:
+        _check_buffer("out", out, n, tuple(_OUT_CODES))
+    step = int(step)
+    if step < 1:
+        raise ValueError(f"adam_step: step={step}; it counts updates from 1")
+    if not (math.isfinite(grad_scale) and grad_scale > 0):
+        raise ValueError(f"adam_step: grad_scale={grad_scale}; it must be a finite positive number")
+    if bias_correction:
+        bias_correction1 = 1.0 - beta1**step
+        bias_correction2 = 1.0 - beta2**step
+    else:
+        bias_correction1 = bias_correction2 = 1.0
+    lr, beta1, beta2, eps, weight_decay = float(lr), float(beta1), float(beta2), float(eps), float(weight_decay)
+    module = _native_module()
+    if module is None:
+        _torch_adam_step(
+            param, grad, exp_avg, exp_avg_sq, out, lr, beta1, beta2, eps, weight_decay, adamw_mode,
+            bias_correction1, bias_correction2, float(grad_scale),
+        )  # fmt: skip
+        return
+    module.adam_step(
+        param.data_ptr(), grad.data_ptr(), _GRAD_CODES[grad.dtype], exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
+        0 if out is None else out.data_ptr(), _NO_OUT if out is None else _OUT_CODES[out.dtype], n,
+        lr, beta1, beta2, eps, weight_decay, bool(adamw_mode), bias_correction1, bias_correction2, float(grad_scale),
+    )  # fmt: skip
+
+
+def _torch_adam_step(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    out: torch.Tensor | None,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adamw_mode: bool,
+    bias_correction1: float,
+    bias_correction2: float,
+    grad_scale: float,
+) -> None:
+    """The kernel's formula in torch ops, over chunks of the flat buffers (fp32 arithmetic, same order)."""
+    # Constants rounded to fp32 first, as the kernel does, so both paths see identical coefficients.
+    def f32(x: float) -> float:
+        return float(torch.tensor(x, dtype=torch.float32))
+
+    inv_grad_scale = f32(1.0 / grad_scale)
+    decay = f32(1.0 - lr * weight_decay) if adamw_mode else 1.0
+    l2 = 0.0 if adamw_mode else f32(weight_decay)
+    lerp_weight = f32(1.0 - beta1)
+    beta2_f, sq_weight = f32(beta2), f32(1.0 - beta2)
+    bc2_sqrt, eps_f = f32(math.sqrt(bias_correction2)), f32(eps)
+    step_size = f32(lr / bias_correction1)
+    flat = [t.view(-1) for t in (param, grad, exp_avg, exp_avg_sq)]
+    out_flat = None if out is None else out.view(-1)
+    for start in range(0, param.numel(), _TORCH_CHUNK):
+        p, g_raw, m, v = (t[start : start + _TORCH_CHUNK] for t in flat)
+        g = g_raw.float()
+        if inv_grad_scale != 1.0:
+            g = g * inv_grad_scale
+        if l2 != 0.0:
+            g = g + p * l2
+        if decay != 1.0:
+            p.mul_(decay)
+        m.lerp_(g, lerp_weight)
+        v.mul_(beta2_f).add_((g * sq_weight).mul_(g))
+        denom = v.sqrt().div_(bc2_sqrt).add_(eps_f)
+        p.sub_(m.mul(step_size).div_(denom))
+        if out_flat is not None:
+            out_flat[start : start + _TORCH_CHUNK].copy_(p)
+
+
+# Distance, within a 2 MiB huge page, between consecutive streams of one update (see host_stream_buffer).
+_STREAM_STAGGER = 705 << 10
+
+
+def host_stream_buffer(
+    numel: int, dtype: torch.dtype = torch.float32, *, slot: int, anchor: torch.Tensor | None = None
+) -> torch.Tensor:
+    """A zero-filled huge-page host buffer for one stream of the Adam update (param, grad, exp_avg, ...).
+
+    Buffers from :func:`nvme_swapper.aligned_tensor` all start on a 2 MiB boundary, so element ``i`` of every stream
+    sits at the same offset of its huge page; when the physical pages are laid out evenly (a freshly booted host)
+    the streams then hit the same DRAM banks in lockstep and the update runs up to 30% slower. Each ``slot`` starts
+    ``705 KiB * slot`` further into its page (relative to ``anchor``'s offset when given, e.g. the parameter the
+    state belongs to), which keeps streams apart in both the bank bits and the 4 KiB page offset. Costs up to
+    2 MiB of padding per buffer.
+    """
+    from nvme_swapper import aligned_tensor
+    from nvme_swapper._buffers import HUGE_PAGE
+
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    base = 0 if anchor is None else anchor.data_ptr() % HUGE_PAGE
+    offset_bytes = (base + slot * _STREAM_STAGGER) % HUGE_PAGE
+    offset = offset_bytes // itemsize
+    region = aligned_tensor(numel + HUGE_PAGE // itemsize, dtype)
+    # A tensor with its own storage of exactly ``numel`` elements (a plain slice would make torch.save write the
+    # padding too); the numpy base chain keeps ``region`` and its mapping alive.
+    return torch.from_numpy(region.numpy()[offset : offset + numel])
