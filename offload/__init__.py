@@ -1,8 +1,12 @@
 """offload: train models larger than device memory with tiered GPU / host / NVMe storage for optimizer state.
 
-The public entry points are re-exported here; see docs/ for the design of each part.
+``offload.initialize(model, config)`` returns an :class:`Engine` (see offload/engine.py for the data flow);
+``offload.CPUAdam`` is the fast CPU Adam as a plain torch optimizer. docs/architecture.md maps the folders.
 """
 
+from .config import OffloadConfig
+from .engine import Engine, Phase, initialize
+from .memory import BudgetExceeded, Tier
 from .optim import CPUAdam
 
-__all__ = ["CPUAdam"]
+__all__ = ["BudgetExceeded", "CPUAdam", "Engine", "OffloadConfig", "Phase", "Tier", "initialize"]

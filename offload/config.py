@@ -1,0 +1,413 @@
+"""OffloadConfig: frozen dataclasses parsed from DeepSpeed-shaped JSON, validated when built.
+
+Every value is checked where it is parsed, and an error names the full key (``zero_optimization.offload_optimizer.
+buffer_count``), the value and what is allowed. Unknown keys are errors (with the closest known key suggested),
+except a few DeepSpeed keys that only tune logging, which are accepted and listed in ``OffloadConfig.ignored``.
+Defaults are ours and documented in docs/configuration.md where they differ from DeepSpeed's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping
+
+from nvme_swapper import AioConfig
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("offload")
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_IGNORED = {"steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer", "dump_state",
+            "memory_breakdown", "comms_logger", "flops_profiler", "tensorboard", "wandb", "csv_monitor"}
+
+
+def parse_bytes(value: Any, key: str) -> int:
+    """An integer byte count from 1073741824, 1e9 or "1GiB" / "512 MB"; raises ValueError naming ``key``."""
+    if isinstance(value, bool):
+        raise ValueError(f"{key} must be a byte count, got {value!r}")
+    if isinstance(value, (int, float)):
+        if value < 0 or value != int(value):
+            raise ValueError(f"{key} must be a non-negative whole number of bytes, got {value!r}")
+        return int(value)
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*", value)
+        if m and m.group(2).lower() in _UNITS:
+            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    raise ValueError(f"{key} must be a byte count such as 2147483648 or \"2GiB\" (units: B, KB, MB, GB, TB, KiB, "
+                     f"MiB, GiB, TiB), got {value!r}")
+
+
+class _Section:
+    """Shared parsing: known keys only, typed values, errors that name the key."""
+
+    _path = ""
+    _aliases: dict[str, str] = {}
+
+    @classmethod
+    def from_dict(cls, d: Any, path: str | None = None):
+        path = path if path is not None else cls._path
+        if d is None:
+            d = {}
+        if not isinstance(d, Mapping):
+            raise ValueError(f"{path or 'config'} must be a JSON object, got {type(d).__name__}")
+        fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+        values: dict[str, Any] = {}
+        for key, value in d.items():
+            name = cls._aliases.get(key, key)
+            full = f"{path}.{key}" if path else key
+            if name not in fields:
+                if not path and key in _IGNORED:
+                    values.setdefault("ignored", ())
+                    values["ignored"] = (*values["ignored"], key)
+                    continue
+                hint = difflib.get_close_matches(key, list(fields) + list(cls._aliases), n=1)
+                allowed = ", ".join(sorted(set(fields) - {"ignored"}))
+                raise ValueError(f"unknown key {full}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
+                                 + f"; allowed: {allowed}")
+            values[name] = cls._convert(name, value, full)
+        return cls(**values)
+
+    @classmethod
+    def _convert(cls, name: str, value: Any, full: str) -> Any:
+        return value
+
+
+def _check_type(full: str, value: Any, kind: type | tuple[type, ...], what: str) -> None:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
+        raise ValueError(f"{full} must be {what}, got {value!r}")
+
+
+def _int(full: str, value: Any, lo: int, hi: int | None = None) -> int:
+    if isinstance(value, float) and value == int(value):
+        value = int(value)  # JSON writers turn 1e9 into a float
+    _check_type(full, value, int, "an integer")
+    if value < lo or (hi is not None and value > hi):
+        raise ValueError(f"{full} must be in [{lo}, {hi if hi is not None else 'inf'}], got {value}")
+    return value
+
+
+def _float(full: str, value: Any, lo: float, hi: float | None = None, *, open_lo: bool = False) -> float:
+    _check_type(full, value, (int, float), "a number")
+    value = float(value)
+    if value != value or value < lo or (open_lo and value == lo) or (hi is not None and value > hi):
+        bounds = f"{'(' if open_lo else '['}{lo}, {hi if hi is not None else 'inf'}]"
+        raise ValueError(f"{full} must be in {bounds}, got {value}")
+    return value
+
+
+def _bool(full: str, value: Any) -> bool:
+    _check_type(full, value, bool, "true or false")
+    return value
+
+
+def _choice(full: str, value: Any, allowed: tuple[str, ...]) -> str:
+    if not isinstance(value, str) or value.lower() not in allowed:
+        raise ValueError(f"{full} must be one of {', '.join(allowed)}; got {value!r}")
+    return value.lower()
+
+
+@dataclass(frozen=True)
+class OptimizerConfig(_Section):
+    """``optimizer``: Adam or AdamW on the CPU (CPUAdam), with DeepSpeed's parameter names."""
+
+    _path = "optimizer"
+    type: str = "adamw"
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    bias_correction: bool = True
+    adam_w_mode: bool | None = None  # DeepSpeed's switch for type "Adam"; None: AdamW for "adamw", L2 for "adam"
+
+    @property
+    def adamw_mode(self) -> bool:
+        return self.adam_w_mode if self.adam_w_mode is not None else self.type == "adamw"
+
+    @classmethod
+    def from_dict(cls, d: Any, path: str | None = None) -> "OptimizerConfig":
+        path = path or cls._path
+        if d is None:
+            return cls()
+        if not isinstance(d, Mapping):
+            raise ValueError(f"{path} must be a JSON object, got {type(d).__name__}")
+        extra = set(d) - {"type", "params"}
+        if extra:
+            raise ValueError(f"unknown key {path}.{sorted(extra)[0]}; allowed: params, type")
+        values: dict[str, Any] = {}
+        if "type" in d:
+            values["type"] = _choice(f"{path}.type", d["type"], ("adam", "adamw", "cpuadam"))
+            if values["type"] == "cpuadam":
+                values["type"] = "adamw"
+        params = dict(super().from_dict(d.get("params"), f"{path}.params").__dict__)
+        params.update(values)
+        return cls(**params)
+
+    @classmethod
+    def _convert(cls, name: str, value: Any, full: str) -> Any:
+        if name == "lr":
+            return _float(full, value, 0.0)
+        if name == "eps":
+            return _float(full, value, 0.0, open_lo=True)
+        if name == "weight_decay":
+            return _float(full, value, 0.0)
+        if name == "betas":
+            if not isinstance(value, (list, tuple)) or len(value) != 2:
+                raise ValueError(f"{full} must be a list of two numbers in [0, 1), got {value!r}")
+            b = tuple(_float(f"{full}[{i}]", v, 0.0, 1.0) for i, v in enumerate(value))
+            if any(x >= 1.0 for x in b):
+                raise ValueError(f"{full} must be a list of two numbers in [0, 1), got {value!r}")
+            return b
+        if name in ("bias_correction", "adam_w_mode"):
+            return _bool(full, value)
+        if name == "type":
+            return _choice(full, value, ("adam", "adamw"))
+        return value
+
+
+@dataclass(frozen=True)
+class FP16Config(_Section):
+    """``fp16``: dynamic loss scaling with DeepSpeed's keys (loss_scale 0 means dynamic)."""
+
+    _path = "fp16"
+    enabled: bool = False
+    loss_scale: float = 0.0
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    consecutive_hysteresis: bool = False
+    min_loss_scale: float = 1.0
+    auto_cast: bool = False
+
+    @classmethod
+    def _convert(cls, name: str, value: Any, full: str) -> Any:
+        if name in ("enabled", "consecutive_hysteresis", "auto_cast"):
+            return _bool(full, value)
+        if name == "loss_scale":
+            return _float(full, value, 0.0)
+        if name == "initial_scale_power":
+            return _int(full, value, 0, 64)
+        if name in ("loss_scale_window", "hysteresis"):
+            return _int(full, value, 1)
+        if name == "min_loss_scale":
+            return _float(full, value, 0.0, open_lo=True)
+        return value
+
+
+@dataclass(frozen=True)
+class BF16Config(_Section):
+    _path = "bf16"
+    enabled: bool = False
+
+    @classmethod
+    def _convert(cls, name: str, value: Any, full: str) -> Any:
+        return _bool(full, value)
+
+
+_DEVICES = ("none", "cpu", "nvme")
+
+
+@dataclass(frozen=True)
+class OffloadOptimizerConfig(_Section):
+    """``zero_optimization.offload_optimizer``: where fp32 master weights and Adam moments live."""
+
+    _path = "zero_optimization.offload_optimizer"
+    device: str = "none"
+    nvme_path: str | None = None
+    pin_memory: bool = True
+    buffer_count: int = 4
+    fast_init: bool = False
+    delayed_update: bool = False
+
+    @classmethod
+    def _convert(cls, name: str, value: Any, full: str) -> Any:
+        if name == "device":
+            return _choice(full, value, _DEVICES)
+        if name == "nvme_path":
+            _check_type(full, value, str, "a directory path")
+            return value
+        if name == "buffer_count":
+            return _int(full, value, 1, 64)
+        return _bool(full, value)
+
+    def __post_init__(self) -> None:
+        if self.device == "nvme" and not self.nvme_path:
+            raise ValueError(f"{self._path}.nvme_path is required when {self._path}.device is \"nvme\"")
+
+
+@dataclass(frozen=True)
+class OffloadParamConfig(_Section):
+    """``zero_optimization.offload_param``: where low-precision parameters live between uses (stage 3)."""
+
+    _path = "zero_optimization.offload_param"
+    device: str = "none"
+    nvme_path: str | None = None
+    pin_memory: bool = True
+    buffer_count: int = 5
+    buffer_size: int = 100_000_000
+    max_in_cpu: int = 1_000_000_000
+
+    @classmethod
+    def _convert(cls, name: str, value: Any, full: str) -> Any:
+        if name == "device":
+            return _choice(full, value, _DEVICES)
+        if name == "nvme_path":
+            _check_type(full, value, str, "a directory path")
+            return value
+        if name == "pin_memory":
+            return _bool(full, value)
+        if name == "buffer_count":
+            return _int(full, value, 1, 1024)
+        return _int(full, value, 1)
+
+    def __post_init__(self) -> None:
+        if self.device == "nvme" and not self.nvme_path:
+            raise ValueError(f"{self._path}.nvme_path is required when {self._path}.device is \"nvme\"")
+
+
+@dataclass(frozen=True)
+class ZeroConfig(_Section):
+    """``zero_optimization``. sub_group_size defaults to 1e8 elements (DeepSpeed: 1e9), i.e. 1.2 GB of fp32 Adam
+    state per pipeline buffer: large enough for full-speed I/O, small enough that buffer_count of them fit in RAM."""
+
+    _path = "zero_optimization"
+    stage: int = 0
+    sub_group_size: int = 100_000_000
+    offload_optimizer: OffloadOptimizerConfig = field(default_factory=OffloadOptimizerConfig)
+    offload_param: OffloadParamConfig = field(default_factory=OffloadParamConfig)
+    stage3_max_live_parameters: int = 1_000_000_000
+    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_param_persistence_threshold: int = 100_000
+    stage3_max_reuse_distance: int = 1_000_000_000
+    # DeepSpeed's communication tuning knobs: accepted, used where the partitioned engine has the same notion
+    contiguous_gradients: bool = True
+    overlap_comm: bool = True
+    reduce_scatter: bool = True
+    reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000
+    allgather_partitions: bool = True
+    round_robin_gradients: bool = False
+
+    @classmethod
+    def _convert(cls, name: str, value: Any, full: str) -> Any:
+        if name == "stage":
+            return _int(full, value, 0, 3)
+        if name == "offload_optimizer":
+            return OffloadOptimizerConfig.from_dict(value, full)
+        if name == "offload_param":
+            return OffloadParamConfig.from_dict(value, full)
+        if name in ("contiguous_gradients", "overlap_comm", "reduce_scatter", "allgather_partitions",
+                    "round_robin_gradients"):
+            return _bool(full, value)
+        if name == "stage3_param_persistence_threshold":
+            return _int(full, value, 0)
+        return _int(full, value, 1)
+
+    def __post_init__(self) -> None:
+        if self.offload_param.device != "none" and self.stage != 3:
+            raise ValueError(f"zero_optimization.offload_param needs zero_optimization.stage 3 (parameter "
+                             f"partitioning), got stage {self.stage}")
+
+
+@dataclass(frozen=True)
+class BudgetConfig(_Section):
+    """``offload``: explicit per-tier byte budgets (what DeepSpeed lacks). On a machine without CUDA, the device
+    tier is CPU memory held to device_memory_budget, so a CPU-only run behaves like a small GPU."""
+
+    _path = "offload"
+    device_memory_budget: int | None = None  # None: the CUDA device's total memory; unlimited on CPU
+    host_memory_budget: int | None = None  # None: 90% of the memory available at initialize
+    nvme_memory_budget: int | None = None  # None: the free space of the nvme_path filesystem, less 5%
+
+    @classmethod
+    def _convert(cls, name: str, value: Any, full: str) -> Any:
+        return None if value is None else parse_bytes(value, full)
+
+
+@dataclass(frozen=True)
+class OffloadConfig(_Section):
+    """The whole configuration. Build with :meth:`load` from a dict, a JSON path, or an existing OffloadConfig."""
+
+    train_micro_batch_size_per_gpu: int = 1
+    gradient_accumulation_steps: int = 1
+    train_batch_size: int | None = None
+    gradient_clipping: float = 0.0
+    fp16: FP16Config = field(default_factory=FP16Config)
+    bf16: BF16Config = field(default_factory=BF16Config)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
+    aio: AioConfig = field(default_factory=AioConfig)
+    offload: BudgetConfig = field(default_factory=BudgetConfig)
+    seed: int | None = None
+    ignored: tuple[str, ...] = ()
+
+    _aliases = {"bfloat16": "bf16"}
+
+    @classmethod
+    def _convert(cls, name: str, value: Any, full: str) -> Any:
+        if name in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+            return _int(full, value, 1)
+        if name == "train_batch_size":
+            return None if value is None else _int(full, value, 1)
+        if name == "seed":
+            return None if value is None else _int(full, value, 0)
+        if name == "gradient_clipping":
+            return _float(full, value, 0.0)
+        if name == "fp16":
+            return FP16Config.from_dict(value, full)
+        if name == "bf16":
+            return BF16Config.from_dict(value, full)
+        if name == "optimizer":
+            return OptimizerConfig.from_dict(value, full)
+        if name == "zero_optimization":
+            return ZeroConfig.from_dict(value, full)
+        if name == "aio":
+            return AioConfig.from_dict(value, prefix=full)
+        if name == "offload":
+            return BudgetConfig.from_dict(value, full)
+        return value
+
+    def __post_init__(self) -> None:
+        if self.fp16.enabled and self.bf16.enabled:
+            raise ValueError("fp16.enabled and bf16.enabled are both true; choose one")
+        if self.ignored:
+            log.warning("offload: config keys accepted but without effect: %s", ", ".join(self.ignored))
+
+    @property
+    def dtype(self) -> "torch.dtype":
+        import torch
+
+        return torch.float16 if self.fp16.enabled else torch.bfloat16 if self.bf16.enabled else torch.float32
+
+    @classmethod
+    def load(cls, config: "OffloadConfig | Mapping[str, Any] | str | os.PathLike[str] | None") -> "OffloadConfig":
+        if config is None:
+            return cls()
+        if isinstance(config, OffloadConfig):
+            return config
+        if isinstance(config, (str, os.PathLike)):
+            path = Path(config)
+            try:
+                text = path.read_text()
+            except OSError as exc:
+                raise ValueError(f"cannot read config file {path}: {exc.strerror}") from None
+            try:
+                config = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"config file {path} is not valid JSON: {exc}") from None
+        return cls.from_dict(config)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The configuration as plain JSON values (for checkpoints and logs)."""
+        return json.loads(json.dumps(dataclasses.asdict(self), default=str))
+

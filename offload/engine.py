@@ -1,0 +1,395 @@
+"""Engine: trains a torch model with its optimizer state offloaded (ZeRO-Offload / ZeRO-Infinity for the optimizer).
+
+What ``initialize`` sets up, and who owns what afterwards:
+
+* the :class:`TieredStore` (budgets of DEVICE, HOST and NVME; the swap engine; staging buffers);
+* the :class:`FlatLayout` of the trainable parameters and the :class:`OffloadedAdam` holding fp32 master weights
+  and moments on HOST or NVME, with fp32 gradient buffers on HOST;
+* one flat low-precision buffer per param group on the DEVICE tier: the model's parameters become views into it
+  (same ``nn.Parameter`` objects, so tied weights and user references keep working), and the optimizer writes new
+  parameters straight into it;
+* a post-accumulate-grad hook per parameter that streams each gradient to the host buffer the moment it is final
+  and frees its device memory.
+
+A step: ``engine.backward(loss)`` scales the loss (fp16 loss scale, 1/accumulation steps) and runs backward; the
+hooks fill the host gradient buffers and, where the semantics allow (bf16/fp32, no clipping, last micro-batch),
+hand each sub-group whose gradients are all final to the optimizer thread during the rest of backward.
+``engine.step()`` at an accumulation boundary checks for overflow (fp16), computes the global gradient norm for
+clipping, folds loss scale and clipping into one gradient divisor for the CPU Adam kernel, and updates the
+remaining sub-groups. The model is wrapped in place: ``engine(batch)`` and ``model(batch)`` are the same call.
+"""
+
+from __future__ import annotations
+
+import math
+from enum import Enum
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import torch
+
+from . import _checkpoint
+from ._precision import LossScaler
+from .config import OffloadConfig
+from .memory import Tier, TieredStore, default_host_budget, fmt_bytes
+from .optim._layout import FlatLayout, Segment
+from .optim.offloaded import OffloadedAdam
+
+_PLACEMENT = {"none": Tier.DEVICE, "cpu": Tier.HOST, "nvme": Tier.NVME}
+
+
+class Phase(Enum):
+    """Where the engine is in a training step."""
+
+    IDLE = "idle"  # between steps, or between micro-batches of an accumulation window
+    BACKWARD = "backward"
+    STEP = "step"
+    CLOSED = "closed"
+
+
+class Engine:
+    """Returned by :func:`offload.initialize`. See the module docstring."""
+
+    def __init__(self, model: torch.nn.Module, config: OffloadConfig | Mapping[str, Any] | str | Path | None = None,
+                 *, param_groups: Iterable[dict[str, Any]] | None = None) -> None:
+        self.config = cfg = OffloadConfig.load(config)
+        if not isinstance(model, torch.nn.Module):
+            raise ValueError(f"initialize: model must be a torch.nn.Module, got {type(model).__name__}")
+        zero = cfg.zero_optimization
+        if zero.offload_param.device != "none":
+            raise ValueError("zero_optimization.offload_param (parameter offload) is not available in this "
+                             "version; set its device to \"none\"")
+        self.module = model
+        self.dtype = cfg.dtype
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cpu")
+        self.phase = Phase.IDLE
+        self.global_steps = 0
+        self.micro_steps = 0
+        self.scaler = LossScaler(cfg.fp16)
+        self._closed = False
+        self._hooks: list[Any] = []
+
+        groups, options = self._param_groups(param_groups)
+        placement = _PLACEMENT[zero.offload_optimizer.device]
+        device_budget = cfg.offload.device_memory_budget
+        if device_budget is None and self.device.type == "cuda":
+            device_budget = torch.cuda.get_device_properties(self.device).total_memory
+        host_budget = cfg.offload.host_memory_budget
+        self.store = TieredStore(self.device, {
+            Tier.DEVICE: device_budget,
+            Tier.HOST: host_budget if host_budget is not None else default_host_budget(),
+            Tier.NVME: cfg.offload.nvme_memory_budget,
+        }, pin_memory=zero.offload_optimizer.pin_memory)
+        try:
+            self.layout = FlatLayout(groups, zero.sub_group_size)
+            self._reserve_device()
+            self.optimizer = OffloadedAdam(self.layout, self.store, cfg.optimizer, placement, group_options=options,
+                                           nvme_path=zero.offload_optimizer.nvme_path,
+                                           buffer_count=zero.offload_optimizer.buffer_count, aio=cfg.aio)
+            self._flats = self._flatten_to_device()
+            self.optimizer.attach_device(self._flats)
+            self._install_hooks()
+        except BaseException:
+            self._teardown()
+            raise
+        self._overlap = not cfg.fp16.enabled and cfg.gradient_clipping == 0.0
+        self._pending = [0] * len(self.layout.sub_groups)
+        self._seen: set[int] = set()
+        self._start_window()
+
+    # construction -----------------------------------------------------------------------------------------------
+
+    def _param_groups(self, param_groups: Iterable[dict[str, Any]] | None
+                      ) -> tuple[list[list[torch.nn.Parameter]], list[dict[str, Any]]]:
+        trainable = [p for p in self.module.parameters() if p.requires_grad]
+        if not trainable:
+            raise ValueError("initialize: the model has no parameter with requires_grad=True")
+        if param_groups is None:
+            return [trainable], [{}]
+        ids = {id(p) for p in trainable}
+        groups, options, seen = [], [], set()
+        for i, g in enumerate(param_groups):
+            if not isinstance(g, Mapping) or "params" not in g:
+                raise ValueError(f"param_groups[{i}] must be a dict with a 'params' list")
+            params = list(g["params"])
+            for p in params:
+                if id(p) not in ids:
+                    raise ValueError(f"param_groups[{i}] holds a tensor that is not a trainable parameter of the "
+                                     "model")
+                if id(p) in seen:
+                    raise ValueError(f"param_groups[{i}] repeats a parameter already in an earlier group")
+                seen.add(id(p))
+            unknown = set(g) - {"params", "lr", "betas", "eps", "weight_decay", "bias_correction", "adamw_mode"}
+            if unknown:
+                raise ValueError(f"param_groups[{i}]: unknown option {sorted(unknown)[0]!r}; allowed: lr, betas, "
+                                 "eps, weight_decay, bias_correction, adamw_mode")
+            groups.append(params)
+            options.append({k: v for k, v in g.items() if k != "params"})
+        missing = [p for p in trainable if id(p) not in seen]
+        if missing:
+            raise ValueError(f"param_groups leave {len(missing)} trainable parameter(s) out; add them to a group "
+                             "or set requires_grad=False")
+        return groups, options
+
+    def _reserve_device(self) -> None:
+        """The DEVICE tier holds the flat parameters, the frozen tensors, and room for the largest gradient."""
+        size = torch.empty((), dtype=self.dtype).element_size()
+        flat = sum(n * size for n in self.layout.group_numel)
+        frozen = sum(t.numel() * (size if t.is_floating_point() else t.element_size())
+                     for t in self._frozen_tensors())
+        grad = max(p.numel() for p in self.layout.params) * size
+        self._device_bytes = flat + frozen + grad
+        self.store.accounts[Tier.DEVICE].reserve(
+            self._device_bytes, f"the model's {fmt_bytes(flat)} of {self.dtype} parameters, {fmt_bytes(frozen)} "
+            f"of frozen tensors and one {fmt_bytes(grad)} gradient",
+            "raise offload.device_memory_budget (parameter offload is the other way out)")
+
+    def _frozen_tensors(self) -> list[torch.Tensor]:
+        trainable = {id(p) for p in self.layout.params}
+        frozen = [p for p in self.module.parameters() if id(p) not in trainable]
+        return frozen + [b for b in self.module.buffers()]
+
+    def _flatten_to_device(self) -> list[torch.Tensor]:
+        flats = []
+        for g, numel in enumerate(self.layout.group_numel):
+            flat = torch.zeros(numel, dtype=self.dtype, device=self.device) if self.device.type == "cuda" \
+                else _aligned(numel, self.dtype)
+            flats.append(flat)
+        with torch.no_grad():
+            for i, p in enumerate(self.layout.params):
+                view = self.layout.param_view(flats[self.layout.param_group[i]], i)
+                view.copy_(p.detach())
+                p.data = view
+            trainable = {id(p) for p in self.layout.params}
+            for p in self.module.parameters():
+                if id(p) not in trainable:
+                    p.data = p.data.to(self.device, self.dtype if p.is_floating_point() else p.dtype)
+            for mod in self.module.modules():
+                for name, buf in mod._buffers.items():
+                    if buf is not None:
+                        mod._buffers[name] = buf.to(self.device, self.dtype if buf.is_floating_point() else buf.dtype)
+        return flats
+
+    def _install_hooks(self) -> None:
+        self._segments: list[list[tuple[int, Segment]]] = [[] for _ in self.layout.params]
+        for sg in self.layout.sub_groups:
+            for seg in sg.segments:
+                self._segments[seg.param].append((sg.index, seg))
+        for i, p in enumerate(self.layout.params):
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(i)))
+
+    def _make_hook(self, i: int) -> Any:
+        def hook(p: torch.Tensor) -> None:
+            self._stream_grad(i, p)
+        return hook
+
+    # the training step ------------------------------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    forward = __call__
+
+    def train(self, mode: bool = True) -> "Engine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "Engine":
+        return self.train(False)
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return self.micro_steps % self.gradient_accumulation_steps == 0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of ``loss`` scaled by the fp16 loss scale and 1/gradient_accumulation_steps."""
+        self._check_open()
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError("engine.backward expects a scalar loss tensor")
+        gas = self.gradient_accumulation_steps
+        self._last_micro = self.micro_steps % gas == gas - 1
+        self.phase = Phase.BACKWARD
+        self.optimizer.begin_backward()
+        try:
+            (loss.float() * (self.scaler.scale / gas)).backward()
+        finally:
+            self.optimizer.end_backward()
+            self.phase = Phase.IDLE
+        self.micro_steps += 1
+
+    def _stream_grad(self, i: int, p: torch.Tensor) -> None:
+        grad = p.grad
+        assert grad is not None
+        flat = grad.detach().reshape(-1)
+        first = i not in self._seen
+        own0 = self.layout.owned
+        for sg_index, seg in self._segments[i]:
+            sg = self.layout.sub_groups[sg_index]
+            dst_start = seg.flat_start - own0[sg.group][0]
+            dst = self.optimizer.grads[sg.group][dst_start : dst_start + seg.numel]
+            src = flat[seg.param_start : seg.param_start + seg.numel]
+            if first:
+                dst.copy_(src)
+            else:
+                dst.add_(src.to(dst.device, torch.float32))
+        self._seen.add(i)
+        if self.optimizer.placement is not Tier.DEVICE:
+            self.store.count(Tier.DEVICE, Tier.HOST, flat.numel() * flat.element_size())
+        p.grad = None  # the device copy is no longer needed
+        if self._overlap and self._last_micro:
+            for sg_index in self.layout.param_sub_groups[i]:
+                self._pending[sg_index] -= 1
+                if self._pending[sg_index] == 0:
+                    self.optimizer.submit(sg_index)
+
+    def step(self) -> None:
+        """At an accumulation boundary: overflow check, clipping, the optimizer step; a no-op between micro-batches.
+        Gradients are consumed (the next backward starts from zero)."""
+        self._check_open()
+        if self.micro_steps == 0:
+            raise RuntimeError("engine.step() called before any engine.backward(loss)")
+        if not self.is_gradient_accumulation_boundary():
+            return
+        self.phase = Phase.STEP
+        try:
+            self._zero_unseen_grads()
+            grad_scale = self.scaler.scale
+            if self.config.fp16.enabled or self.config.gradient_clipping > 0:
+                self.optimizer.wait()
+                norm = self._grad_norm()
+                if not math.isfinite(norm):
+                    if self.config.fp16.enabled:
+                        self.scaler.update(True)
+                        self.optimizer.skip()
+                        return
+                    raise FloatingPointError(f"gradient norm is {norm} at step {self.global_steps}: the loss or "
+                                             "the model produced inf/NaN")
+                norm /= self.scaler.scale
+                self.last_grad_norm = norm
+                clip = self.config.gradient_clipping
+                if clip > 0:
+                    coef = clip / (norm + 1e-6)
+                    if coef < 1.0:
+                        grad_scale /= coef
+            self.optimizer.step(grad_scale=grad_scale)
+            if self.config.fp16.enabled:
+                self.scaler.update(False)
+            self.global_steps += 1
+        finally:
+            self._start_window()
+            self.phase = Phase.IDLE
+
+    def _start_window(self) -> None:
+        self._seen.clear()
+        counts = [0] * len(self.layout.sub_groups)
+        for sgs in self.layout.param_sub_groups:
+            for k in sgs:
+                counts[k] += 1
+        self._pending = counts
+
+    def _zero_unseen_grads(self) -> None:
+        """Parameters that got no gradient in this window (unused branches) update with a zero gradient."""
+        for i in range(len(self.layout.params)):
+            if i not in self._seen:
+                for sg_index, seg in self._segments[i]:
+                    sg = self.layout.sub_groups[sg_index]
+                    start = seg.flat_start - self.layout.owned[sg.group][0]
+                    self.optimizer.grads[sg.group][start : start + seg.numel].zero_()
+
+    def _grad_norm(self) -> float:
+        total = 0.0
+        for g in self.optimizer.grads:
+            n = torch.linalg.vector_norm(g).item()
+            if math.isinf(n) and bool(torch.isfinite(g).all()):  # the squares overflowed, not the gradients
+                n = torch.linalg.vector_norm(g, dtype=torch.float64).item()
+            total += n * n
+        return math.sqrt(total)
+
+    # state ------------------------------------------------------------------------------------------------------
+
+    def memory_report(self) -> dict[str, dict[str, int | None]]:
+        """Bytes per tier: current, peak and budget (None: unlimited)."""
+        return self.store.memory_report()
+
+    def stats(self) -> dict[str, Any]:
+        """Counters: bytes moved per tier pair, time stalled on I/O, time in Adam and the share hidden in backward."""
+        opt = self.optimizer
+        return {
+            "steps": self.global_steps,
+            "micro_steps": self.micro_steps,
+            "skipped_steps": self.scaler.skipped,
+            "loss_scale": self.scaler.scale,
+            "bytes_moved": dict(self.store.moved),
+            "stall_seconds": self.store.stall_seconds,
+            "adam_seconds": opt.adam_seconds,
+            "adam_seconds_overlapped": opt.adam_seconds_overlapped,
+            "overlap_fraction": opt.adam_seconds_overlapped / opt.adam_seconds if opt.adam_seconds else 0.0,
+            "nvme": self.store.swap_stats(),
+        }
+
+    def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full model state as plain CPU tensors: fp32 master weights for trainable parameters."""
+        self._check_open()
+        self.optimizer.wait()
+        return _checkpoint.consolidated_state_dict(self)
+
+    def save_checkpoint(self, path: str | Path, tag: str | None = None) -> Path:
+        """Writes model, optimizer state (wherever it lives), loss scaler and counters under ``path/tag`` and then
+        points ``path/latest`` at it; a crash mid-save leaves the previous checkpoint loadable."""
+        self._check_open()
+        self.optimizer.wait()
+        return _checkpoint.save(self, Path(path), tag or f"step{self.global_steps}")
+
+    def load_checkpoint(self, path: str | Path, tag: str | None = None) -> str:
+        """Restores a checkpoint written by save_checkpoint (``latest`` unless ``tag``); returns the tag."""
+        self._check_open()
+        self.optimizer.wait()
+        return _checkpoint.load(self, Path(path), tag)
+
+    # lifetime ---------------------------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the engine is closed")
+
+    def close(self) -> None:
+        """Joins the optimizer thread, closes the swap engine (removing its files) and frees the tiers' buffers.
+        The model keeps working with its current parameters."""
+        if self._closed:
+            return
+        self._closed = True
+        self.phase = Phase.CLOSED
+        self._teardown()
+
+    def _teardown(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        try:
+            if hasattr(self, "optimizer"):
+                self.optimizer.close()
+        finally:
+            self.store.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _aligned(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    from nvme_swapper import aligned_tensor
+
+    return aligned_tensor(numel, dtype, pin_memory=False)
+
+
+def initialize(model: torch.nn.Module, config: OffloadConfig | Mapping[str, Any] | str | Path | None = None, *,
+               param_groups: Iterable[dict[str, Any]] | None = None) -> Engine:
+    """Wraps ``model`` (in place) for offloaded training under ``config`` (a dict, a JSON path, or OffloadConfig).
+    Fails here, with the numbers, if the configuration cannot fit its tier budgets."""
+    return Engine(model, config, param_groups=param_groups)

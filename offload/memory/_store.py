@@ -1,0 +1,270 @@
+"""TieredStore: the one component that places bytes on tiers and moves them between tiers.
+
+It owns the three tier accounts (budgets, current and peak bytes), the swap engine behind the NVME tier, the
+staging-buffer pool NVMe-homed tensors pass through, and the counters of bytes moved per tier pair and of time
+stalled waiting for I/O. Everything else (the optimizer, the engine, parameter offload) asks it.
+
+An NVMe-homed tensor has one record with an explicit residency:
+
+    NVME --fetch--> FETCHING --acquire--> HOST --evict--> EVICTING --(write done)--> NVME
+                                            ^------------------ acquire (waits the write, keeps the bytes)
+
+``fetch`` is a non-blocking prefetch (it starts a read only if a staging buffer is free); ``acquire`` blocks until
+the tensor is in a buffer; ``evict`` starts the write-back and frees the buffer once the write is done, which the
+store notices at the next call that needs a buffer or at ``drain``. So errors of a worker thread's write surface
+at the next wait, and a failed write keeps the bytes in their buffer (residency HOST): nothing is lost.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+import torch
+
+from nvme_swapper import AioConfig, SwapEngine, SwapHandle, aligned_tensor
+
+from ._pool import BufferPool
+from ._tiers import Tier, TierAccount, fmt_bytes
+
+
+class Residency(Enum):
+    NVME = "nvme"  # only on disk
+    FETCHING = "fetching"  # a read into a staging buffer is in flight
+    HOST = "host"  # in a staging buffer
+    EVICTING = "evicting"  # a write from its staging buffer is in flight
+
+
+@dataclass
+class _Managed:
+    key: str
+    numel: int
+    dtype: torch.dtype
+    residency: Residency = Residency.NVME
+    slot: int | None = None
+    io: SwapHandle | None = None  # the read or write in flight, cleared when waited
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+def default_host_budget() -> int:
+    """90% of the memory available now (MemAvailable), the default HOST budget."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024 * 9 // 10
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 9 // 10
+
+
+class TieredStore:
+    """Budgets, allocations and transfers across DEVICE, HOST and NVME for one engine. ``close()`` frees all."""
+
+    def __init__(self, device: torch.device, budgets: dict[Tier, int | None], *, pin_memory: bool) -> None:
+        self.device = device
+        self.pin_memory = pin_memory and device.type == "cuda"
+        self.accounts = {tier: TierAccount(tier, budgets.get(tier)) for tier in Tier}
+        self.moved: collections.Counter[str] = collections.Counter()
+        self.stall_seconds = 0.0
+        self._managed: dict[str, _Managed] = {}
+        self._evicting: collections.deque[_Managed] = collections.deque()
+        self._swap: SwapEngine | None = None
+        self._pool: BufferPool | None = None
+
+    # plain allocations -----------------------------------------------------------------------------------------
+
+    def allocate(self, tier: Tier, numel: int, dtype: torch.dtype, what: str, fix: str = "") -> torch.Tensor:
+        """A zeroed flat tensor on DEVICE or HOST, counted against the tier's budget until ``free``."""
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        self.accounts[tier].reserve(nbytes, what, fix)
+        try:
+            if tier is Tier.DEVICE:
+                if self.device.type == "cpu":
+                    return aligned_tensor(numel, dtype, pin_memory=False)
+                return torch.zeros(numel, dtype=dtype, device=self.device)
+            if tier is Tier.HOST:
+                return aligned_tensor(numel, dtype, pin_memory=self.pin_memory)
+            raise ValueError(f"allocate: {tier} holds files, not tensors; use register()")
+        except BaseException:
+            self.accounts[tier].release(nbytes)
+            raise
+
+    def free(self, tier: Tier, tensor: torch.Tensor) -> None:
+        self.accounts[tier].release(tensor.numel() * tensor.element_size())
+
+    def count(self, src: Tier, dst: Tier, nbytes: int) -> None:
+        """Records bytes moved between tiers by someone else's copy (the engine's device<->host copies)."""
+        self.moved[f"{src.value}->{dst.value}"] += nbytes
+
+    # NVMe-homed tensors ----------------------------------------------------------------------------------------
+
+    def open_nvme(self, path: str | os.PathLike[str], aio: AioConfig, *, slot_bytes: int, buffer_count: int,
+                  total_bytes: int, what: str) -> None:
+        """Creates the swap engine and the staging pool, and claims NVME space for ``total_bytes`` of tensors plus
+        one spare extent per buffer (copy-on-write writes need room beside the data they replace)."""
+        assert self._swap is None, "open_nvme called twice"
+        root = Path(path)
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        account = self.accounts[Tier.NVME]
+        if account.budget is None:
+            account.budget = shutil.disk_usage(root).free * 95 // 100
+        spare = buffer_count * (-(-slot_bytes // 4096) * 4096)
+        account.reserve(total_bytes + spare, f"{what} on {root}",
+                        f"free disk space at {root}, or lower the state offloaded there")
+        self._pool = BufferPool(buffer_count, slot_bytes, self.accounts[Tier.HOST], pin_memory=self.pin_memory,
+                                what=f"{buffer_count} NVMe staging buffers of {fmt_bytes(slot_bytes)}",
+                                fix="lower zero_optimization.sub_group_size or offload_optimizer.buffer_count, or "
+                                    "raise offload.host_memory_budget")
+        self._swap = SwapEngine(root, aio)
+        self._swap.reserve(total_bytes + spare)  # written now: steady-state writes are overwrites, ENOSPC is now
+
+    def register(self, key: str, numel: int, dtype: torch.dtype) -> None:
+        assert self._swap is not None, "register before open_nvme"
+        assert key not in self._managed, f"{key} registered twice"
+        self._managed[key] = _Managed(key, numel, dtype)
+
+    def residency(self, key: str) -> Residency:
+        return self._managed[key].residency
+
+    def stage(self, key: str) -> torch.Tensor:
+        """A staging buffer for a tensor with no stored bytes yet (its first write): no read."""
+        m = self._managed[key]
+        assert m.residency is Residency.NVME and m.io is None
+        m.slot = self._take_slot(block=True)
+        m.residency = Residency.HOST
+        return self._view(m)
+
+    def fetch(self, key: str) -> bool:
+        """Starts reading ``key`` into a free staging buffer; False when none is free (nothing started)."""
+        m = self._managed[key]
+        if m.residency is not Residency.NVME:
+            return True
+        slot = self._take_slot(block=False)
+        if slot is None:
+            return False
+        self._start_read(m, slot)
+        return True
+
+    def acquire(self, key: str) -> torch.Tensor:
+        """Blocks until ``key`` is in a staging buffer and returns it (flat, its dtype)."""
+        m = self._managed[key]
+        if m.residency is Residency.NVME:
+            self._start_read(m, self._take_slot(block=True))
+        if m.residency in (Residency.FETCHING, Residency.EVICTING):
+            self._wait(m)
+            if m.residency is Residency.FETCHING:
+                self.moved["nvme->host"] += m.nbytes
+            else:
+                self._evicting.remove(m)
+                self.moved["host->nvme"] += m.nbytes
+            m.residency = Residency.HOST
+        return self._view(m)
+
+    def evict(self, key: str) -> None:
+        """Starts writing ``key``'s buffer back; the buffer is reused once the write is done."""
+        m = self._managed[key]
+        assert m.residency is Residency.HOST and self._swap is not None
+        m.io = self._swap.write(key, self._view(m))
+        m.residency = Residency.EVICTING
+        self._evicting.append(m)
+
+    def drain(self) -> None:
+        """Waits for every write-back (raising the first error) and every prefetch in flight."""
+        while self._evicting:
+            self._reclaim(block=True)
+        for m in self._managed.values():
+            if m.residency is Residency.FETCHING:
+                self._wait(m)
+                self.moved["nvme->host"] += m.nbytes
+                m.residency = Residency.HOST
+
+    def release(self, key: str) -> None:
+        """Drops a clean staged copy (its bytes are already on NVMe) without writing it."""
+        m = self._managed[key]
+        if m.residency is Residency.FETCHING:
+            self._wait(m)
+        if m.residency in (Residency.FETCHING, Residency.HOST):
+            assert m.slot is not None and self._pool is not None
+            self._pool.give(m.slot)
+            m.slot, m.residency = None, Residency.NVME
+
+    def _view(self, m: _Managed) -> torch.Tensor:
+        assert m.slot is not None and self._pool is not None
+        return self._pool.slot(m.slot, m.numel, m.dtype)
+
+    def _start_read(self, m: _Managed, slot: int) -> None:
+        assert self._swap is not None
+        m.slot = slot
+        m.io = self._swap.read(m.key, self._view(m))
+        m.residency = Residency.FETCHING
+
+    def _wait(self, m: _Managed) -> None:
+        assert m.io is not None
+        t = time.perf_counter()
+        try:
+            m.io.wait()
+        finally:
+            m.io = None
+            self.stall_seconds += time.perf_counter() - t
+
+    def _take_slot(self, *, block: bool) -> int | None:
+        assert self._pool is not None
+        while True:
+            slot = self._pool.take()
+            if slot is not None or not self._evicting:
+                if slot is None and block:
+                    raise RuntimeError("all NVMe staging buffers are held by tensors in use; raise "
+                                       "offload_optimizer.buffer_count")
+                return slot
+            if not self._reclaim(block=block) and not block:
+                return None
+
+    def _reclaim(self, *, block: bool) -> bool:
+        """Frees the buffers of finished write-backs (waiting for the oldest if ``block``). True if any freed."""
+        freed = False
+        while self._evicting and (block and not freed or self._evicting[0].io.done()):
+            m = self._evicting[0]
+            try:
+                self._wait(m)
+            except BaseException:
+                self._evicting.popleft()
+                m.residency = Residency.HOST  # the bytes are still in the buffer: nothing lost, caller decides
+                raise
+            self._evicting.popleft()
+            self.moved["host->nvme"] += m.nbytes
+            assert m.slot is not None and self._pool is not None
+            self._pool.give(m.slot)
+            m.slot, m.residency = None, Residency.NVME
+            freed = True
+        return freed
+
+    # reporting and lifetime ------------------------------------------------------------------------------------
+
+    def memory_report(self) -> dict[str, dict[str, int | None]]:
+        return {tier.value: account.report() for tier, account in self.accounts.items()}
+
+    def swap_stats(self) -> dict | None:
+        return self._swap.stats() if self._swap is not None else None
+
+    def close(self) -> None:
+        """Waits for I/O in flight, closes the swap engine (removing its files) and frees the staging pool."""
+        try:
+            if self._swap is not None:
+                self._swap.synchronize()
+        finally:
+            self._evicting.clear()
+            if self._swap is not None:
+                self._swap.close()
+                self._swap = None
+            if self._pool is not None:
+                self._pool.close()
+                self._pool = None

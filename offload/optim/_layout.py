@@ -1,0 +1,101 @@
+"""FlatLayout: where every trainable parameter sits in its group's flat buffer, which part of that buffer this rank
+owns, and the sub-groups the optimizer walks. The one place that answers "which part of the state do I own".
+
+Each param group's parameters are laid end to end in one flat buffer, each starting on an ALIGN-element boundary;
+the buffer is padded to a multiple of ALIGN * world_size so every rank owns an equal, aligned, contiguous range.
+The owned range is cut into sub-groups of at most ``sub_group_size`` elements. A parameter may straddle sub-groups
+and ranks: a :class:`Segment` is its piece inside one sub-group. Padding elements have zero gradients, zero state
+and stay zero under Adam, so they need no special case.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ALIGN = 256  # elements: 1 KiB of fp32, so sub-group boundaries keep host buffers and I/O page-friendly
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+@dataclass(frozen=True)
+class Segment:
+    """``numel`` elements of parameter ``param`` from ``param_start``, at ``flat_start`` in the group's buffer."""
+
+    param: int
+    param_start: int
+    flat_start: int
+    numel: int
+
+
+@dataclass(frozen=True)
+class SubGroup:
+    index: int
+    group: int
+    start: int  # flat range [start, end) in the group's buffer, inside the owned range
+    end: int
+    segments: tuple[Segment, ...]
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
+class FlatLayout:
+    """Built once from the trainable parameters; immutable after."""
+
+    def __init__(self, groups: list[list[torch.nn.Parameter]], sub_group_size: int, *, world_size: int = 1,
+                 rank: int = 0) -> None:
+        if sub_group_size < ALIGN:
+            raise ValueError(f"zero_optimization.sub_group_size must be at least {ALIGN} elements, got "
+                             f"{sub_group_size}")
+        self.world_size, self.rank = world_size, rank
+        self.params: list[torch.nn.Parameter] = []
+        self.param_group: list[int] = []
+        self.param_offset: list[int] = []  # flat start of each parameter in its group's buffer
+        self.group_numel: list[int] = []  # padded flat length of each group
+        self.owned: list[tuple[int, int]] = []  # this rank's flat range of each group
+        self.sub_groups: list[SubGroup] = []
+        touching: list[list[int]] = []  # sub-groups each parameter has a segment in
+        sub = _round_up(sub_group_size, ALIGN) if sub_group_size % ALIGN else sub_group_size
+        for g, params in enumerate(groups):
+            offset = 0
+            first = len(self.params)
+            for p in params:
+                self.params.append(p)
+                self.param_group.append(g)
+                self.param_offset.append(offset)
+                touching.append([])
+                offset += _round_up(p.numel(), ALIGN)
+            total = _round_up(max(offset, 1), ALIGN * world_size)
+            self.group_numel.append(total)
+            share = total // world_size
+            own = (rank * share, (rank + 1) * share)
+            self.owned.append(own)
+            for start in range(own[0], own[1], sub):
+                end = min(start + sub, own[1])
+                segs = []
+                for i in range(first, len(self.params)):
+                    p0 = self.param_offset[i]
+                    lo, hi = max(start, p0), min(end, p0 + self.params[i].numel())
+                    if lo < hi:
+                        segs.append(Segment(i, lo - p0, lo, hi - lo))
+                        touching[i].append(len(self.sub_groups))
+                self.sub_groups.append(SubGroup(len(self.sub_groups), g, start, end, tuple(segs)))
+        self.param_sub_groups: list[tuple[int, ...]] = [tuple(t) for t in touching]
+
+    def owned_numel(self, group: int) -> int:
+        lo, hi = self.owned[group]
+        return hi - lo
+
+    @property
+    def max_sub_group_numel(self) -> int:
+        return max((sg.numel for sg in self.sub_groups), default=0)
+
+    def param_view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        """Parameter ``i`` as a view of its group's full flat buffer, in the parameter's shape."""
+        p, off = self.params[i], self.param_offset[i]
+        return flat[off : off + p.numel()].view(p.shape)

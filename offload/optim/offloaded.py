@@ -1,0 +1,288 @@
+"""OffloadedAdam: Adam/AdamW whose fp32 master weights and moments live on HOST or NVME, one sub-group at a time.
+
+Per sub-group (see :mod:`._layout`) the state is one flat fp32 block ``[master | exp_avg | exp_avg_sq]``: one
+allocation on HOST, or one NVMe key read and written in a single request. Gradients arrive (from the engine's
+hooks) in one fp32 host buffer per param group. Updating a sub-group is one pass of the CPU Adam kernel, which
+also writes the new low-precision parameters straight into the device's flat parameter buffer (on CUDA, into a
+pinned staging buffer copied to the device on a side stream).
+
+All state access runs on one worker thread, the stepper, which takes sub-group indices from a queue: the engine
+queues a sub-group as soon as its gradients are final (overlap with backward) or all remaining ones at ``step``.
+With state on NVMe the stepper is a pipeline through the store's staging buffers: while it updates sub-group k,
+the reads of the next sub-groups (in the order the last step processed them) are in flight, and k-1's write-back
+drains behind. An error on the stepper surfaces at the engine's next wait.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any
+
+import torch
+
+from ..config import OptimizerConfig
+from ..memory import Tier, TieredStore, fmt_bytes
+from ..ops import adam_step
+from ._layout import FlatLayout, SubGroup
+
+_FIX_HOST = ("lower zero_optimization.sub_group_size, offload the optimizer to nvme, or raise "
+             "offload.host_memory_budget")
+
+
+class OffloadedAdam(torch.optim.Optimizer):
+    """A torch Optimizer over the layout's parameters (so LR schedulers and per-group hyperparameters work), whose
+    state is held by a :class:`TieredStore` on ``placement`` (DEVICE means no offload)."""
+
+    def __init__(self, layout: FlatLayout, store: TieredStore, cfg: OptimizerConfig, placement: Tier, *,
+                 group_options: list[dict[str, Any]] | None = None, nvme_path: str | None = None,
+                 buffer_count: int = 4, aio: Any = None) -> None:
+        n_groups = len(layout.group_numel)
+        options = group_options or [{} for _ in range(n_groups)]
+        groups = [{"params": [p for p, pg in zip(layout.params, layout.param_group) if pg == g], **options[g]}
+                  for g in range(n_groups)]
+        defaults = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                        bias_correction=cfg.bias_correction, adamw_mode=cfg.adamw_mode)
+        super().__init__(groups, defaults)
+        self.layout, self.store, self.placement = layout, store, placement
+        self.step_count = 0  # completed steps; the update in progress uses step_count + 1
+        self.adam_seconds = 0.0
+        self.adam_seconds_overlapped = 0.0
+        self._device_flats: list[torch.Tensor] = []
+        self._order = [sg.index for sg in reversed(layout.sub_groups)]  # backward makes gradients final in reverse
+        self._done: set[int] = set()
+        self._in_backward = False
+        grad_tier = Tier.DEVICE if placement is Tier.DEVICE else Tier.HOST
+        self.grads = [store.allocate(grad_tier, layout.owned_numel(g), torch.float32,
+                                     f"fp32 gradients of param group {g}", _FIX_HOST) for g in range(n_groups)]
+        self._state: list[torch.Tensor] = []
+        if placement is Tier.NVME:
+            if not nvme_path:
+                raise ValueError("zero_optimization.offload_optimizer.nvme_path is required for device \"nvme\"")
+            total = sum(3 * sg.numel * 4 for sg in layout.sub_groups)
+            store.open_nvme(nvme_path, aio, slot_bytes=3 * layout.max_sub_group_numel * 4, buffer_count=buffer_count,
+                            total_bytes=total, what=f"optimizer state ({fmt_bytes(total)})")
+            for sg in layout.sub_groups:
+                store.register(self._key(sg), 3 * sg.numel, torch.float32)
+                block = store.stage(self._key(sg))
+                self._init_state(sg, block)
+                store.evict(self._key(sg))
+            store.drain()
+        else:
+            for sg in layout.sub_groups:
+                block = store.allocate(placement, 3 * sg.numel, torch.float32,
+                                       f"optimizer state of sub-group {sg.index}", _FIX_HOST)
+                self._init_state(sg, block)
+                self._state.append(block)
+        self._stepper = _Stepper(self._update)
+
+    # setup ------------------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _key(sg: SubGroup) -> str:
+        return f"adam/{sg.group}/{sg.index}"
+
+    def _init_state(self, sg: SubGroup, block: torch.Tensor) -> None:
+        """master = the parameters' current (full-precision) values; moments zero."""
+        block.zero_()
+        master = block[: sg.numel]
+        for seg in sg.segments:
+            src = self.layout.params[seg.param].detach().reshape(-1)[seg.param_start : seg.param_start + seg.numel]
+            master[seg.flat_start - sg.start : seg.flat_start - sg.start + seg.numel].copy_(src)
+
+    def attach_device(self, flats: list[torch.Tensor]) -> None:
+        """The device's flat parameter buffers (one per group) that updates write the new parameters into."""
+        self._device_flats = flats
+
+    # the step ---------------------------------------------------------------------------------------------------
+
+    def grad_slice(self, sg: SubGroup) -> torch.Tensor:
+        own0 = self.layout.owned[sg.group][0]
+        return self.grads[sg.group][sg.start - own0 : sg.end - own0]
+
+    def begin_backward(self) -> None:
+        self._in_backward = True
+
+    def end_backward(self) -> None:
+        self._in_backward = False
+
+    def submit(self, sg: int, grad_scale: float = 1.0) -> None:
+        """Queues one sub-group's update (its gradients are final). Runs on the stepper thread."""
+        self._done.add(sg)
+        self._stepper.submit(sg, grad_scale)
+
+    def step(self, closure: Any = None, *, grad_scale: float = 1.0) -> None:  # type: ignore[override]
+        """Updates every sub-group not already updated during backward; returns when all are done.
+        ``grad_scale`` divides the gradients (loss scale over the clipping coefficient)."""
+        if closure is not None:
+            raise ValueError("OffloadedAdam.step does not take a closure")
+        for sg in self._order:
+            if sg not in self._done:
+                self.submit(sg, grad_scale)
+        try:
+            self.wait()
+        finally:
+            order = self._stepper.take_order()
+            seen = set(order)
+            self._order = order + [k for k in self._order if k not in seen]
+            self._done.clear()
+        self.step_count += 1
+
+    def wait(self) -> None:
+        """Waits for queued updates; re-raises the first error of the stepper thread."""
+        self._stepper.wait_idle()
+        if self.placement is Tier.NVME:
+            self.store.drain()
+
+    def _update(self, k: int, grad_scale: float) -> None:
+        sg = self.layout.sub_groups[k]
+        if self.placement is Tier.NVME:
+            block = self.store.acquire(self._key(sg))
+            self._prefetch(k)
+        else:
+            block = self._state[k]
+        n = sg.numel
+        master, exp_avg, exp_avg_sq = block[:n], block[n : 2 * n], block[2 * n :]
+        group = self.param_groups[sg.group]
+        device_slice = self._device_flats[sg.group][sg.start : sg.end]
+        t = time.perf_counter()
+        on_cpu = device_slice.device.type == "cpu"
+        lowp = device_slice.dtype != torch.float32
+        if master.device.type == "cuda":
+            self._fused_torch(master, exp_avg, exp_avg_sq, self.grad_slice(sg), group, grad_scale)
+        else:
+            adam_step(master, self.grad_slice(sg), exp_avg, exp_avg_sq, step=self.step_count + 1, lr=group["lr"],
+                      beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],
+                      weight_decay=group["weight_decay"], adamw_mode=group["adamw_mode"],
+                      bias_correction=group["bias_correction"], grad_scale=grad_scale,
+                      out=device_slice if on_cpu and lowp else None)
+        elapsed = time.perf_counter() - t
+        self.adam_seconds += elapsed
+        if self._in_backward:
+            self.adam_seconds_overlapped += elapsed
+        if not (on_cpu and lowp):
+            self._to_device(device_slice, master)
+        if self.placement is Tier.NVME:
+            self.store.evict(self._key(sg))
+
+    def _prefetch(self, current: int) -> None:
+        """Starts reads of the sub-groups expected next, as far as free staging buffers allow."""
+        order = self._order
+        pos = order.index(current) if current in order else -1
+        for k in order[pos + 1 :]:
+            if not self.store.fetch(self._key(self.layout.sub_groups[k])):
+                break
+
+    def _to_device(self, dst: torch.Tensor, master: torch.Tensor) -> None:
+        if dst.device.type == "cuda":
+            staging = master.to(dst.dtype) if dst.dtype != master.dtype else master
+            dst.copy_(staging, non_blocking=True)
+            torch.cuda.current_stream(dst.device).synchronize()  # the staging memory is reused right after
+            self.store.count(Tier.HOST, Tier.DEVICE, dst.numel() * dst.element_size())
+        else:
+            dst.copy_(master)
+
+    def _fused_torch(self, master: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor,
+                     group: dict[str, Any], grad_scale: float) -> None:
+        """State on a CUDA device (no offload): torch's fused kernel does the same arithmetic."""
+        fn = torch._fused_adamw_ if group["adamw_mode"] else torch._fused_adam_
+        step = torch.tensor(float(self.step_count + 1), device=master.device)
+        fn([master], [grad], [m], [v], [], [step], lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
+           weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False, maximize=False,
+           grad_scale=torch.tensor(grad_scale, device=master.device) if grad_scale != 1.0 else None)
+
+    # state access (the stepper is idle whenever these run) ------------------------------------------------------
+
+    def read_state(self, sg: SubGroup) -> torch.Tensor:
+        """The sub-group's ``[master | exp_avg | exp_avg_sq]`` block (a staged copy for NVMe: call ``done_state``)."""
+        if self.placement is Tier.NVME:
+            return self.store.acquire(self._key(sg))
+        return self._state[sg.index]
+
+    def stage_state(self, sg: SubGroup) -> torch.Tensor:
+        """The sub-group's block, to be overwritten whole (NVMe: a staging buffer, not read first)."""
+        if self.placement is Tier.NVME:
+            return self.store.stage(self._key(sg))
+        return self._state[sg.index]
+
+    def skip(self) -> None:
+        """Forgets sub-groups queued during backward (a skipped step); nothing was queued when this is called."""
+        self._done.clear()
+
+    def done_state(self, sg: SubGroup, dirty: bool) -> None:
+        if self.placement is Tier.NVME:
+            if dirty:
+                self.store.evict(self._key(sg))
+            else:
+                self.store.release(self._key(sg))
+
+    def close(self) -> None:
+        self._stepper.close()
+        for g in self.grads:
+            self.store.free(Tier.DEVICE if self.placement is Tier.DEVICE else Tier.HOST, g)
+        for block in self._state:
+            self.store.free(self.placement, block)
+        self.grads, self._state = [], []
+
+    # torch.optim.Optimizer surface that does not apply -----------------------------------------------------------
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Gradients live in the host buffers, which the engine overwrites each accumulation window."""
+
+    def state_dict(self) -> dict[str, Any]:
+        raise RuntimeError("OffloadedAdam state can be larger than memory: use engine.save_checkpoint(dir)")
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        raise RuntimeError("OffloadedAdam state can be larger than memory: use engine.load_checkpoint(dir)")
+
+
+class _Stepper:
+    """The one thread that touches optimizer state during steps: a FIFO of sub-group updates."""
+
+    def __init__(self, update: Any) -> None:
+        self._update = update
+        self._queue: queue.SimpleQueue[tuple[int, float] | None] = queue.SimpleQueue()
+        self._idle = threading.Condition()
+        self._pending = 0
+        self._error: BaseException | None = None
+        self._order: list[int] = []
+        self._thread = threading.Thread(target=self._run, name="offload-stepper", daemon=True)
+        self._thread.start()
+
+    def submit(self, sg: int, grad_scale: float) -> None:
+        with self._idle:
+            self._pending += 1
+        self._queue.put((sg, grad_scale))
+
+    def wait_idle(self) -> None:
+        with self._idle:
+            while self._pending:
+                self._idle.wait()
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def take_order(self) -> list[int]:
+        order, self._order = self._order, []
+        return order
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            sg, grad_scale = item
+            try:
+                if self._error is None:  # after a failure, later updates are skipped until someone waits
+                    self._update(sg, grad_scale)
+                    self._order.append(sg)
+            except BaseException as exc:
+                self._error = exc
+            finally:
+                with self._idle:
+                    self._pending -= 1
+                    if not self._pending:
+                        self._idle.notify_all()
