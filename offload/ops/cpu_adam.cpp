@@ -193,7 +193,8 @@ using Vec = Scalar;
 // Per-call constants, already folded and rounded to fp32 exactly as torch's fused kernel does.
 struct Coefficients {
   float inv_grad_scale;  // grad *= inv_grad_scale (1 when unscaled: exact)
-  float l2;              // Adam (L2): grad += l2 * param; 0 otherwise
+  float l2;              // Adam (L2): grad += l2 * param, only when use_l2 (0 * inf would poison the gradient)
+  bool use_l2;
   float decay;           // AdamW (decoupled): param *= decay; 1 otherwise
   float lerp_weight;     // 1 - beta1: exp_avg.lerp_(grad, lerp_weight)
   bool lerp_small;       // |lerp_weight| < 0.5 selects torch's lerp formula
@@ -239,7 +240,7 @@ inline void update(const Buffers& b, const Coefficients& c, int64_t begin, int64
   for (int64_t i = begin; i < end; i += V::kWidth) {
     F param = V::load(b.param + i);
     F grad = V::mul(load_grad<V, GradType>(b.grad, i), inv_grad_scale);
-    grad = V::add(grad, V::mul(param, l2));
+    if (c.use_l2) grad = V::add(grad, V::mul(param, l2));
     param = V::mul(param, decay);
     // torch's lerp: start + w * (end - start) for small w, end - (1 - w) * (end - start) otherwise.
     F exp_avg = V::load(b.exp_avg + i);
@@ -301,6 +302,7 @@ void adam_step(uintptr_t param, uintptr_t grad, int grad_type, uintptr_t exp_avg
   Coefficients c;
   c.inv_grad_scale = static_cast<float>(1.0 / grad_scale);
   c.l2 = adamw_mode ? 0.0f : static_cast<float>(weight_decay);
+  c.use_l2 = c.l2 != 0.0f;
   c.decay = adamw_mode ? static_cast<float>(1.0 - lr * weight_decay) : 1.0f;
   c.lerp_weight = static_cast<float>(1.0 - beta1);
   c.lerp_small = std::fabs(c.lerp_weight) < 0.5f;

@@ -127,10 +127,8 @@ class CPUAdam(torch.optim.Optimizer):
                 state = self.state.get(p)
                 if not state:
                     continue
-                step = state["step"]
-                state["step"] = step.detach().to(torch.float32) if torch.is_tensor(step) else torch.tensor(
-                    float(step), dtype=torch.float32
-                )
+                # A fresh tensor: the loaded one may still be a live optimizer's counter (state_dict() does not copy).
+                state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
                 for slot, key in enumerate(("exp_avg", "exp_avg_sq"), start=1):
                     loaded = state[key]
                     if loaded.shape != p.shape:
