@@ -228,6 +228,7 @@ class OffloadOptimizerConfig(_Section):
     buffer_count: int = 4
     fast_init: bool = False
     delayed_update: bool = False
+    overlap_step: bool = True  # update sub-groups during backward where the semantics allow (ours)
 
     @classmethod
     def _convert(cls, name: str, value: Any, full: str) -> Any:

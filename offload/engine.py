@@ -4,7 +4,8 @@ What ``initialize`` sets up, and who owns what afterwards:
 
 * the :class:`TieredStore` (budgets of DEVICE, HOST and NVME; the swap engine; staging buffers);
 * the :class:`FlatLayout` of the trainable parameters and the :class:`OffloadedAdam` holding fp32 master weights
-  and moments on HOST or NVME, with fp32 gradient buffers on HOST;
+  and moments on HOST or NVME, with gradient buffers on HOST (fp32 when micro-batches accumulate, else the
+  training dtype);
 * one flat low-precision buffer per param group on the DEVICE tier: the model's parameters become views into it
   (same ``nn.Parameter`` objects, so tied weights and user references keep working), and the optimizer writes new
   parameters straight into it;
@@ -86,14 +87,17 @@ class Engine:
             self._reserve_device()
             self.optimizer = OffloadedAdam(self.layout, self.store, cfg.optimizer, placement, group_options=options,
                                            nvme_path=zero.offload_optimizer.nvme_path,
-                                           buffer_count=zero.offload_optimizer.buffer_count, aio=cfg.aio)
+                                           buffer_count=zero.offload_optimizer.buffer_count, aio=cfg.aio,
+                                           grad_dtype=torch.float32 if cfg.gradient_accumulation_steps > 1
+                                           else self.dtype)
             self._flats = self._flatten_to_device()
             self.optimizer.attach_device(self._flats)
             self._install_hooks()
         except BaseException:
             self._teardown()
             raise
-        self._overlap = not cfg.fp16.enabled and cfg.gradient_clipping == 0.0
+        self._overlap = (zero.offload_optimizer.overlap_step and not cfg.fp16.enabled
+                         and cfg.gradient_clipping == 0.0)
         self._pending = [0] * len(self.layout.sub_groups)
         self._seen: set[int] = set()
         self._start_window()
@@ -234,8 +238,8 @@ class Engine:
             src = flat[seg.param_start : seg.param_start + seg.numel]
             if first:
                 dst.copy_(src)
-            else:
-                dst.add_(src.to(dst.device, torch.float32))
+            else:  # accumulating: the buffer is fp32
+                dst.add_(src.to(dst.device, dst.dtype))
         self._seen.add(i)
         if self.optimizer.placement is not Tier.DEVICE:
             self.store.count(Tier.DEVICE, Tier.HOST, flat.numel() * flat.element_size())
@@ -303,7 +307,7 @@ class Engine:
     def _grad_norm(self) -> float:
         total = 0.0
         for g in self.optimizer.grads:
-            n = torch.linalg.vector_norm(g).item()
+            n = torch.linalg.vector_norm(g, dtype=torch.float32).item()
             if math.isinf(n) and bool(torch.isfinite(g).all()):  # the squares overflowed, not the gradients
                 n = torch.linalg.vector_norm(g, dtype=torch.float64).item()
             total += n * n

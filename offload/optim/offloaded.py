@@ -2,7 +2,8 @@
 
 Per sub-group (see :mod:`._layout`) the state is one flat fp32 block ``[master | exp_avg | exp_avg_sq]``: one
 allocation on HOST, or one NVMe key read and written in a single request. Gradients arrive (from the engine's
-hooks) in one fp32 host buffer per param group. Updating a sub-group is one pass of the CPU Adam kernel, which
+hooks) in one host buffer per param group: fp32 when micro-batches accumulate into it, else the training dtype (a
+bf16 gradient widened to fp32 carries no more information, and the kernel reads bf16/fp16 directly). Updating a sub-group is one pass of the CPU Adam kernel, which
 also writes the new low-precision parameters straight into the device's flat parameter buffer (on CUDA, into a
 pinned staging buffer copied to the device on a side stream).
 
@@ -37,7 +38,7 @@ class OffloadedAdam(torch.optim.Optimizer):
 
     def __init__(self, layout: FlatLayout, store: TieredStore, cfg: OptimizerConfig, placement: Tier, *,
                  group_options: list[dict[str, Any]] | None = None, nvme_path: str | None = None,
-                 buffer_count: int = 4, aio: Any = None) -> None:
+                 buffer_count: int = 4, aio: Any = None, grad_dtype: torch.dtype = torch.float32) -> None:
         n_groups = len(layout.group_numel)
         options = group_options or [{} for _ in range(n_groups)]
         groups = [{"params": [p for p, pg in zip(layout.params, layout.param_group) if pg == g], **options[g]}
@@ -54,8 +55,8 @@ class OffloadedAdam(torch.optim.Optimizer):
         self._done: set[int] = set()
         self._in_backward = False
         grad_tier = Tier.DEVICE if placement is Tier.DEVICE else Tier.HOST
-        self.grads = [store.allocate(grad_tier, layout.owned_numel(g), torch.float32,
-                                     f"fp32 gradients of param group {g}", _FIX_HOST) for g in range(n_groups)]
+        self.grads = [store.allocate(grad_tier, layout.owned_numel(g), grad_dtype,
+                                     f"{grad_dtype} gradients of param group {g}", _FIX_HOST) for g in range(n_groups)]
         self._state: list[torch.Tensor] = []
         if placement is Tier.NVME:
             if not nvme_path:

@@ -1,0 +1,347 @@
+"""The engine with offloaded optimizer state, against independent references: torch.optim.AdamW on an un-offloaded
+copy (fp32), and mixed-precision loops written here with fp32 master weights (bf16, fp16)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import offload
+from models import batches, lm_loss, make
+
+LR, WD = 3e-3, 0.01
+
+
+def config(tmp_path: Path, device: str, **extra) -> dict:
+    cfg = {
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD, "betas": [0.9, 0.99], "eps": 1e-8}},
+        "zero_optimization": {"sub_group_size": 4096,
+                              "offload_optimizer": {"device": device, "nvme_path": str(tmp_path / "nvme")}},
+        "aio": {"block_size": 1 << 16},
+    }
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(cfg.get(key), dict):
+            cfg[key] = {**cfg[key], **value}
+        else:
+            cfg[key] = value
+    return cfg
+
+
+def train(engine, data, gas: int = 1) -> list[float]:
+    losses = []
+    for i in range(0, len(data), gas):
+        for x, y in data[i : i + gas]:
+            loss = lm_loss(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def close_enough(a: torch.Tensor, b: torch.Tensor, rel: float) -> float:
+    """Largest |a - b| / max(1, |b|); asserts it is within ``rel``."""
+    err = ((a.double() - b.double()).abs() / b.double().abs().clamp(min=1.0)).max().item()
+    assert err <= rel, err
+    return err
+
+
+def reference_fp32(steps: int, data, gas: int = 1, clip: float = 0.0):
+    model = make()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, betas=(0.9, 0.99), eps=1e-8)
+    for i in range(0, steps * gas, gas):
+        opt.zero_grad()
+        for x, y in data[i : i + gas]:
+            (lm_loss(model(x), y) / gas).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+    return model
+
+
+@pytest.mark.parametrize("device", ["none", "cpu", "nvme"])
+def test_fp32_matches_torch_adamw(tmp_path, device):
+    data = batches(20)
+    model = make()
+    with offload.initialize(model, config(tmp_path, device)) as engine:
+        assert len(engine.layout.sub_groups) > 3  # parameters straddle sub-groups
+        train(engine, data)
+        state = engine.consolidated_state_dict()
+    ref = reference_fp32(20, data)
+    for (name, p), (rname, r) in zip(model.named_parameters(), ref.named_parameters()):
+        close_enough(p.detach(), r.detach(), 1e-5)
+        close_enough(state[name], r.detach(), 1e-5)
+    assert torch.equal(state["head.weight"], state["tok.weight"])  # tied weights stay one tensor
+    assert not list((tmp_path / "nvme").glob("*")) if device == "nvme" else True
+
+
+@pytest.mark.parametrize("gas, clip", [(4, 0.0), (1, 0.05), (2, 0.05)])
+def test_accumulation_and_clipping_match_torch(tmp_path, gas, clip):
+    data = batches(6 * gas)
+    model = make()
+    cfg = config(tmp_path, "nvme", gradient_accumulation_steps=gas, gradient_clipping=clip)
+    with offload.initialize(model, cfg) as engine:
+        train(engine, data, gas)
+        assert engine.global_steps == 6 and engine.micro_steps == 6 * gas
+        if clip:
+            assert engine.last_grad_norm > clip  # clipping was active
+    ref = reference_fp32(6, data, gas, clip)
+    for p, r in zip(model.parameters(), ref.parameters()):
+        close_enough(p.detach(), r.detach(), 1e-5)
+
+
+def reference_mixed(dtype: torch.dtype, steps: int, data, scale: float = 1.0):
+    """Mixed precision by hand: the model in ``dtype``, fp32 master weights updated by torch's AdamW, gradients
+    unscaled in fp32, the model's weights re-rounded from the masters after each step."""
+    model = make()
+    masters = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
+    model.to(dtype)
+    opt = torch.optim.AdamW(masters, lr=LR, weight_decay=WD, betas=(0.9, 0.99), eps=1e-8)
+    for x, y in data[:steps]:
+        (lm_loss(model(x), y) * scale).backward()
+        for m, p in zip(masters, model.parameters()):
+            m.grad = p.grad.float() / scale
+            p.grad = None
+        opt.step()
+        with torch.no_grad():
+            for m, p in zip(masters, model.parameters()):
+                p.copy_(m)
+    return model, masters
+
+
+@pytest.mark.parametrize("dtype, device", [(torch.bfloat16, "cpu"), (torch.bfloat16, "nvme"),
+                                           (torch.float16, "cpu"), (torch.float16, "nvme")])
+def test_mixed_precision_matches_reference_loop(tmp_path, dtype, device):
+    data = batches(20)
+    model = make()
+    extra = {"bf16": {"enabled": True}} if dtype == torch.bfloat16 else \
+        {"fp16": {"enabled": True, "loss_scale": 1024.0}}
+    with offload.initialize(model, config(tmp_path, device, **extra)) as engine:
+        train(engine, data)
+        state = engine.consolidated_state_dict()
+        assert all(p.dtype == dtype for p in model.parameters())
+    ref_model, masters = reference_mixed(dtype, 20, data, scale=1024.0 if dtype == torch.float16 else 1.0)
+    names = [n for n, _ in ref_model.named_parameters()]
+    for name, m in zip(names, masters):
+        close_enough(state[name], m.detach(), 1e-4)
+    for p, r in zip(model.parameters(), ref_model.parameters()):
+        close_enough(p.detach().float(), r.detach().float(), 2e-2)  # one low-precision rounding step apart at most
+
+
+def test_fp16_dynamic_loss_scale_skips_overflow(tmp_path):
+    data = batches(6)
+    model = make()
+    cfg = config(tmp_path, "cpu", fp16={"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2,
+                                        "hysteresis": 1})
+    with offload.initialize(model, cfg) as engine:
+        train(engine, data[:2])
+        assert engine.scaler.scale == 512.0  # doubled after a clean window of 2
+        before = [p.detach().clone() for p in model.parameters()]
+        x, y = data[2]
+        engine.backward(lm_loss(engine(x), y) * float("inf"))
+        engine.step()
+        assert engine.scaler.scale == 256.0 and engine.stats()["skipped_steps"] == 1
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # the step was skipped
+        assert engine.global_steps == 2
+        train(engine, data[3:])
+        assert engine.global_steps == 5
+
+
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_overlapped_and_serial_steps_are_identical(tmp_path, device):
+    data = batches(5)
+    results, overlapped = [], []
+    for overlap in (True, False):
+        model = make()
+        cfg = config(tmp_path / str(overlap), device, bf16={"enabled": True},
+                     zero_optimization={"sub_group_size": 1024,
+                                        "offload_optimizer": {"device": device, "overlap_step": overlap,
+                                                              "nvme_path": str(tmp_path / "nvme")}})
+        with offload.initialize(model, cfg) as engine:
+            train(engine, data)
+            results.append(engine.consolidated_state_dict())
+            overlapped.append(engine.stats()["adam_seconds_overlapped"])
+    for k in results[0]:
+        assert torch.equal(results[0][k], results[1][k]), k
+    assert overlapped[0] > 0 and overlapped[1] == 0
+
+
+def test_optimizer_state_four_times_host_budget_on_nvme(tmp_path):
+    """bf16 model of ~2.4M parameters: its Adam state (12 B/param) is over 4x the HOST budget, which still holds
+    the bf16 host gradients and the staging buffers; peak HOST bytes stay under the budget."""
+    model = make(d=160, layers=7, vocab=128)
+    n = sum(p.numel() for p in model.parameters())
+    state_bytes = 12 * n
+    budget = state_bytes // 4
+    cfg = config(tmp_path, "nvme", bf16={"enabled": True}, offload={"host_memory_budget": budget},
+                 zero_optimization={"sub_group_size": 16384,
+                                    "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "nvme"),
+                                                          "buffer_count": 4}})
+    with offload.initialize(model, cfg) as engine:
+        losses = train(engine, batches(8, vocab=128, bsz=8) * 2)
+        report = engine.memory_report()
+        stats = engine.stats()
+    assert report["host"]["budget"] == budget and report["host"]["peak"] <= budget
+    assert report["nvme"]["current"] >= state_bytes
+    assert losses[-1] < losses[0]
+    assert stats["bytes_moved"]["nvme->host"] >= state_bytes * 15  # every step read all state back ...
+    assert stats["bytes_moved"]["host->nvme"] >= state_bytes * 16  # ... and wrote it (plus the initial write)
+
+
+def test_budgets_that_cannot_fit_fail_at_initialize(tmp_path):
+    with pytest.raises(offload.BudgetExceeded, match=r"host tier: .* offload.host_memory_budget"):
+        offload.initialize(make(), config(tmp_path, "cpu", offload={"host_memory_budget": "64KiB"}))
+    with pytest.raises(offload.BudgetExceeded, match=r"device tier: .*needs .* offload.device_memory_budget"):
+        offload.initialize(make(), config(tmp_path, "cpu", offload={"device_memory_budget": 1000}))
+    with pytest.raises(offload.BudgetExceeded, match="staging buffers.*sub_group_size"):
+        offload.initialize(make(), config(tmp_path, "nvme", offload={"host_memory_budget": 200_000},
+                                          zero_optimization={"sub_group_size": 1 << 20}))
+    assert not [t for t in threading.enumerate() if t.name.startswith(("offload", "nvme_swapper"))]
+
+
+@pytest.mark.parametrize("device, dtype", [("nvme", torch.float32), ("cpu", torch.bfloat16)])
+def test_checkpoint_resume_is_bit_identical(tmp_path, device, dtype):
+    data = batches(20)
+    extra = {"bf16": {"enabled": True}} if dtype == torch.bfloat16 else {}
+    model = make()
+    with offload.initialize(model, config(tmp_path / "a", device, **extra)) as engine:
+        train(engine, data[:10])
+        path = engine.save_checkpoint(tmp_path / "ckpt")
+        train(engine, data[10:])
+        straight = engine.consolidated_state_dict()
+    assert path.name == "step10" and (tmp_path / "ckpt" / "latest").read_text() == "step10"
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o700
+    assert all(stat.S_IMODE(os.stat(f).st_mode) == 0o600 for f in path.iterdir())
+    json.loads((path / "meta.json").read_text())  # plain JSON, nothing to unpickle
+
+    model2 = make(seed=123)  # different initial weights: everything must come from the checkpoint
+    with offload.initialize(model2, config(tmp_path / "b", device, **extra)) as engine2:
+        assert engine2.load_checkpoint(tmp_path / "ckpt") == "step10"
+        assert engine2.global_steps == 10
+        train(engine2, data[10:])
+        resumed = engine2.consolidated_state_dict()
+    for k in straight:
+        assert torch.equal(straight[k], resumed[k]), k
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_checkpoint_errors(tmp_path):
+    with offload.initialize(make(), config(tmp_path, "cpu")) as engine:
+        engine_dir = tmp_path / "ckpt"
+        with pytest.raises(FileNotFoundError, match="no checkpoint"):
+            engine.load_checkpoint(engine_dir)
+        engine.save_checkpoint(engine_dir, tag="t")
+        with pytest.raises(ValueError, match="already exists"):
+            engine.save_checkpoint(engine_dir, tag="t")
+        with pytest.raises(ValueError, match="plain name"):
+            engine.save_checkpoint(engine_dir, tag="../evil")
+    with offload.initialize(make(d=48), config(tmp_path, "cpu")) as other:
+        with pytest.raises(ValueError, match="does not match the model"):
+            other.load_checkpoint(engine_dir)
+
+
+KILLED_SAVE = textwrap.dedent("""
+    import sys, torch
+    sys.path.insert(0, {tests!r})
+    import offload
+    from models import make, batches, lm_loss
+    torch.manual_seed(0)
+    model = make(d=384, layers=6)
+    cfg = {{"zero_optimization": {{"offload_optimizer": {{"device": "nvme", "nvme_path": {nvme!r}}}}}}}
+    engine = offload.initialize(model, cfg)
+    for x, y in batches(2):
+        engine.backward(lm_loss(engine(x), y)); engine.step()
+    engine.save_checkpoint({ckpt!r}, tag="a")
+    print("SAVED", flush=True)
+    for x, y in batches(1, seed=5):
+        engine.backward(lm_loss(engine(x), y)); engine.step()
+    while True:
+        engine.save_checkpoint({ckpt!r}, tag="b")
+        import shutil; shutil.rmtree({ckpt!r} + "/b")
+""")
+
+
+def test_save_killed_midway_leaves_previous_checkpoint_loadable(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    script = KILLED_SAVE.format(tests=str(Path(__file__).parent), nvme=str(tmp_path / "nvme"), ckpt=str(ckpt))
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "SAVED"
+        deadline = time.monotonic() + 120
+        while not list(ckpt.glob(".tmp-b-*/tensors.bin")):  # a save of "b" has started writing
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.001)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert (ckpt / "latest").read_text() == "a"
+    model = make(d=384, layers=6)
+    with offload.initialize(model, config(tmp_path / "load", "cpu")) as engine:
+        assert engine.load_checkpoint(ckpt) == "a"
+        loaded = engine.consolidated_state_dict()
+    ref = make(d=384, layers=6)  # the same two steps, here, from the same seed
+    cfg = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}
+    with offload.initialize(ref, cfg) as engine:
+        for x, y in batches(2):
+            engine.backward(lm_loss(engine(x), y))
+            engine.step()
+        expected = engine.consolidated_state_dict()
+    for k in expected:
+        assert torch.equal(loaded[k], expected[k]), k
+
+
+def test_close_joins_threads_and_removes_swap_files(tmp_path):
+    engine = offload.initialize(make(), config(tmp_path, "nvme"))
+    train(engine, batches(2))
+    assert [t for t in threading.enumerate() if t.name == "offload-stepper"]
+    engine.close()
+    engine.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith(("offload", "nvme_swapper"))]
+    assert list((tmp_path / "nvme").iterdir()) == []
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.step()
+
+
+def test_param_groups_and_lr_scheduler(tmp_path):
+    data = batches(6)
+    model = make()
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": 1e-3}]
+    with offload.initialize(model, config(tmp_path, "nvme"), param_groups=groups) as engine:
+        sched = torch.optim.lr_scheduler.StepLR(engine.optimizer, step_size=2, gamma=0.5)
+        for x, y in data:
+            engine.backward(lm_loss(engine(x), y))
+            engine.step()
+            sched.step()
+    ref = make()
+    rd = [p for n, p in ref.named_parameters() if p.dim() >= 2]
+    rn = [p for n, p in ref.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": rd, "weight_decay": 0.1}, {"params": rn, "weight_decay": 0.0, "lr": 1e-3}],
+                            lr=LR, betas=(0.9, 0.99), eps=1e-8)
+    rsched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    for x, y in data:
+        opt.zero_grad()
+        lm_loss(ref(x), y).backward()
+        opt.step()
+        rsched.step()
+    for p, r in zip(model.parameters(), ref.parameters()):
+        close_enough(p.detach(), r.detach(), 1e-5)
+    fresh = make()
+    partial = [p for p in fresh.parameters() if p.dim() >= 2]
+    with pytest.raises(ValueError, match="leave .* trainable parameter"):
+        offload.initialize(fresh, config(tmp_path, "cpu"), param_groups=[{"params": partial}])
+    with pytest.raises(ValueError, match="not a trainable parameter"):
+        offload.initialize(fresh, config(tmp_path, "cpu"), param_groups=[{"params": decay}])
