@@ -300,8 +300,9 @@ def host_stream_buffer(
     itemsize = torch.empty((), dtype=dtype).element_size()
     base = 0 if anchor is None else anchor.data_ptr() % HUGE_PAGE
     offset_bytes = (base + slot * _STREAM_STAGGER) % HUGE_PAGE
-    offset = offset_bytes // itemsize
-    region = aligned_tensor(numel + HUGE_PAGE // itemsize, dtype)
+    offset_bytes -= offset_bytes % itemsize
+    region = aligned_tensor(numel * itemsize + HUGE_PAGE, torch.uint8)
     # A tensor with its own storage of exactly ``numel`` elements (a plain slice would make torch.save write the
     # padding too); the numpy base chain keeps ``region`` and its mapping alive.
-    return torch.from_numpy(region.numpy()[offset : offset + numel])
+    body = torch.from_numpy(region.numpy()[offset_bytes : offset_bytes + numel * itemsize])
+    return body.view(dtype)
