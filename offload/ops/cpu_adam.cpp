@@ -58,7 +58,7 @@ inline float bits_float(uint32_t u) {
 }
 
 // fp32 -> bf16, round to nearest even. NaN becomes 0xFFFF, which is what torch's vectorized conversion writes.
-inline uint16_t to_bf16(float f) {
+inline uint16_t float_to_bf16(float f) {
   const uint32_t u = float_bits(f);
   if (f != f) return 0xFFFF;
   return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
@@ -66,7 +66,7 @@ inline uint16_t to_bf16(float f) {
 
 // fp32 -> fp16, round to nearest even, subnormals kept; NaN keeps its sign and top payload bits and is made quiet
 // (what F16C's vcvtps2ph, and therefore torch, produce).
-inline uint16_t to_fp16(float f) {
+inline uint16_t float_to_fp16(float f) {
   const uint32_t u = float_bits(f);
   const uint32_t sign = (u >> 16) & 0x8000u;
   uint32_t a = u & 0x7FFFFFFFu;
@@ -82,9 +82,9 @@ inline uint16_t to_fp16(float f) {
   return static_cast<uint16_t>(sign | (a >> 13));
 }
 
-inline float from_bf16(uint16_t h) { return bits_float(static_cast<uint32_t>(h) << 16); }
+inline float bf16_to_float(uint16_t h) { return bits_float(static_cast<uint32_t>(h) << 16); }
 
-inline float from_fp16(uint16_t h) {
+inline float fp16_to_float(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   const uint32_t exponent = (h >> 10) & 0x1Fu;
   const uint32_t mantissa = h & 0x3FFu;
@@ -102,11 +102,16 @@ struct Scalar {
   static constexpr int64_t kWidth = 1;
   static F set1(float x) { return x; }
   static F load(const float* p) { return *p; }
-  static F load_bf16(const uint16_t* p) { return from_bf16(*p); }
-  static F load_fp16(const uint16_t* p) { return from_fp16(*p); }
+  using Half = uint16_t;
+  static F load_bf16(const uint16_t* p) { return bf16_to_float(*p); }
+  static F load_fp16(const uint16_t* p) { return fp16_to_float(*p); }
   static void store(float* p, F x) { *p = x; }
-  static void stream_bf16(uint16_t* p, F x) { *p = to_bf16(x); }
-  static void stream_fp16(uint16_t* p, F x) { *p = to_fp16(x); }
+  static Half to_bf16(F x) { return float_to_bf16(x); }
+  static Half to_fp16(F x) { return float_to_fp16(x); }
+  static void stream_pair(uint16_t* p, Half lo, Half hi) {
+    p[0] = lo;
+    p[1] = hi;
+  }
   static F add(F a, F b) { return a + b; }
   static F sub(F a, F b) { return a - b; }
   static F mul(F a, F b) { return a * b; }
@@ -130,17 +135,18 @@ struct Vec {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
   static void store(float* p, F x) { _mm512_storeu_ps(p, x); }
-  // p must be 32-byte aligned (the kernel peels a scalar head until it is).
-  static void stream_bf16(uint16_t* p, F x) {
+  using Half = __m256i;
+  static Half to_bf16(F x) {
     const __m512i u = _mm512_castps_si512(x);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
     r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), r, _mm512_set1_epi32(0xFFFF));
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+    return _mm512_cvtepi32_epi16(r);
   }
-  static void stream_fp16(uint16_t* p, F x) {
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(p),
-                        _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  static Half to_fp16(F x) { return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  // One full cache line; p must be 64-byte aligned (the kernel peels a scalar head until it is).
+  static void stream_pair(uint16_t* p, Half lo, Half hi) {
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(p), _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
   }
   static F add(F a, F b) { return _mm512_add_ps(a, b); }
   static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
@@ -164,19 +170,20 @@ struct Vec {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
   static void store(float* p, F x) { _mm256_storeu_ps(p, x); }
-  // p must be 16-byte aligned (the kernel peels a scalar head until it is).
-  static void stream_bf16(uint16_t* p, F x) {
+  using Half = __m128i;
+  static Half to_bf16(F x) {
     const __m256i u = _mm256_castps_si256(x);
     const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
     __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
     const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
     r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0xFFFF), nan);
     // packus works per 128-bit lane: [a0..3 a0..3 | a4..7 a4..7] -> take quadwords 0 and 2.
-    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
   }
-  static void stream_fp16(uint16_t* p, F x) {
-    _mm_stream_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  static Half to_fp16(F x) { return _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  // p must be 32-byte aligned (the kernel peels a scalar head until it is).
+  static void stream_pair(uint16_t* p, Half lo, Half hi) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), _mm256_set_m128i(hi, lo));
   }
   static F add(F a, F b) { return _mm256_add_ps(a, b); }
   static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
@@ -224,55 +231,83 @@ inline typename V::F load_grad(const void* grad, int64_t i) {
   }
 }
 
-// Updates elements [begin, end) with vectors of V::kWidth; end - begin must be a multiple of the width.
+// The per-call coefficients broadcast into vectors of V.
+template <class V>
+struct Broadcast {
+  using F = typename V::F;
+  explicit Broadcast(const Coefficients& c)
+      : inv_grad_scale(V::set1(c.inv_grad_scale)),
+        l2(V::set1(c.l2)),
+        decay(V::set1(c.decay)),
+        lerp_coeff(V::set1(c.lerp_small ? c.lerp_weight : c.lerp_weight - 1.0f)),
+        beta2(V::set1(c.beta2)),
+        sq_weight(V::set1(c.sq_weight)),
+        bc2_sqrt(V::set1(c.bc2_sqrt)),
+        eps(V::set1(c.eps)),
+        step_size(V::set1(c.step_size)) {}
+  F inv_grad_scale, l2, decay, lerp_coeff, beta2, sq_weight, bc2_sqrt, eps, step_size;
+};
+
+// Updates the V::kWidth elements at i in place and returns the new parameters.
+template <class V, int GradType>
+inline typename V::F adam_vector(const Buffers& b, const Coefficients& c, const Broadcast<V>& k, int64_t i) {
+  using F = typename V::F;
+  F param = V::load(b.param + i);
+  F grad = V::mul(load_grad<V, GradType>(b.grad, i), k.inv_grad_scale);
+  if (c.use_l2) grad = V::add(grad, V::mul(param, k.l2));
+  param = V::mul(param, k.decay);
+  // torch's lerp: start + w * (end - start) for small w, end - (1 - w) * (end - start) otherwise.
+  F exp_avg = V::load(b.exp_avg + i);
+  exp_avg = V::fma(k.lerp_coeff, V::sub(grad, exp_avg), c.lerp_small ? exp_avg : grad);
+  const F exp_avg_sq = V::add(V::mul(V::load(b.exp_avg_sq + i), k.beta2), V::mul(V::mul(k.sq_weight, grad), grad));
+  const F denom = V::add(V::div(V::sqrt(exp_avg_sq), k.bc2_sqrt), k.eps);
+  param = V::sub(param, V::div(V::mul(k.step_size, exp_avg), denom));
+  V::store(b.exp_avg + i, exp_avg);
+  V::store(b.exp_avg_sq + i, exp_avg_sq);
+  V::store(b.param + i, param);
+  return param;
+}
+
+// Updates elements [begin, end) two vectors at a time, so that the low-precision copy of both goes out as one
+// full-width non-temporal store (a whole cache line with AVX-512). end - begin must be a multiple of 2 * kWidth.
 template <class V, int GradType, int OutType>
 inline void update(const Buffers& b, const Coefficients& c, int64_t begin, int64_t end) {
-  using F = typename V::F;
-  const F inv_grad_scale = V::set1(c.inv_grad_scale);
-  const F l2 = V::set1(c.l2);
-  const F decay = V::set1(c.decay);
-  const F lerp_coeff = V::set1(c.lerp_small ? c.lerp_weight : c.lerp_weight - 1.0f);
-  const F beta2 = V::set1(c.beta2);
-  const F sq_weight = V::set1(c.sq_weight);
-  const F bc2_sqrt = V::set1(c.bc2_sqrt);
-  const F eps = V::set1(c.eps);
-  const F step_size = V::set1(c.step_size);
-  for (int64_t i = begin; i < end; i += V::kWidth) {
-    F param = V::load(b.param + i);
-    F grad = V::mul(load_grad<V, GradType>(b.grad, i), inv_grad_scale);
-    if (c.use_l2) grad = V::add(grad, V::mul(param, l2));
-    param = V::mul(param, decay);
-    // torch's lerp: start + w * (end - start) for small w, end - (1 - w) * (end - start) otherwise.
-    F exp_avg = V::load(b.exp_avg + i);
-    exp_avg = V::fma(lerp_coeff, V::sub(grad, exp_avg), c.lerp_small ? exp_avg : grad);
-    F exp_avg_sq = V::add(V::mul(V::load(b.exp_avg_sq + i), beta2), V::mul(V::mul(sq_weight, grad), grad));
-    const F denom = V::add(V::div(V::sqrt(exp_avg_sq), bc2_sqrt), eps);
-    param = V::sub(param, V::div(V::mul(step_size, exp_avg), denom));
-    V::store(b.exp_avg + i, exp_avg);
-    V::store(b.exp_avg_sq + i, exp_avg_sq);
-    V::store(b.param + i, param);
+  const Broadcast<V> k(c);
+  for (int64_t i = begin; i < end; i += 2 * V::kWidth) {
+    const auto lo = adam_vector<V, GradType>(b, c, k, i);
+    const auto hi = adam_vector<V, GradType>(b, c, k, i + V::kWidth);
     if constexpr (OutType == kBFloat16) {
-      V::stream_bf16(b.out + i, param);
+      V::stream_pair(b.out + i, V::to_bf16(lo), V::to_bf16(hi));
     } else if constexpr (OutType == kFloat16) {
-      V::stream_fp16(b.out + i, param);
+      V::stream_pair(b.out + i, V::to_fp16(lo), V::to_fp16(hi));
     }
   }
 }
 
 template <int GradType, int OutType>
 void update_range(const Buffers& b, const Coefficients& c, int64_t begin, int64_t end) {
+  constexpr int64_t kStep = 2 * Vec::kWidth;
   int64_t head = begin;
   if constexpr (OutType != kNone) {
-    // Non-temporal stores need the output aligned to the vector's store width; do a few elements scalar first.
-    constexpr int64_t kAlignBytes = Vec::kWidth * 2;
+    // Non-temporal stores need the output aligned to their width; do a few elements scalar first.
+    constexpr uintptr_t kAlignBytes = kStep * sizeof(uint16_t);
     const auto address = reinterpret_cast<uintptr_t>(b.out + begin);
-    const int64_t misaligned = static_cast<int64_t>((kAlignBytes - address % kAlignBytes) % kAlignBytes) / 2;
+    const auto misaligned = static_cast<int64_t>((kAlignBytes - address % kAlignBytes) % kAlignBytes / 2);
     head = std::min(end, begin + misaligned);
-    update<Scalar, GradType, OutType>(b, c, begin, head);
   }
-  const int64_t body_end = head + (end - head) / Vec::kWidth * Vec::kWidth;
+  const int64_t body_end = head + (end - head) / kStep * kStep;
+  const Broadcast<Scalar> k(c);
+  const auto one = [&](int64_t i) {
+    const float param = adam_vector<Scalar, GradType>(b, c, k, i);
+    if constexpr (OutType == kBFloat16) {
+      b.out[i] = float_to_bf16(param);
+    } else if constexpr (OutType == kFloat16) {
+      b.out[i] = float_to_fp16(param);
+    }
+  };
+  for (int64_t i = begin; i < head; ++i) one(i);
   update<Vec, GradType, OutType>(b, c, head, body_end);
-  update<Scalar, GradType, OutType>(b, c, body_end, end);
+  for (int64_t i = body_end; i < end; ++i) one(i);
   if constexpr (OutType != kNone) Vec::fence();
 }
 
