@@ -134,6 +134,9 @@ def save(engine: "Engine", root: Path, tag: str) -> Path:
     others = _others(engine)
     entries = [(f"{k}/{n}", torch.float32, tuple(p.shape)) for n, p in zip(names, layout.params) for k in _KINDS]
     entries += [(n, t.dtype, tuple(t.shape)) for n, t in others.items()]
+    pending = engine._apply_pending  # delayed update: the device still holds the previous parameters
+    if pending:
+        entries += [(f"device/{n}", engine.dtype, tuple(p.shape)) for n, p in zip(names, layout.params)]
     index = _TensorFile.plan(entries)
     f = _TensorFile(tmp / "tensors.bin", index, write=True)
     try:
@@ -148,6 +151,9 @@ def save(engine: "Engine", root: Path, tag: str) -> Path:
             opt.done_state(sg, dirty=False)
         for name, t in others.items():
             f.write(name, t)
+        if pending:
+            for name, p in zip(names, layout.params):
+                f.write(f"device/{name}", p.detach())
     finally:
         f.close(sync=True)
     meta = {
@@ -158,6 +164,7 @@ def save(engine: "Engine", root: Path, tag: str) -> Path:
         "loss_scaler": engine.scaler.state_dict(),
         "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
         "dtype": str(engine.dtype),
+        "pending_update": pending,
         "tensors": index,
     }
     _write_file(tmp / "meta.json", json.dumps(meta, indent=1).encode())
@@ -213,7 +220,7 @@ def load(engine: "Engine", root: Path, tag: str | None) -> str:
         layout, opt = engine.layout, engine.optimizer
         expected = {f"{k}/{n}": tuple(p.shape) for n, p in zip(names, layout.params) for k in _KINDS}
         expected.update({n: tuple(t.shape) for n, t in _others(engine).items()})
-        found = {n: tuple(e["shape"]) for n, e in meta["tensors"].items()}
+        found = {n: tuple(e["shape"]) for n, e in meta["tensors"].items() if not n.startswith("device/")}
         missing = sorted(set(expected) - set(found))
         unexpected = sorted(set(found) - set(expected))
         wrong = sorted(n for n in set(expected) & set(found) if expected[n] != found[n])
@@ -231,11 +238,18 @@ def load(engine: "Engine", root: Path, tag: str | None) -> str:
                     f.read_into(f"{kind}/{names[seg.param]}", part[lo : lo + seg.numel], seg.param_start)
             opt.done_state(sg, dirty=True)
         opt.wait()
+        pending = bool(meta.get("pending_update")) and engine._delayed
         with torch.no_grad():
-            for name, p in zip(names, layout.params):
-                p.copy_(f.read(f"param/{name}"))  # the device copy: master rounded to the training dtype
+            for i, (name, p) in enumerate(zip(names, layout.params)):
+                master = f.read(f"param/{name}")
+                if pending:  # resume mid-pipeline: the device keeps the previous parameters one more step
+                    p.copy_(f.read(f"device/{name}"))
+                    layout.param_view(engine._next_flats[layout.param_group[i]], i).copy_(master)
+                else:
+                    p.copy_(master)  # the device copy: master rounded to the training dtype
             for name, t in _others(engine).items():
                 t.copy_(f.read(name))
+        engine._apply_pending = pending
     finally:
         f.close()
     engine.global_steps = meta["global_steps"]

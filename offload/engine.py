@@ -71,6 +71,9 @@ class Engine:
         self._closed = False
         self._hooks: list[Any] = []
 
+        self._delayed = zero.offload_optimizer.delayed_update
+        self._apply_pending = False
+        self._next_flats: list[torch.Tensor] = []
         groups, options = self._param_groups(param_groups)
         placement = _PLACEMENT[zero.offload_optimizer.device]
         device_budget = cfg.offload.device_memory_budget
@@ -89,14 +92,20 @@ class Engine:
                                            nvme_path=zero.offload_optimizer.nvme_path,
                                            buffer_count=zero.offload_optimizer.buffer_count, aio=cfg.aio,
                                            grad_dtype=torch.float32 if cfg.gradient_accumulation_steps > 1
-                                           else self.dtype)
+                                           else self.dtype, grad_buffers=2 if self._delayed else 1)
             self._flats = self._flatten_to_device()
-            self.optimizer.attach_device(self._flats)
+            if self._delayed:  # updates land in host buffers, copied to the device at the next step
+                self._next_flats = [self.store.allocate(Tier.HOST, f.numel(), self.dtype, "delayed-update parameters",
+                                                        "raise offload.host_memory_budget or turn off "
+                                                        "offload_optimizer.delayed_update") for f in self._flats]
+                self.optimizer.attach_device(self._next_flats)
+            else:
+                self.optimizer.attach_device(self._flats)
             self._install_hooks()
         except BaseException:
             self._teardown()
             raise
-        self._overlap = (zero.offload_optimizer.overlap_step and not cfg.fp16.enabled
+        self._overlap = (zero.offload_optimizer.overlap_step and not self._delayed and not cfg.fp16.enabled
                          and cfg.gradient_clipping == 0.0)
         self._pending = [0] * len(self.layout.sub_groups)
         self._seen: set[int] = set()
@@ -260,6 +269,9 @@ class Engine:
             return
         self.phase = Phase.STEP
         try:
+            if self._delayed:
+                self.optimizer.finish()  # the previous step's update, which ran beside this forward/backward
+                self.apply_delayed_update()
             self._zero_unseen_grads()
             grad_scale = self.scaler.scale
             if self.config.fp16.enabled or self.config.gradient_clipping > 0:
@@ -279,13 +291,30 @@ class Engine:
                     coef = clip / (norm + 1e-6)
                     if coef < 1.0:
                         grad_scale /= coef
-            self.optimizer.step(grad_scale=grad_scale)
+            if self._delayed:
+                self.optimizer.launch(grad_scale=grad_scale)  # runs beside the next forward/backward
+                self.optimizer.swap_grads()
+                self._apply_pending = True
+            else:
+                self.optimizer.step(grad_scale=grad_scale)
             if self.config.fp16.enabled:
                 self.scaler.update(False)
             self.global_steps += 1
         finally:
             self._start_window()
             self.phase = Phase.IDLE
+
+    def apply_delayed_update(self) -> None:
+        """Delayed update: copies the parameters of the last finished update to the device (done by ``step``)."""
+        if not self._apply_pending:
+            return
+        self.optimizer.finish()
+        for dst, src in zip(self._flats, self._next_flats):
+            dst.copy_(src, non_blocking=dst.device.type == "cuda")
+            self.store.count(Tier.HOST, Tier.DEVICE, src.numel() * src.element_size())
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        self._apply_pending = False
 
     def _start_window(self) -> None:
         self._seen.clear()
@@ -365,9 +394,13 @@ class Engine:
         The model keeps working with its current parameters."""
         if self._closed:
             return
-        self._closed = True
-        self.phase = Phase.CLOSED
-        self._teardown()
+        try:
+            if hasattr(self, "optimizer"):
+                self.apply_delayed_update()  # the model keeps every update it was given
+        finally:
+            self._closed = True
+            self.phase = Phase.CLOSED
+            self._teardown()
 
     def _teardown(self) -> None:
         for h in self._hooks:
@@ -376,6 +409,9 @@ class Engine:
         try:
             if hasattr(self, "optimizer"):
                 self.optimizer.close()
+            for f in self._next_flats:
+                self.store.free(Tier.HOST, f)
+            self._next_flats = []
         finally:
             self.store.close()
 

@@ -3,13 +3,14 @@
 // The update is memory-bound: per element it reads param, grad, exp_avg and exp_avg_sq and writes param, exp_avg,
 // exp_avg_sq (28 bytes at fp32 grads), plus optionally a bf16 / fp16 copy of the new parameter (2 more bytes).
 // Everything is done in a single streaming pass so each byte crosses the memory bus once; the optional low-precision
-// copy is written with non-temporal stores because nothing reads it back on this core.
+// copy is written with full-cache-line non-temporal stores because nothing reads it back on this core (a regular
+// store would first read the line: 2 more bytes per element).
 //
 // The file is compiled once per instruction set (see _cpu_adam.py): -mavx512f selects the 16-wide path, -mavx2 the
 // 8-wide one, neither the scalar one. All paths evaluate the same operations in the same order as torch's fused CPU
-// AdamW, and -ffp-contract=off keeps the compiler from fusing multiplies and adds on its own, so the vector body and
-// the scalar head/tail produce bit-identical results: the output does not depend on vector width, alignment or the
-// number of threads.
+// AdamW (except that grad_scale is applied as a multiplication by its reciprocal, exact for powers of two), and
+// -ffp-contract=off keeps the compiler from fusing multiplies and adds on its own, so the vector body and the scalar
+// head/tail produce bit-identical results: the output does not depend on vector width, alignment or thread count.
 //
 // The Python side validates every argument and passes raw addresses; nothing here owns memory.
 

@@ -38,7 +38,8 @@ class OffloadedAdam(torch.optim.Optimizer):
 
     def __init__(self, layout: FlatLayout, store: TieredStore, cfg: OptimizerConfig, placement: Tier, *,
                  group_options: list[dict[str, Any]] | None = None, nvme_path: str | None = None,
-                 buffer_count: int = 4, aio: Any = None, grad_dtype: torch.dtype = torch.float32) -> None:
+                 buffer_count: int = 4, aio: Any = None, grad_dtype: torch.dtype = torch.float32,
+                 grad_buffers: int = 1) -> None:
         n_groups = len(layout.group_numel)
         options = group_options or [{} for _ in range(n_groups)]
         groups = [{"params": [p for p, pg in zip(layout.params, layout.param_group) if pg == g], **options[g]}
@@ -53,10 +54,14 @@ class OffloadedAdam(torch.optim.Optimizer):
         self._device_flats: list[torch.Tensor] = []
         self._order = [sg.index for sg in reversed(layout.sub_groups)]  # backward makes gradients final in reverse
         self._done: set[int] = set()
+        self._launched = False
         self._in_backward = False
         grad_tier = Tier.DEVICE if placement is Tier.DEVICE else Tier.HOST
-        self.grads = [store.allocate(grad_tier, layout.owned_numel(g), grad_dtype,
-                                     f"{grad_dtype} gradients of param group {g}", _FIX_HOST) for g in range(n_groups)]
+        self._grad_sets = [[store.allocate(grad_tier, layout.owned_numel(g), grad_dtype,
+                                           f"{grad_dtype} gradients of param group {g}", _FIX_HOST)
+                            for g in range(n_groups)] for _ in range(grad_buffers)]
+        self._grad_index = 0
+        self.grads = self._grad_sets[0]  # where the engine's hooks write; the other set (if any) feeds updates
         self._state: list[torch.Tensor] = []
         if placement is Tier.NVME:
             if not nvme_path:
@@ -93,14 +98,20 @@ class OffloadedAdam(torch.optim.Optimizer):
             master[seg.flat_start - sg.start : seg.flat_start - sg.start + seg.numel].copy_(src)
 
     def attach_device(self, flats: list[torch.Tensor]) -> None:
-        """The device's flat parameter buffers (one per group) that updates write the new parameters into."""
+        """The flat low-precision parameter buffers (one per group) that updates write the new parameters into:
+        the device's own, or host buffers the engine copies to the device later (delayed update)."""
         self._device_flats = flats
+
+    def swap_grads(self) -> None:
+        """Hooks write the other gradient set from now on (delayed update: backward t+1 beside update t)."""
+        self._grad_index = (self._grad_index + 1) % len(self._grad_sets)
+        self.grads = self._grad_sets[self._grad_index]
 
     # the step ---------------------------------------------------------------------------------------------------
 
-    def grad_slice(self, sg: SubGroup) -> torch.Tensor:
+    def grad_slice(self, sg: SubGroup, grads: list[torch.Tensor] | None = None) -> torch.Tensor:
         own0 = self.layout.owned[sg.group][0]
-        return self.grads[sg.group][sg.start - own0 : sg.end - own0]
+        return (grads or self.grads)[sg.group][sg.start - own0 : sg.end - own0]
 
     def begin_backward(self) -> None:
         self._in_backward = True
@@ -109,34 +120,50 @@ class OffloadedAdam(torch.optim.Optimizer):
         self._in_backward = False
 
     def submit(self, sg: int, grad_scale: float = 1.0) -> None:
-        """Queues one sub-group's update (its gradients are final). Runs on the stepper thread."""
+        """Queues one sub-group's update for the step in progress (its gradients are final)."""
         self._done.add(sg)
-        self._stepper.submit(sg, grad_scale)
+        self._stepper.submit((sg, grad_scale, self.grads, self.step_count + 1))
 
     def step(self, closure: Any = None, *, grad_scale: float = 1.0) -> None:  # type: ignore[override]
         """Updates every sub-group not already updated during backward; returns when all are done.
         ``grad_scale`` divides the gradients (loss scale over the clipping coefficient)."""
         if closure is not None:
             raise ValueError("OffloadedAdam.step does not take a closure")
+        self.launch(grad_scale)
+        self.finish()
+
+    def launch(self, grad_scale: float = 1.0) -> None:
+        """Queues the rest of the step and returns at once; ``finish`` waits for it."""
         for sg in self._order:
             if sg not in self._done:
                 self.submit(sg, grad_scale)
+        self.step_count += 1
+        self._launched = True
+
+    def finish(self) -> None:
+        """Waits for the launched step (re-raising a stepper error) and records the order it ran in."""
+        if not self._launched:
+            self._wait_idle()
+            return
         try:
-            self.wait()
+            self._wait_idle()
         finally:
             order = self._stepper.take_order()
             seen = set(order)
             self._order = order + [k for k in self._order if k not in seen]
             self._done.clear()
-        self.step_count += 1
+            self._launched = False
 
     def wait(self) -> None:
-        """Waits for queued updates; re-raises the first error of the stepper thread."""
+        """Waits for everything queued or launched; re-raises the first error of the stepper thread."""
+        self.finish()
+
+    def _wait_idle(self) -> None:
         self._stepper.wait_idle()
         if self.placement is Tier.NVME:
             self.store.drain()
 
-    def _update(self, k: int, grad_scale: float) -> None:
+    def _update(self, k: int, grad_scale: float, grads: list[torch.Tensor], step: int) -> None:
         sg = self.layout.sub_groups[k]
         if self.placement is Tier.NVME:
             block = self.store.acquire(self._key(sg))
@@ -151,9 +178,9 @@ class OffloadedAdam(torch.optim.Optimizer):
         on_cpu = device_slice.device.type == "cpu"
         lowp = device_slice.dtype != torch.float32
         if master.device.type == "cuda":
-            self._fused_torch(master, exp_avg, exp_avg_sq, self.grad_slice(sg), group, grad_scale)
+            self._fused_torch(master, exp_avg, exp_avg_sq, self.grad_slice(sg, grads), group, grad_scale, step)
         else:
-            adam_step(master, self.grad_slice(sg), exp_avg, exp_avg_sq, step=self.step_count + 1, lr=group["lr"],
+            adam_step(master, self.grad_slice(sg, grads), exp_avg, exp_avg_sq, step=step, lr=group["lr"],
                       beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],
                       weight_decay=group["weight_decay"], adamw_mode=group["adamw_mode"],
                       bias_correction=group["bias_correction"], grad_scale=grad_scale,
@@ -185,10 +212,10 @@ class OffloadedAdam(torch.optim.Optimizer):
             dst.copy_(master)
 
     def _fused_torch(self, master: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor,
-                     group: dict[str, Any], grad_scale: float) -> None:
+                     group: dict[str, Any], grad_scale: float, step_number: int) -> None:
         """State on a CUDA device (no offload): torch's fused kernel does the same arithmetic."""
         fn = torch._fused_adamw_ if group["adamw_mode"] else torch._fused_adam_
-        step = torch.tensor(float(self.step_count + 1), device=master.device)
+        step = torch.tensor(float(step_number), device=master.device)
         fn([master], [grad], [m], [v], [], [step], lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
            weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False, maximize=False,
            grad_scale=torch.tensor(grad_scale, device=master.device) if grad_scale != 1.0 else None)
@@ -220,11 +247,12 @@ class OffloadedAdam(torch.optim.Optimizer):
 
     def close(self) -> None:
         self._stepper.close()
-        for g in self.grads:
-            self.store.free(Tier.DEVICE if self.placement is Tier.DEVICE else Tier.HOST, g)
+        for grads in self._grad_sets:
+            for g in grads:
+                self.store.free(Tier.DEVICE if self.placement is Tier.DEVICE else Tier.HOST, g)
         for block in self._state:
             self.store.free(self.placement, block)
-        self.grads, self._state = [], []
+        self._grad_sets, self.grads, self._state = [], [], []
 
     # torch.optim.Optimizer surface that does not apply -----------------------------------------------------------
 
@@ -243,7 +271,7 @@ class _Stepper:
 
     def __init__(self, update: Any) -> None:
         self._update = update
-        self._queue: queue.SimpleQueue[tuple[int, float] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
         self._idle = threading.Condition()
         self._pending = 0
         self._error: BaseException | None = None
@@ -251,10 +279,11 @@ class _Stepper:
         self._thread = threading.Thread(target=self._run, name="offload-stepper", daemon=True)
         self._thread.start()
 
-    def submit(self, sg: int, grad_scale: float) -> None:
+    def submit(self, item: tuple[Any, ...]) -> None:
+        """``item`` = (sub-group index, *arguments of the update)."""
         with self._idle:
             self._pending += 1
-        self._queue.put((sg, grad_scale))
+        self._queue.put(item)
 
     def wait_idle(self) -> None:
         with self._idle:
@@ -275,11 +304,10 @@ class _Stepper:
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            sg, grad_scale = item
             try:
                 if self._error is None:  # after a failure, later updates are skipped until someone waits
-                    self._update(sg, grad_scale)
-                    self._order.append(sg)
+                    self._update(*item)
+                    self._order.append(item[0])
             except BaseException as exc:
                 self._error = exc
             finally:
