@@ -70,7 +70,7 @@ def read_all(engine: offload.Engine) -> None:
     for i, sg in enumerate(sgs):
         store.acquire(opt._key(sg))
         for nxt in sgs[i + 1 :]:
-            if not store.fetch(opt._key(nxt)):
+            if store.fetch(opt._key(nxt)) is None:
                 break
         store.release(opt._key(sg))
     store.drain()
@@ -91,7 +91,7 @@ def disk_all(engine: offload.Engine) -> None:
     for i, sg in enumerate(sgs):
         store.acquire(opt._key(sg))
         for nxt in sgs[i + 1 :]:
-            if not store.fetch(opt._key(nxt)):
+            if store.fetch(opt._key(nxt)) is None:
                 break
         store.evict(opt._key(sg))
     store.drain()

@@ -406,3 +406,17 @@ def test_delayed_update_resumes_bit_identically_mid_pipeline(tmp_path):
         assert torch.equal(straight[k], resumed[k]), k
     for p, q in zip(model.parameters(), model2.parameters()):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("buffers", [1, 2])
+def test_few_staging_buffers_still_correct(tmp_path, buffers):
+    data = batches(4)
+    model = make()
+    cfg = config(tmp_path, "nvme", zero_optimization={
+        "sub_group_size": 2048, "offload_optimizer": {"device": "nvme", "buffer_count": buffers,
+                                                      "nvme_path": str(tmp_path / "nvme")}})
+    with offload.initialize(model, cfg) as engine:
+        train(engine, data)
+    ref = reference_fp32(4, data)
+    for p, r in zip(model.parameters(), ref.parameters()):
+        close_enough(p.detach(), r.detach(), 1e-5)

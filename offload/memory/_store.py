@@ -9,10 +9,11 @@ An NVMe-homed tensor has one record with an explicit residency:
     NVME --fetch--> FETCHING --acquire--> HOST --evict--> EVICTING --(write done)--> NVME
                                             ^------------------ acquire (waits the write, keeps the bytes)
 
-``fetch`` is a non-blocking prefetch (it starts a read only if a staging buffer is free); ``acquire`` blocks until
-the tensor is in a buffer; ``evict`` starts the write-back and frees the buffer once the write is done, which the
-store notices at the next call that needs a buffer or at ``drain``. So errors of a worker thread's write surface
-at the next wait, and a failed write keeps the bytes in their buffer (residency HOST): nothing is lost.
+``fetch`` is a non-blocking prefetch (it starts a read only if a staging buffer is free) and ``evict`` starts the
+write-back; both return a :class:`Transfer` to wait on. ``acquire`` blocks until the tensor is in a buffer. An
+evicted tensor's buffer is reused once its write is done, which the store notices when it next needs a buffer, at
+``drain``, or when the transfer is waited. So errors of a worker thread's write surface at the next wait, and a
+failed write keeps the bytes in their buffer (residency HOST): nothing is lost.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from nvme_swapper import AioConfig, SwapEngine, SwapHandle, aligned_tensor
+from nvme_swapper import AioConfig, FileIO, SwapEngine, SwapHandle, aligned_tensor
 
 from ._pool import BufferPool
 from ._tiers import Tier, TierAccount, fmt_bytes
@@ -64,6 +65,24 @@ def default_host_budget() -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 9 // 10
+
+
+class Transfer:
+    """A fetch or an evict in flight. ``wait()`` completes it: a fetch returns the staged tensor, an evict frees
+    its buffer; either raises the I/O error."""
+
+    def __init__(self, store: "TieredStore", key: str, evict: bool) -> None:
+        self._store, self.key, self.evict = store, key, evict
+
+    def done(self) -> bool:
+        io = self._store._managed[self.key].io
+        return io is None or io.done()
+
+    def wait(self) -> torch.Tensor | None:
+        if self.evict:
+            self._store._wait_evicted(self.key)
+            return None
+        return self._store.acquire(self.key)
 
 
 class TieredStore:
@@ -108,7 +127,7 @@ class TieredStore:
     # NVMe-homed tensors ----------------------------------------------------------------------------------------
 
     def open_nvme(self, path: str | os.PathLike[str], aio: AioConfig, *, slot_bytes: int, buffer_count: int,
-                  total_bytes: int, what: str) -> None:
+                  total_bytes: int, what: str, file_io: FileIO | None = None) -> None:
         """Creates the swap engine and the staging pool, and claims NVME space for ``total_bytes`` of tensors plus
         one spare extent per buffer (copy-on-write writes need room beside the data they replace)."""
         assert self._swap is None, "open_nvme called twice"
@@ -124,7 +143,7 @@ class TieredStore:
                                 what=f"{buffer_count} NVMe staging buffers of {fmt_bytes(slot_bytes)}",
                                 fix="lower zero_optimization.sub_group_size or offload_optimizer.buffer_count, or "
                                     "raise offload.host_memory_budget")
-        self._swap = SwapEngine(root, aio)
+        self._swap = SwapEngine(root, aio, file_io=file_io)
         self._swap.reserve(total_bytes + spare)  # written now: steady-state writes are overwrites, ENOSPC is now
 
     def register(self, key: str, numel: int, dtype: torch.dtype) -> None:
@@ -143,16 +162,15 @@ class TieredStore:
         m.residency = Residency.HOST
         return self._view(m)
 
-    def fetch(self, key: str) -> bool:
-        """Starts reading ``key`` into a free staging buffer; False when none is free (nothing started)."""
+    def fetch(self, key: str) -> Transfer | None:
+        """Starts reading ``key`` into a free staging buffer; None when no buffer is free (nothing started)."""
         m = self._managed[key]
-        if m.residency is not Residency.NVME:
-            return True
-        slot = self._take_slot(block=False)
-        if slot is None:
-            return False
-        self._start_read(m, slot)
-        return True
+        if m.residency is Residency.NVME:
+            slot = self._take_slot(block=False)
+            if slot is None:
+                return None
+            self._start_read(m, slot)
+        return Transfer(self, key, evict=False)
 
     def acquire(self, key: str) -> torch.Tensor:
         """Blocks until ``key`` is in a staging buffer and returns it (flat, its dtype)."""
@@ -169,13 +187,19 @@ class TieredStore:
             m.residency = Residency.HOST
         return self._view(m)
 
-    def evict(self, key: str) -> None:
+    def evict(self, key: str) -> Transfer:
         """Starts writing ``key``'s buffer back; the buffer is reused once the write is done."""
         m = self._managed[key]
         assert m.residency is Residency.HOST and self._swap is not None
         m.io = self._swap.write(key, self._view(m))
         m.residency = Residency.EVICTING
         self._evicting.append(m)
+        return Transfer(self, key, evict=True)
+
+    def _wait_evicted(self, key: str) -> None:
+        m = self._managed[key]
+        while m.residency is Residency.EVICTING:
+            self._reclaim(block=True)
 
     def drain(self) -> None:
         """Waits for every write-back (raising the first error) and every prefetch in flight."""

@@ -199,7 +199,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         order = self._order
         pos = order.index(current) if current in order else -1
         for k in order[pos + 1 :]:
-            if not self.store.fetch(self._key(self.layout.sub_groups[k])):
+            if self.store.fetch(self._key(self.layout.sub_groups[k])) is None:
                 break
 
     def _to_device(self, dst: torch.Tensor, master: torch.Tensor) -> None:

@@ -1,0 +1,96 @@
+"""The tiered store: residency transitions, budgets that hold, and a failed write-back that loses nothing."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+import torch
+
+from nvme_swapper import AioConfig, FileIO
+from offload.memory import BudgetExceeded, BufferPool, Residency, Tier, TierAccount, TieredStore
+
+
+def make_store(tmp_path, host_budget=None, file_io=None, buffers=2, numel=50_000):
+    store = TieredStore(torch.device("cpu"), {Tier.HOST: host_budget}, pin_memory=False)
+    store.open_nvme(tmp_path, AioConfig(block_size=1 << 16), slot_bytes=numel * 4, buffer_count=buffers,
+                    total_bytes=3 * numel * 4, what="test tensors", file_io=file_io)
+    for k in ("a", "b", "c"):
+        store.register(k, numel, torch.float32)
+    return store
+
+
+def test_residency_transitions_and_contents(tmp_path):
+    store = make_store(tmp_path)
+    try:
+        for i, k in enumerate("abc"):
+            store.stage(k).fill_(i + 1)
+            assert store.residency(k) is Residency.HOST
+            t = store.evict(k)
+            assert store.residency(k) in (Residency.EVICTING, Residency.NVME)
+            t.wait()
+            assert store.residency(k) is Residency.NVME
+        fa, fb = store.fetch("a"), store.fetch("b")
+        assert fa is not None and fb is not None
+        assert store.fetch("c") is None  # two buffers, both taken: nothing started
+        assert store.residency("c") is Residency.NVME
+        assert torch.all(fa.wait() == 1) and torch.all(fb.wait() == 2)
+        store.release("a")
+        assert torch.all(store.acquire("c") == 3) and store.residency("c") is Residency.HOST
+        moved = store.moved
+        assert moved["host->nvme"] == 3 * 200_000 and moved["nvme->host"] == 3 * 200_000
+    finally:
+        store.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_budget_is_enforced_and_names_the_key():
+    account = TierAccount(Tier.HOST, 1000)
+    account.reserve(600, "x")
+    with pytest.raises(BudgetExceeded, match=r"host tier: y needs 500 B .*600 B.* budget of 1000 B.*"
+                                             r"offload.host_memory_budget"):
+        account.reserve(500, "y")
+    assert account.current == 600 and account.peak == 600
+    account.release(600)
+    with pytest.raises(BudgetExceeded, match="lower the buffer count"):
+        BufferPool(4, 1 << 20, account, pin_memory=False, what="pool", fix="lower the buffer count")
+    assert account.current == 0
+    store = TieredStore(torch.device("cpu"), {Tier.DEVICE: 4096}, pin_memory=False)
+    with pytest.raises(BudgetExceeded, match="device tier"):
+        store.allocate(Tier.DEVICE, 2048, torch.float32, "params")
+    assert store.memory_report()["device"] == {"current": 0, "peak": 0, "budget": 4096}
+
+
+class FailWrites(FileIO):
+    def __init__(self):
+        self.fail = False
+
+    def pwrite(self, fd, buf, offset):
+        if self.fail:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return super().pwrite(fd, buf, offset)
+
+    def aio_run(self, ctx, depth, fd, is_write, transfers, single_submit=False, overlap=True):
+        if self.fail and is_write:
+            return (0, -errno.EIO)
+        return super().aio_run(ctx, depth, fd, is_write, transfers, single_submit, overlap)
+
+
+def test_failed_write_back_keeps_the_bytes(tmp_path):
+    faults = FailWrites()
+    store = make_store(tmp_path, file_io=faults)
+    try:
+        store.stage("a").fill_(1.0)
+        store.evict("a").wait()
+        block = store.acquire("a")
+        block.fill_(7.0)  # new state, only in the buffer
+        faults.fail = True
+        with pytest.raises(OSError, match="'a'"):
+            store.evict("a").wait()
+        assert store.residency("a") is Residency.HOST and torch.all(store.acquire("a") == 7.0)
+        faults.fail = False
+        store.evict("a").wait()  # retried: now durable
+        assert torch.all(store.acquire("a") == 7.0)
+    finally:
+        store.close()
