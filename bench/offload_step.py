@@ -64,7 +64,9 @@ def timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def read_all(engine: offload.Engine) -> None:
+def read_all(engine: offload.Engine, write_back: bool = False) -> None:
+    """Every sub-group's state through the prefetching pipeline; with ``write_back``, what the step does to the
+    disk (read ahead, write back behind) without the Adam in between."""
     opt, store = engine.optimizer, engine.store
     sgs = engine.layout.sub_groups
     for i, sg in enumerate(sgs):
@@ -72,7 +74,10 @@ def read_all(engine: offload.Engine) -> None:
         for nxt in sgs[i + 1 :]:
             if store.fetch(opt._key(nxt)) is None:
                 break
-        store.release(opt._key(sg))
+        if write_back:
+            store.evict(opt._key(sg))
+        else:
+            store.release(opt._key(sg))
     store.drain()
 
 
@@ -80,19 +85,6 @@ def write_all(engine: offload.Engine) -> None:
     opt, store = engine.optimizer, engine.store
     for sg in engine.layout.sub_groups:
         store.stage(opt._key(sg))  # a full buffer with no read: the write alone
-        store.evict(opt._key(sg))
-    store.drain()
-
-
-def disk_all(engine: offload.Engine) -> None:
-    """What the step does to the disk, without the Adam in between."""
-    opt, store = engine.optimizer, engine.store
-    sgs = engine.layout.sub_groups
-    for i, sg in enumerate(sgs):
-        store.acquire(opt._key(sg))
-        for nxt in sgs[i + 1 :]:
-            if store.fetch(opt._key(nxt)) is None:
-                break
         store.evict(opt._key(sg))
     store.drain()
 
@@ -142,7 +134,7 @@ def main() -> None:
         engine = engine_for(n, "nvme", nvme, sub, args.buffers)
         adam = adam_alone(n, sub)
         parts = {"step": lambda: engine.optimizer.step(grad_scale=1.0), "read": lambda: read_all(engine),
-                 "write": lambda: write_all(engine), "disk": lambda: disk_all(engine), "adam": adam}
+                 "write": lambda: write_all(engine), "disk": lambda: read_all(engine, write_back=True), "adam": adam}
         engine.optimizer.step(grad_scale=1.0)  # warm-up: the kernel is built, every extent has been rewritten
         for r in range(args.rounds):
             order = list(parts)

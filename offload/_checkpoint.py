@@ -52,6 +52,16 @@ def _others(engine: "Engine") -> dict[str, torch.Tensor]:
     return out
 
 
+def _pieces(engine: "Engine", sg, block: torch.Tensor, names: list[str]):
+    """(entry name, view of ``block``, element offset in the entry) for every piece of a sub-group's state."""
+    n = sg.numel
+    parts = dict(zip(_KINDS, (block[:n], block[n : 2 * n], block[2 * n :])))
+    for seg in sg.segments:
+        lo = seg.flat_start - sg.start
+        for kind, part in parts.items():
+            yield f"{kind}/{names[seg.param]}", part[lo : lo + seg.numel], seg.param_start
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -141,13 +151,8 @@ def save(engine: "Engine", root: Path, tag: str) -> Path:
     f = _TensorFile(tmp / "tensors.bin", index, write=True)
     try:
         for sg in layout.sub_groups:
-            block = opt.read_state(sg)
-            n = sg.numel
-            parts = dict(zip(_KINDS, (block[:n], block[n : 2 * n], block[2 * n :])))
-            for seg in sg.segments:
-                lo = seg.flat_start - sg.start
-                for kind, part in parts.items():
-                    f.write(f"{kind}/{names[seg.param]}", part[lo : lo + seg.numel], seg.param_start)
+            for name, view, offset in _pieces(engine, sg, opt.read_state(sg), names):
+                f.write(name, view, offset)
             opt.done_state(sg, dirty=False)
         for name, t in others.items():
             f.write(name, t)
@@ -229,13 +234,9 @@ def load(engine: "Engine", root: Path, tag: str | None) -> str:
                              f"unexpected {unexpected[:5]}, shape differs for {wrong[:5]}")
         for sg in layout.sub_groups:
             block = opt.stage_state(sg)
-            block.zero_()
-            n = sg.numel
-            parts = dict(zip(_KINDS, (block[:n], block[n : 2 * n], block[2 * n :])))
-            for seg in sg.segments:
-                lo = seg.flat_start - sg.start
-                for kind, part in parts.items():
-                    f.read_into(f"{kind}/{names[seg.param]}", part[lo : lo + seg.numel], seg.param_start)
+            block.zero_()  # padding between parameters
+            for name, view, offset in _pieces(engine, sg, block, names):
+                f.read_into(name, view, offset)
             opt.done_state(sg, dirty=True)
         opt.wait()
         pending = bool(meta.get("pending_update")) and engine._delayed

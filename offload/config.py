@@ -217,8 +217,29 @@ class BF16Config(_Section):
 _DEVICES = ("none", "cpu", "nvme")
 
 
+class _OffloadTarget(_Section):
+    """What the two offload sections share: ``device`` and ``nvme_path`` (required for nvme)."""
+
+    @classmethod
+    def _convert(cls, name: str, value: Any, full: str) -> Any:
+        if name == "device":
+            return _choice(full, value, _DEVICES)
+        if name == "nvme_path":
+            _check_type(full, value, str, "a directory path")
+            return value
+        return cls._convert_own(name, value, full)
+
+    @classmethod
+    def _convert_own(cls, name: str, value: Any, full: str) -> Any:
+        raise NotImplementedError
+
+    def __post_init__(self) -> None:
+        if self.device == "nvme" and not self.nvme_path:  # type: ignore[attr-defined]
+            raise ValueError(f"{self._path}.nvme_path is required when {self._path}.device is \"nvme\"")
+
+
 @dataclass(frozen=True)
-class OffloadOptimizerConfig(_Section):
+class OffloadOptimizerConfig(_OffloadTarget):
     """``zero_optimization.offload_optimizer``: where fp32 master weights and Adam moments live."""
 
     _path = "zero_optimization.offload_optimizer"
@@ -231,23 +252,14 @@ class OffloadOptimizerConfig(_Section):
     overlap_step: bool = True  # update sub-groups during backward where the semantics allow (ours)
 
     @classmethod
-    def _convert(cls, name: str, value: Any, full: str) -> Any:
-        if name == "device":
-            return _choice(full, value, _DEVICES)
-        if name == "nvme_path":
-            _check_type(full, value, str, "a directory path")
-            return value
+    def _convert_own(cls, name: str, value: Any, full: str) -> Any:
         if name == "buffer_count":
             return _int(full, value, 1, 64)
         return _bool(full, value)
 
-    def __post_init__(self) -> None:
-        if self.device == "nvme" and not self.nvme_path:
-            raise ValueError(f"{self._path}.nvme_path is required when {self._path}.device is \"nvme\"")
-
 
 @dataclass(frozen=True)
-class OffloadParamConfig(_Section):
+class OffloadParamConfig(_OffloadTarget):
     """``zero_optimization.offload_param``: where low-precision parameters live between uses (stage 3)."""
 
     _path = "zero_optimization.offload_param"
@@ -259,21 +271,12 @@ class OffloadParamConfig(_Section):
     max_in_cpu: int = 1_000_000_000
 
     @classmethod
-    def _convert(cls, name: str, value: Any, full: str) -> Any:
-        if name == "device":
-            return _choice(full, value, _DEVICES)
-        if name == "nvme_path":
-            _check_type(full, value, str, "a directory path")
-            return value
+    def _convert_own(cls, name: str, value: Any, full: str) -> Any:
         if name == "pin_memory":
             return _bool(full, value)
         if name == "buffer_count":
             return _int(full, value, 1, 1024)
         return _int(full, value, 1)
-
-    def __post_init__(self) -> None:
-        if self.device == "nvme" and not self.nvme_path:
-            raise ValueError(f"{self._path}.nvme_path is required when {self._path}.device is \"nvme\"")
 
 
 @dataclass(frozen=True)
