@@ -68,11 +68,13 @@ def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor, what: str) ->
         raise AssertionError(f"{what}: bits {int(a[i]) & 0xFFFF:#x} != {int(e[i]) & 0xFFFF:#x} at masked index {i}")
 
 
-def make_grads(n: int, steps: int, dtype: torch.dtype, seed: int = 0) -> list[torch.Tensor]:
+def make_grads(n: int, steps: int, dtype: torch.dtype, seed: int = 0, distinct: int = 10) -> list[torch.Tensor]:
+    """``steps`` gradients cycling through ``distinct`` random ones (cheap at 2**20 elements)."""
     gen = torch.Generator().manual_seed(seed)
     # Varying scales so that exp_avg_sq spans many magnitudes and eps matters for some elements.
     scale = torch.logspace(-4, 1, n, dtype=torch.float32)[torch.randperm(n, generator=gen)]
-    return [(torch.randn(n, generator=gen) * scale).to(dtype) for _ in range(steps)]
+    pool = [(torch.randn(n, generator=gen) * scale).to(dtype) for _ in range(min(steps, distinct))]
+    return [pool[s % len(pool)] for s in range(steps)]
 
 
 def initial_params(n: int, seed: int = 1) -> torch.Tensor:
@@ -120,7 +122,9 @@ def test_kernel_matches_torch(native: str, size: int, grad_dtype: torch.dtype, a
 
 @pytest.mark.parametrize("size", [7, 2**20 + 3])
 @pytest.mark.parametrize("adamw_mode", [True, False], ids=["adamw", "adam"])
-def test_fallback_gives_the_same_numbers(native: str, monkeypatch: pytest.MonkeyPatch, size: int, adamw_mode: bool) -> None:
+def test_fallback_gives_the_same_numbers(
+    native: str, monkeypatch: pytest.MonkeyPatch, size: int, adamw_mode: bool
+) -> None:
     p0, grads = initial_params(size), make_grads(size, 20, torch.bfloat16)
     kw = dict(weight_decay=0.1, adamw_mode=adamw_mode, grad_scale=3.0)
     p, m, v, out = run_kernel(p0, grads, torch.bfloat16, **kw)
@@ -274,19 +278,26 @@ def test_narrower_isas_are_bit_identical(native: str, monkeypatch: pytest.Monkey
         assert_same_bits(a, b, what)
 
 
-def test_build_failure_falls_back_with_one_warning(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+def test_build_failure_falls_back_with_one_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    calls = []
+
     def broken(isa: str) -> None:
+        calls.append(isa)
         raise OSError("no compiler")
 
     monkeypatch.setenv(_cpu_adam.BACKEND_ENV, "auto")
     monkeypatch.setattr(_cpu_adam, "_build", broken)
     monkeypatch.setattr(_cpu_adam, "_warned_fallback", False)
+    monkeypatch.setattr(_cpu_adam, "_build_errors", {})
     p0, grads = initial_params(100), make_grads(100, 3, torch.float32)
     with caplog.at_level(logging.WARNING, logger="offload"):
         p, m, v, _ = run_kernel(p0, grads, weight_decay=0.05)
         assert cpu_adam_backend() == "torch"
     warnings = [r for r in caplog.records if "pure-torch" in r.getMessage()]
     assert len(warnings) == 1
+    assert len(calls) == 1  # the failed build is not retried on every step
     p_ref, m_ref, v_ref = run_torch(p0, grads, True, weight_decay=0.05)
     assert_close(p, p_ref, "param")
     monkeypatch.setenv(_cpu_adam.BACKEND_ENV, "native")
@@ -527,7 +538,9 @@ def test_adam_step_rejects_bad_arguments(change: dict[str, object], message: str
         ([torch.nn.Parameter(torch.zeros(3))], dict(weight_decay=-0.1), "invalid weight_decay"),
     ],
 )
-def test_optimizer_rejects_unsupported_options(params: list[torch.Tensor], kwargs: dict[str, object], message: str) -> None:
+def test_optimizer_rejects_unsupported_options(
+    params: list[torch.Tensor], kwargs: dict[str, object], message: str
+) -> None:
     with pytest.raises(ValueError, match=message):
         CPUAdam(params, **kwargs)  # type: ignore[arg-type]
 

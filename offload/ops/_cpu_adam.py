@@ -77,7 +77,7 @@ def _requested_isa() -> str:
     if requested not in _ISA_LEVELS:
         raise ValueError(f"{ISA_ENV}={requested!r} is not an ISA level; use one of {list(_ISA_LEVELS)}")
     if requested not in supported:
-        raise ValueError(f"{ISA_ENV}={requested!r} but this CPU only supports {supported}; unset it or pick one of those")
+        raise ValueError(f"{ISA_ENV}={requested!r} but this CPU only supports {supported}; unset it or pick one")
     return requested
 
 
@@ -117,6 +117,8 @@ def _build(isa: str) -> ModuleType:
 
 
 _warned_fallback = False
+# Builds that failed in this process, by ISA: a failed build is not retried on every call (it takes seconds).
+_build_errors: dict[str, Exception] = {}
 
 
 def _native_module() -> ModuleType | None:
@@ -127,8 +129,11 @@ def _native_module() -> ModuleType | None:
         return None
     isa = _requested_isa()
     try:
+        if isa in _build_errors:
+            raise _build_errors[isa]
         return _build(isa)
     except Exception as exc:
+        _build_errors[isa] = exc
         if backend == "native":
             raise RuntimeError(
                 f"could not build the {isa} CPU Adam kernel ({exc}); install a C++ compiler, or set "
@@ -289,7 +294,7 @@ def host_stream_buffer(
 
     Buffers from :func:`nvme_swapper.aligned_tensor` all start on a 2 MiB boundary, so element ``i`` of every stream
     sits at the same offset of its huge page; when the physical pages are laid out evenly (a freshly booted host)
-    the streams then hit the same DRAM banks in lockstep and the update runs up to 30% slower. Each ``slot`` starts
+    the streams then hit the same DRAM banks in lockstep and the update runs up to twice as slow. Each ``slot`` starts
     ``705 KiB * slot`` further into its page (relative to ``anchor``'s offset when given, e.g. the parameter the
     state belongs to), which keeps streams apart in both the bank bits and the 4 KiB page offset. Costs up to
     2 MiB of padding per buffer.
