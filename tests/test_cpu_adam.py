@@ -249,6 +249,22 @@ def test_low_precision_gradients_read_exactly(bits: list[int], grad_dtype: torch
     assert_same_bits(p, p_f, "param")
 
 
+def test_empty_buffers_are_a_no_op(backend: str) -> None:
+    empty = torch.empty(0)
+    adam_step(empty, empty, empty.clone(), empty.clone(), step=1, out=torch.empty(0, dtype=torch.bfloat16),
+              weight_decay=0.1, **HP)  # fmt: skip
+
+
+def test_concurrent_first_calls(native: str) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    p0, grads = initial_params(4099), make_grads(4099, 5, torch.float32)
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: run_kernel(p0, grads, weight_decay=0.1), range(4)))
+    for other in results[1:]:
+        assert torch.equal(results[0][0], other[0])
+
+
 def test_result_does_not_depend_on_thread_count(native: str) -> None:
     n = 2**20 + 3
     p0, grads = initial_params(n), make_grads(n, 3, torch.bfloat16)

@@ -21,6 +21,7 @@ import logging
 import math
 import os
 import sys
+import threading
 from pathlib import Path
 from types import ModuleType
 
@@ -119,6 +120,8 @@ def _build(isa: str) -> ModuleType:
 _warned_fallback = False
 # Builds that failed in this process, by ISA: a failed build is not retried on every call (it takes seconds).
 _build_errors: dict[str, Exception] = {}
+# The engine calls adam_step from worker threads; the first calls must not build or import the module twice.
+_build_lock = threading.Lock()
 
 
 def _native_module() -> ModuleType | None:
@@ -129,9 +132,10 @@ def _native_module() -> ModuleType | None:
         return None
     isa = _requested_isa()
     try:
-        if isa in _build_errors:
-            raise _build_errors[isa]
-        return _build(isa)
+        with _build_lock:
+            if isa in _build_errors:
+                raise _build_errors[isa]
+            return _build(isa)
     except Exception as exc:
         _build_errors[isa] = exc
         if backend == "native":
