@@ -47,7 +47,8 @@ def _names(engine: "Engine") -> list[str]:
 
 def _others(engine: "Engine") -> dict[str, torch.Tensor]:
     trainable = {id(p) for p in engine.layout.params}
-    out = {f"frozen/{n}": p.detach() for n, p in engine.module.named_parameters() if id(p) not in trainable}
+    out = {f"frozen/{n}": engine.read_parameter(p) for n, p in engine.module.named_parameters()
+           if id(p) not in trainable}
     out.update({f"buffer/{n}": b for n, b in engine.module.named_buffers()})
     return out
 
@@ -247,9 +248,13 @@ def load(engine: "Engine", root: Path, tag: str | None) -> str:
                     p.copy_(f.read(f"device/{name}"))
                     layout.param_view(engine._next_flats[layout.param_group[i]], i).copy_(master)
                 else:
-                    p.copy_(master)  # the device copy: master rounded to the training dtype
-            for name, t in _others(engine).items():
-                t.copy_(f.read(name))
+                    engine.write_parameter(p, master)  # the working copy: master rounded to the training dtype
+            trainable = {id(p) for p in layout.params}
+            for n, p in engine.module.named_parameters():
+                if id(p) not in trainable:
+                    engine.write_parameter(p, f.read(f"frozen/{n}"))
+            for n, b in engine.module.named_buffers():
+                b.copy_(f.read(f"buffer/{n}"))
         engine._apply_pending = pending
     finally:
         f.close()

@@ -35,6 +35,7 @@ from .config import OffloadConfig
 from .memory import Tier, TieredStore, default_host_budget, fmt_bytes
 from .optim._layout import FlatLayout, Segment
 from .optim.offloaded import OffloadedAdam
+from .params import ParameterOffload
 
 _PLACEMENT = {"none": Tier.DEVICE, "cpu": Tier.HOST, "nvme": Tier.NVME}
 
@@ -57,9 +58,6 @@ class Engine:
         if not isinstance(model, torch.nn.Module):
             raise ValueError(f"initialize: model must be a torch.nn.Module, got {type(model).__name__}")
         zero = cfg.zero_optimization
-        if zero.offload_param.device != "none":
-            raise ValueError("zero_optimization.offload_param (parameter offload) is not available in this "
-                             "version; set its device to \"none\"")
         self.module = model
         self.dtype = cfg.dtype
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
@@ -72,6 +70,11 @@ class Engine:
         self._hooks: list[Any] = []
 
         self._delayed = zero.offload_optimizer.delayed_update
+        self._param_home = zero.offload_param.device  # "none": parameters live on the device
+        if self._delayed and self._param_home != "none":
+            raise ValueError("offload_optimizer.delayed_update cannot be combined with offload_param yet; turn one "
+                             "of them off")
+        self._params: ParameterOffload | None = None
         self._apply_pending = False
         self._next_flats: list[torch.Tensor] = []
         groups, options = self._param_groups(param_groups)
@@ -86,20 +89,25 @@ class Engine:
             Tier.NVME: cfg.offload.nvme_memory_budget,
         }, pin_memory=zero.offload_optimizer.pin_memory)
         try:
-            self.layout = FlatLayout(groups, zero.sub_group_size)
-            self._reserve_device()
+            self.layout = FlatLayout(groups, zero.sub_group_size, whole_params=self._param_home == "nvme")
+            if self._param_home == "none":
+                self._reserve_device()
             self.optimizer = OffloadedAdam(self.layout, self.store, cfg.optimizer, placement, group_options=options,
                                            nvme_path=zero.offload_optimizer.nvme_path,
                                            buffer_count=zero.offload_optimizer.buffer_count, aio=cfg.aio,
                                            grad_dtype=torch.float32 if cfg.gradient_accumulation_steps > 1
                                            else self.dtype, grad_buffers=2 if self._delayed else 1)
-            self._flats = self._flatten_to_device()
-            if self._delayed:  # updates land in host buffers, copied to the device at the next step
+            if self._param_home != "none":
+                self._flats = []
+                self._offload_parameters()
+            elif self._delayed:
+                self._flats = self._flatten_to_device()  # updates land in host buffers, copied to the device at the next step
                 self._next_flats = [self.store.allocate(Tier.HOST, f.numel(), self.dtype, "delayed-update parameters",
                                                         "raise offload.host_memory_budget or turn off "
                                                         "offload_optimizer.delayed_update") for f in self._flats]
                 self.optimizer.attach_device(self._next_flats)
             else:
+                self._flats = self._flatten_to_device()
                 self.optimizer.attach_device(self._flats)
             self._install_hooks()
         except BaseException:
@@ -184,6 +192,59 @@ class Engine:
                         mod._buffers[name] = buf.to(self.device, self.dtype if buf.is_floating_point() else buf.dtype)
         return flats
 
+    def _offload_parameters(self) -> None:
+        """Parameter offload: homes on HOST (the flat host buffers the optimizer updates in place) or NVMe (a key
+        per parameter, rewritten after each sub-group's update); the device holds a window (params/_offload.py)."""
+        zero = self.config.zero_optimization
+        layout = self.layout
+        trainable = {id(p) for p in layout.params}
+        frozen = [p for p in self.module.parameters() if id(p) not in trainable]
+        homes: list[torch.Tensor | None] = [None] * len(layout.params)
+        if self._param_home == "cpu":
+            self._host_flats = [self.store.allocate(Tier.HOST, n, self.dtype, f"the host home of param group {g}",
+                                                    "raise offload.host_memory_budget or home the parameters on nvme")
+                                for g, n in enumerate(layout.group_numel)]
+            with torch.no_grad():
+                for i, p in enumerate(layout.params):
+                    view = layout.param_view(self._host_flats[layout.param_group[i]], i)
+                    view.copy_(p.detach())
+                    homes[i] = view.view(-1)
+            self.optimizer.attach_device(self._host_flats)
+        else:
+            self.optimizer.attach_device([], on_updated=self._write_param_homes, dtype=self.dtype)
+        with torch.no_grad():
+            for mod in self.module.modules():
+                for name, buf in mod._buffers.items():
+                    if buf is not None:
+                        mod._buffers[name] = buf.to(self.device, self.dtype if buf.is_floating_point() else buf.dtype)
+        self._params = ParameterOffload(
+            self.module, layout.params + frozen, homes + [None] * len(frozen), self.store, self.dtype,
+            persistence_threshold=zero.stage3_param_persistence_threshold,
+            max_live=zero.stage3_max_live_parameters, bucket=zero.stage3_prefetch_bucket_size,
+            nvme_path=zero.offload_param.nvme_path if self._param_home == "nvme" else None, aio=self.config.aio)
+
+    def _write_param_homes(self, sg: Any, values: torch.Tensor) -> None:
+        """On the optimizer thread, after a sub-group's update: its parameters go to their NVMe homes."""
+        assert self._params is not None
+        for seg in sg.segments:
+            assert seg.param_start == 0 and seg.numel == self.layout.params[seg.param].numel()
+            lo = seg.flat_start - sg.start
+            self._params.write_home(self._params.index_of(self.layout.params[seg.param]), values[lo : lo + seg.numel])
+
+    def read_parameter(self, p: torch.nn.Parameter) -> torch.Tensor:
+        """A parameter's current low-precision value as a host tensor, wherever it lives."""
+        if self._params is not None:
+            return self._params.read_home(self._params.index_of(p))
+        return p.detach().cpu()
+
+    def write_parameter(self, p: torch.nn.Parameter, value: torch.Tensor) -> None:
+        """Sets a parameter's low-precision value wherever it lives (rounded to its dtype)."""
+        with torch.no_grad():
+            if self._params is not None:
+                self._params.write_home(self._params.index_of(p), value.to(self.dtype).reshape(-1))
+            else:
+                p.copy_(value)
+
     def _install_hooks(self) -> None:
         self._segments: list[list[tuple[int, Segment]]] = [[] for _ in self.layout.params]
         for sg in self.layout.sub_groups:
@@ -231,6 +292,8 @@ class Engine:
             (loss.float() * (self.scaler.scale / gas)).backward()
         finally:
             self.optimizer.end_backward()
+            if self._params is not None:
+                self._params.end_backward(step_follows=self._last_micro)
             self.phase = Phase.IDLE
         self.micro_steps += 1
 
@@ -250,6 +313,8 @@ class Engine:
             else:  # accumulating: the buffer is fp32
                 dst.add_(src.to(dst.device, dst.dtype))
         self._seen.add(i)
+        if self._params is not None:
+            self._params.grad_done(p)
         if self.optimizer.placement is not Tier.DEVICE:
             self.store.count(Tier.DEVICE, Tier.HOST, flat.numel() * flat.element_size())
         p.grad = None  # the device copy is no longer needed
@@ -297,6 +362,8 @@ class Engine:
                 self._apply_pending = True
             else:
                 self.optimizer.step(grad_scale=grad_scale)
+            if self._params is not None:
+                self._params.updated()
             if self.config.fp16.enabled:
                 self.scaler.update(False)
             self.global_steps += 1
@@ -362,6 +429,7 @@ class Engine:
             "adam_seconds_overlapped": opt.adam_seconds_overlapped,
             "overlap_fraction": opt.adam_seconds_overlapped / opt.adam_seconds if opt.adam_seconds else 0.0,
             "nvme": self.store.swap_stats(),
+            "params": self._params.stats() if self._params is not None else None,
         }
 
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
@@ -407,11 +475,15 @@ class Engine:
             h.remove()
         self._hooks.clear()
         try:
+            if self._params is not None:
+                self.optimizer.wait()
+                self._params.close()  # the model gets its current parameters back as plain tensors
+                self._params = None
             if hasattr(self, "optimizer"):
                 self.optimizer.close()
-            for f in self._next_flats:
+            for f in self._next_flats + getattr(self, "_host_flats", []):
                 self.store.free(Tier.HOST, f)
-            self._next_flats = []
+            self._next_flats, self._host_flats = [], []
         finally:
             self.store.close()
 

@@ -48,7 +48,11 @@ class FlatLayout:
     """Built once from the trainable parameters; immutable after."""
 
     def __init__(self, groups: list[list[torch.nn.Parameter]], sub_group_size: int, *, world_size: int = 1,
-                 rank: int = 0) -> None:
+                 rank: int = 0, whole_params: bool = False) -> None:
+        """``whole_params``: cut sub-groups only between parameters (a parameter larger than sub_group_size gets a
+        sub-group of its own), so each parameter's new value is complete after one sub-group's update."""
+        if whole_params and world_size > 1:
+            raise ValueError("whole-parameter sub-groups need world_size 1")
         if sub_group_size < ALIGN:
             raise ValueError(f"zero_optimization.sub_group_size must be at least {ALIGN} elements, got "
                              f"{sub_group_size}")
@@ -75,8 +79,7 @@ class FlatLayout:
             share = total // world_size
             own = (rank * share, (rank + 1) * share)
             self.owned.append(own)
-            for start in range(own[0], own[1], sub):
-                end = min(start + sub, own[1])
+            for start, end in self._cuts(own, sub, first, whole_params):
                 segs = []
                 for i in range(first, len(self.params)):
                     p0 = self.param_offset[i]
@@ -86,6 +89,18 @@ class FlatLayout:
                         touching[i].append(len(self.sub_groups))
                 self.sub_groups.append(SubGroup(len(self.sub_groups), g, start, end, tuple(segs)))
         self.param_sub_groups: list[tuple[int, ...]] = [tuple(t) for t in touching]
+
+    def _cuts(self, own: tuple[int, int], sub: int, first: int, whole: bool) -> list[tuple[int, int]]:
+        if not whole:
+            return [(s, min(s + sub, own[1])) for s in range(own[0], own[1], sub)]
+        cuts, start = [], own[0]
+        for i in range(first, len(self.params)):
+            end = self.param_offset[i] + _round_up(self.params[i].numel(), ALIGN)
+            if end - start > sub and self.param_offset[i] > start:
+                cuts.append((start, self.param_offset[i]))
+                start = self.param_offset[i]
+        cuts.append((start, own[1]))
+        return cuts
 
     def owned_numel(self, group: int) -> int:
         lo, hi = self.owned[group]

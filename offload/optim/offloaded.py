@@ -52,6 +52,8 @@ class OffloadedAdam(torch.optim.Optimizer):
         self.adam_seconds = 0.0
         self.adam_seconds_overlapped = 0.0
         self._device_flats: list[torch.Tensor] = []
+        self._on_updated: Any = None
+        self._staging: torch.Tensor | None = None
         self._order = [sg.index for sg in reversed(layout.sub_groups)]  # backward makes gradients final in reverse
         self._done: set[int] = set()
         self._launched = False
@@ -97,10 +99,16 @@ class OffloadedAdam(torch.optim.Optimizer):
             src = self.layout.params[seg.param].detach().reshape(-1)[seg.param_start : seg.param_start + seg.numel]
             master[seg.flat_start - sg.start : seg.flat_start - sg.start + seg.numel].copy_(src)
 
-    def attach_device(self, flats: list[torch.Tensor]) -> None:
-        """The flat low-precision parameter buffers (one per group) that updates write the new parameters into:
-        the device's own, or host buffers the engine copies to the device later (delayed update)."""
+    def attach_device(self, flats: list[torch.Tensor], on_updated: Any = None,
+                      dtype: torch.dtype | None = None) -> None:
+        """Where updates put the new low-precision parameters: ``flats`` (one flat buffer per group: the device's
+        own, host buffers copied to the device later, or the parameters' host home), or, with ``on_updated``, a
+        staging buffer handed to ``on_updated(sub_group, values)`` after each update (parameters homed on NVMe)."""
         self._device_flats = flats
+        self._on_updated = on_updated
+        if on_updated is not None:
+            self._staging = self.store.allocate(Tier.HOST, self.layout.max_sub_group_numel, dtype or flats[0].dtype,
+                                                "the staging buffer of updated parameters", _FIX_HOST)
 
     def swap_grads(self) -> None:
         """Hooks write the other gradient set from now on (delayed update: backward t+1 beside update t)."""
@@ -173,7 +181,10 @@ class OffloadedAdam(torch.optim.Optimizer):
         n = sg.numel
         master, exp_avg, exp_avg_sq = block[:n], block[n : 2 * n], block[2 * n :]
         group = self.param_groups[sg.group]
-        device_slice = self._device_flats[sg.group][sg.start : sg.end]
+        if self._on_updated is not None:
+            device_slice = self._staging[: sg.numel]
+        else:
+            device_slice = self._device_flats[sg.group][sg.start : sg.end]
         t = time.perf_counter()
         on_cpu = device_slice.device.type == "cpu"
         lowp = device_slice.dtype != torch.float32
@@ -191,6 +202,8 @@ class OffloadedAdam(torch.optim.Optimizer):
             self.adam_seconds_overlapped += elapsed
         if not (on_cpu and lowp):
             self._to_device(device_slice, master)
+        if self._on_updated is not None:
+            self._on_updated(sg, device_slice)
         if self.placement is Tier.NVME:
             self.store.evict(self._key(sg))
 
@@ -252,6 +265,9 @@ class OffloadedAdam(torch.optim.Optimizer):
                 self.store.free(Tier.DEVICE if self.placement is Tier.DEVICE else Tier.HOST, g)
         for block in self._state:
             self.store.free(self.placement, block)
+        if self._staging is not None:
+            self.store.free(Tier.HOST, self._staging)
+            self._staging = None
         self._grad_sets, self.grads, self._state = [], [], []
 
     # torch.optim.Optimizer surface that does not apply -----------------------------------------------------------

@@ -1,0 +1,6 @@
+"""Parameter offload (ZeRO-3 / ZeRO-Infinity for parameters): homes on HOST or NVMe, a bounded device window,
+module hooks and trace-driven prefetch. See ``_offload.py``."""
+
+from ._offload import ParameterOffload, ParamState
+
+__all__ = ["ParamState", "ParameterOffload"]

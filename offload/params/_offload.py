@@ -1,0 +1,418 @@
+"""ParameterOffload: low-precision parameters live on HOST or NVME; only a bounded window is on the device.
+
+Each managed parameter has a home (a view of the flat host buffer the optimizer writes new parameters into, or a
+swap key per parameter on NVMe) and a device state, explicit in :class:`ParamState`:
+
+    RELEASED --fetch--> FETCHING --(copy/read done)--> AVAILABLE --release (no user left)--> RELEASED
+
+While RELEASED, ``p.data`` is one NaN element expanded to the parameter's shape (the shape stays true for
+autograd, which lays out a gradient to match it, and a use that bypassed the hooks shows as NaN rather than as
+plausible numbers); while AVAILABLE it is a device buffer counted on the DEVICE tier.
+Parameters with at most ``stage3_param_persistence_threshold`` elements stay AVAILABLE (persistent).
+
+When parameters are needed:
+
+* forward: a pre-hook on each module fetches its own parameters (waiting only for those not already prefetched)
+  and a post-hook releases them;
+* backward: the model's forward runs under a saved-tensors hook that saves a *reference* (parameter, view
+  geometry) instead of a parameter's device tensor, so backward fetches it again on demand at unpack time;
+  a trainable parameter is released once its gradient has been accumulated (its last use in this backward),
+  frozen ones when backward ends.
+
+Prefetch: the first step records the order parameters are fetched in (forward and backward separately); later
+steps, at each fetch, start the fetches of the next parameters in that order as long as the live parameters stay
+within ``stage3_max_live_parameters`` and the fetches in flight within ``stage3_prefetch_bucket_size``. A step
+whose order departs from the trace stays correct (fetches wait), drops the trace and records a new one.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nvme_swapper import AioConfig, SwapEngine, aligned_tensor
+
+from ..memory import BudgetExceeded, Tier, TieredStore
+
+
+class ParamState(Enum):
+    RELEASED = "released"
+    FETCHING = "fetching"
+    AVAILABLE = "available"
+
+
+@dataclass(eq=False)
+class _Param:
+    index: int  # position in ParameterOffload.params
+    param: torch.nn.Parameter
+    shape: torch.Size
+    numel: int
+    home: torch.Tensor | None  # HOST home: a view of the optimizer's flat host buffer (or a private host copy)
+    persistent: bool
+    state: ParamState = ParamState.RELEASED
+    device: torch.Tensor | None = None
+    pending: Any = None  # the fetch in flight (a SwapHandle or a Future), cleared when waited
+    users: int = 0  # modules currently running with it (a module may be entered again before it exits)
+    stale: bool = False  # persistent: the optimizer has written a newer value to the home
+
+
+@dataclass
+class _Trace:
+    """The order parameters were fetched in, by phase; ``pos`` is how far this step has followed it."""
+
+    order: list[int] = field(default_factory=list)
+    recording: bool = True
+    pos: int = 0
+
+
+class ParameterOffload:
+    """Owns the device copies of the model's parameters, the hooks that fetch and release them, the prefetch
+    traces, and (NVMe home) its own swap engine. ``close()`` removes the hooks and puts every parameter back on
+    the device as a plain tensor."""
+
+    def __init__(self, module: torch.nn.Module, params: list[torch.nn.Parameter], homes: list[torch.Tensor | None],
+                 store: TieredStore, dtype: torch.dtype, *, persistence_threshold: int, max_live: int,
+                 bucket: int, nvme_path: str | None = None, aio: AioConfig | None = None) -> None:
+        self.module, self.store, self.dtype = module, store, dtype
+        self.device = store.device
+        self.max_live, self.bucket = max_live, bucket
+        self.live_numel = 0
+        self.counters = {"resident": 0, "in_flight": 0, "waited": 0, "fetches": 0, "released": 0,
+                         "trace_invalidations": 0}
+        self._swap: SwapEngine | None = None
+        self._copier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="offload-fetch")
+        self._hooks: list[Any] = []
+        self.params: list[_Param] = []
+        self._by_param: dict[int, _Param] = {}
+        self._by_storage: dict[int, _Param] = {}
+        self._traces = {"forward": _Trace(), "backward": _Trace()}
+        self._phase = "forward"
+        self._frozen_in_backward: set[int] = set()
+        if nvme_path is not None:
+            root = Path(nvme_path)
+            root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self._swap = SwapEngine(root, aio or AioConfig())
+        try:
+            for i, (p, home) in enumerate(zip(params, homes)):
+                persistent = p.numel() <= persistence_threshold
+                rec = _Param(i, p, p.shape, p.numel(), home, persistent)
+                self.params.append(rec)
+                self._by_param[id(p)] = rec
+                if self._swap is not None and not persistent:
+                    staged = aligned_tensor(p.numel(), dtype, pin_memory=False)
+                    staged.copy_(p.detach().reshape(-1))
+                    self._swap.write(self._key(rec), staged).wait()
+                    rec.home = None
+                elif home is None:
+                    rec.home = aligned_tensor(p.numel(), dtype, pin_memory=store.pin_memory)
+                    rec.home.copy_(p.detach().reshape(-1))
+                if persistent:
+                    self._materialize(rec)
+                    rec.device.copy_(rec.home if rec.home is not None else p.detach().reshape(-1))
+                    rec.state = ParamState.AVAILABLE
+                p.data = self._placeholder(rec) if not persistent else rec.device.view(rec.shape)
+            self._install()
+        except BaseException:
+            self.close()
+            raise
+
+    @staticmethod
+    def _key(rec: _Param) -> str:
+        return f"param/{rec.index}"
+
+    # hooks ------------------------------------------------------------------------------------------------------
+
+    def _install(self) -> None:
+        # before any module's own pre-hook (the root's included): a new forward starts the traces from the top
+        self._hooks.append(self.module.register_forward_pre_hook(lambda *_: self.begin_step(), prepend=True))
+        for mod in self.module.modules():
+            own = [self._by_param[id(p)] for p in mod.parameters(recurse=False) if id(p) in self._by_param]
+            if own:
+                self._hooks.append(mod.register_forward_pre_hook(functools.partial(self._pre_forward, own)))
+                self._hooks.append(mod.register_forward_hook(functools.partial(self._post_forward, own)))
+        self._hooks.append(self.module.register_forward_hook(lambda *_: self._forward_done()))
+        original = self.module.forward
+
+        @functools.wraps(original)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                return original(*args, **kwargs)
+
+        self.module.forward = forward
+        self._original_forward = original
+
+    def _pre_forward(self, own: list[_Param], module: torch.nn.Module, args: Any) -> None:
+        for rec in own:
+            self.fetch(rec)
+            rec.users += 1
+
+    def _post_forward(self, own: list[_Param], module: torch.nn.Module, args: Any, output: Any) -> None:
+        for rec in own:
+            rec.users -= 1
+            if rec.users == 0:
+                self.release(rec)
+
+    def _forward_done(self) -> None:
+        """The root module returned: with autograd recording, backward comes next, so start its first fetches."""
+        if torch.is_grad_enabled():
+            self._phase = "backward"
+            self._traces["backward"].pos = 0
+            self._prefetch()
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        if t.device != self.device or not t.is_floating_point():
+            return t
+        rec = self._by_storage.get(t.untyped_storage().data_ptr())
+        if rec is None:
+            return t
+        return (rec, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        rec, offset, shape, stride = packed
+        self._phase = "backward"
+        self.fetch(rec)
+        if not rec.param.requires_grad:
+            self._frozen_in_backward.add(rec.index)
+        assert rec.device is not None
+        return rec.device.as_strided(shape, stride, offset)
+
+    # fetch and release ------------------------------------------------------------------------------------------
+
+    def fetch(self, rec: _Param) -> None:
+        """Makes ``rec`` AVAILABLE on the device (waiting if needed), then prefetches along the trace."""
+        self._follow_trace(rec)
+        self.counters["fetches"] += 1
+        if rec.state is ParamState.AVAILABLE:
+            if rec.stale:
+                self._refresh(rec)
+            self.counters["resident"] += 1
+        elif rec.state is ParamState.FETCHING:
+            self.counters["in_flight"] += 1
+            self._finish(rec)
+        else:
+            self.counters["waited"] += 1
+            self._make_room(rec.numel, keep=rec)
+            self._start(rec)
+            self._finish(rec)
+        self._prefetch()
+
+    def release(self, rec: _Param) -> None:
+        if rec.persistent or rec.users > 0 or rec.state is ParamState.RELEASED:
+            return
+        if rec.state is ParamState.FETCHING:
+            self._finish(rec)
+        self._by_storage.pop(rec.device.untyped_storage().data_ptr(), None)
+        self.store.free(Tier.DEVICE, rec.device)
+        self.live_numel -= rec.numel
+        rec.device = None
+        rec.param.data = self._placeholder(rec)
+        rec.state = ParamState.RELEASED
+        self.counters["released"] += 1
+
+    def _placeholder(self, rec: _Param) -> torch.Tensor:
+        return torch.full((1,), float("nan"), dtype=self.dtype, device=self.device).expand(rec.shape)
+
+    def _materialize(self, rec: _Param) -> None:
+        rec.device = self.store.allocate(Tier.DEVICE, rec.numel, self.dtype, f"parameter {rec.index} on the device",
+                                         "raise offload.device_memory_budget or lower "
+                                         "zero_optimization.stage3_max_live_parameters")
+        self._by_storage[rec.device.untyped_storage().data_ptr()] = rec
+
+    def _start(self, rec: _Param) -> None:
+        self._materialize(rec)
+        if not rec.persistent:
+            self.live_numel += rec.numel
+        if rec.home is None:
+            assert self._swap is not None
+            if self.device.type == "cpu":
+                rec.pending = self._swap.read(self._key(rec), rec.device)
+            else:
+                staging = aligned_tensor(rec.numel, self.dtype, pin_memory=True)
+                handle = self._swap.read(self._key(rec), staging)
+                rec.pending = self._copier.submit(self._to_device, handle, staging, rec.device)
+        else:
+            rec.pending = self._copier.submit(self._copy, rec.device, rec.home)
+        rec.state = ParamState.FETCHING
+        self.store.count(Tier.NVME if rec.home is None else Tier.HOST, Tier.DEVICE, rec.numel * 2)
+
+    @staticmethod
+    def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src, non_blocking=dst.device.type == "cuda")
+        if dst.device.type == "cuda":
+            torch.cuda.current_stream(dst.device).synchronize()
+
+    def _to_device(self, handle: Any, staging: torch.Tensor, dst: torch.Tensor) -> None:
+        handle.wait()
+        self._copy(dst, staging)
+
+    def _finish(self, rec: _Param) -> None:
+        pending, rec.pending = rec.pending, None
+        t = time.perf_counter()
+        try:
+            pending.result() if isinstance(pending, concurrent.futures.Future) else pending.wait()
+        finally:
+            self.store.stall_seconds += time.perf_counter() - t
+        rec.state = ParamState.AVAILABLE
+        rec.stale = False
+        rec.param.data = rec.device.view(rec.shape)
+
+    def _refresh(self, rec: _Param) -> None:
+        """A persistent parameter after an optimizer step: copy its new value from the home."""
+        if rec.home is not None:
+            rec.device.copy_(rec.home)
+        rec.stale = False
+
+    def _make_room(self, numel: int, keep: _Param) -> None:
+        """Before a demand fetch: drop prefetched parameters nobody uses if the window is full."""
+        if self.live_numel + numel <= self.max_live:
+            return
+        for rec in self.params:
+            if rec is not keep and rec.users == 0 and not rec.persistent and rec.state is not ParamState.RELEASED \
+                    and rec.index not in self._frozen_in_backward:
+                self.release(rec)
+                if self.live_numel + numel <= self.max_live:
+                    return
+
+    # traces -----------------------------------------------------------------------------------------------------
+
+    def _follow_trace(self, rec: _Param) -> None:
+        trace = self._traces[self._phase]
+        if trace.recording:
+            trace.order.append(rec.index)
+            return
+        if trace.pos < len(trace.order) and trace.order[trace.pos] == rec.index:
+            trace.pos += 1
+            return
+        if rec.state is ParamState.AVAILABLE and rec.users > 0:
+            return  # already in use (a module entered again, a tied weight): not a step of the order
+        self.counters["trace_invalidations"] += 1  # the order changed: stay correct, record it again
+        trace.order, trace.recording, trace.pos = [rec.index], True, 0
+
+    def _prefetch(self) -> None:
+        trace = self._traces[self._phase]
+        if trace.recording:
+            return
+        in_flight = sum(r.numel for r in self.params if r.state is ParamState.FETCHING)
+        for idx in trace.order[trace.pos :]:
+            rec = self.params[idx]
+            if rec.state is not ParamState.RELEASED:
+                continue
+            if self.live_numel + rec.numel > self.max_live or (in_flight and in_flight + rec.numel > self.bucket):
+                break
+            try:
+                self._start(rec)
+            except BudgetExceeded:
+                break
+            in_flight += rec.numel
+
+    # step boundaries --------------------------------------------------------------------------------------------
+
+    def begin_step(self) -> None:
+        """Before a forward: traces restart from the top; a recorded forward (eval, no backward) stops recording."""
+        self._phase = "forward"
+        for trace in self._traces.values():
+            trace.pos = 0
+        forward = self._traces["forward"]
+        if forward.recording and forward.order:
+            forward.recording = False
+
+    def end_backward(self, step_follows: bool) -> None:
+        """After backward: release what backward fetched and close the recording of both traces. Unless an
+        optimizer step comes first (it would make copies fetched now stale), start the next forward's fetches."""
+        for rec in self.params:
+            if rec.users == 0:
+                self.release(rec)
+        self._frozen_in_backward.clear()
+        for trace in self._traces.values():
+            if trace.order:
+                trace.recording = False
+            trace.pos = 0
+        self._phase = "forward"
+        if not step_follows:
+            self._prefetch()
+
+    def grad_done(self, param: torch.nn.Parameter) -> None:
+        """A trainable parameter's gradient is accumulated: backward will not use it again."""
+        rec = self._by_param.get(id(param))
+        if rec is not None and rec.users == 0:
+            self.release(rec)
+
+    def updated(self) -> None:
+        """The optimizer has written new parameters to every home: mark device copies stale and start the next
+        forward's fetches."""
+        for rec in self.params:
+            if rec.persistent:
+                rec.stale = True
+            elif rec.state is not ParamState.RELEASED and rec.users == 0:
+                self.release(rec)  # fetched before the update: holds the old values
+        self._phase = "forward"
+        self._traces["forward"].pos = 0
+        self._prefetch()
+
+    def write_home(self, index: int, value: torch.Tensor) -> None:
+        """Stores a parameter's new low-precision value in its home (the optimizer thread calls this when the
+        home is not the flat host buffer it writes into)."""
+        rec = self.params[index]
+        if rec.home is not None:
+            rec.home.copy_(value.reshape(-1))
+            rec.stale = True
+        else:
+            assert self._swap is not None
+            self._swap.write(self._key(rec), value).wait()  # the staging memory is reused right after
+
+    def read_home(self, index: int) -> torch.Tensor:
+        """A parameter's current value from its home, as a new host tensor in its shape."""
+        rec = self.params[index]
+        if rec.home is not None:
+            return rec.home.view(rec.shape).clone()
+        assert self._swap is not None
+        staged = aligned_tensor(rec.numel, self.dtype, pin_memory=False)
+        self._swap.read(self._key(rec), staged).wait()
+        return staged.view(rec.shape)
+
+    def index_of(self, param: torch.nn.Parameter) -> int:
+        return self._by_param[id(param)].index
+
+    def stats(self) -> dict[str, Any]:
+        c = dict(self.counters)
+        ahead = c["resident"] + c["in_flight"]
+        c["hit_rate"] = ahead / c["fetches"] if c["fetches"] else 0.0
+        return c
+
+    def reset_counters(self) -> None:
+        for k in self.counters:
+            self.counters[k] = 0
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        if getattr(self, "_original_forward", None) is not None:
+            del self.module.forward  # the instance attribute; the class's forward shows through again
+            self._original_forward = None
+        for rec in self.params:  # hand the model back whole, as plain tensors
+            if rec.state is ParamState.FETCHING:
+                self._finish(rec)
+            if rec.state is ParamState.RELEASED or rec.stale:
+                rec.param.data = self.read_home(rec.index).to(self.device)
+                if rec.device is not None:
+                    self.store.free(Tier.DEVICE, rec.device)
+                    rec.device = None
+            else:
+                rec.param.data = rec.device.view(rec.shape).clone()
+                self.store.free(Tier.DEVICE, rec.device)
+                rec.device = None
+            rec.state = ParamState.RELEASED
+        self._copier.shutdown(wait=True)
+        if self._swap is not None:
+            self._swap.close()
+            self._swap = None
