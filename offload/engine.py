@@ -428,6 +428,7 @@ class Engine:
             "adam_seconds": opt.adam_seconds,
             "adam_seconds_overlapped": opt.adam_seconds_overlapped,
             "overlap_fraction": opt.adam_seconds_overlapped / opt.adam_seconds if opt.adam_seconds else 0.0,
+            "sub_groups_overlapped": opt.sub_groups_overlapped,
             "nvme": self.store.swap_stats(),
             "params": self._params.stats() if self._params is not None else None,
         }

@@ -29,6 +29,9 @@ from pathlib import Path
 import torch
 
 from nvme_swapper import AioConfig, FileIO, SwapEngine, SwapHandle, aligned_tensor
+from nvme_swapper._buffers import HUGE_PAGE
+
+from ..ops import host_stream_buffer
 
 from ._pool import BufferPool
 from ._tiers import Tier, TierAccount, fmt_bytes
@@ -95,30 +98,46 @@ class TieredStore:
         self.moved: collections.Counter[str] = collections.Counter()
         self.stall_seconds = 0.0
         self._managed: dict[str, _Managed] = {}
+        self._charged: dict[int, int] = {}  # bytes charged per allocation, by address
         self._evicting: collections.deque[_Managed] = collections.deque()
         self._swap: SwapEngine | None = None
         self._pool: BufferPool | None = None
 
     # plain allocations -----------------------------------------------------------------------------------------
 
-    def allocate(self, tier: Tier, numel: int, dtype: torch.dtype, what: str, fix: str = "") -> torch.Tensor:
-        """A zeroed flat tensor on DEVICE or HOST, counted against the tier's budget until ``free``."""
+    def allocate(self, tier: Tier, numel: int, dtype: torch.dtype, what: str, fix: str = "", *,
+                 stagger: int = 0) -> torch.Tensor:
+        """A zeroed flat tensor on DEVICE or HOST, counted against the tier's budget until ``free``.
+
+        ``stagger=k`` (CPU memory, large buffers) starts the buffer k stream-offsets into its huge page, for buffers
+        streamed in lockstep with others by the Adam kernel: streams at equal huge-page offsets hit the same DRAM
+        banks together and run up to twice as slow (docs/cpu_adam.md)."""
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        self.accounts[tier].reserve(nbytes, what, fix)
+        cpu = tier is Tier.HOST or self.device.type == "cpu"
+        stagger = stagger if cpu and not self.pin_memory and nbytes >= (64 << 20) else 0  # padding <= 3%
+        charged = nbytes + (HUGE_PAGE if stagger else 0)
+        self.accounts[tier].reserve(charged, what, fix)
         try:
-            if tier is Tier.DEVICE:
-                if self.device.type == "cpu":
-                    return aligned_tensor(numel, dtype, pin_memory=False)
-                return torch.zeros(numel, dtype=dtype, device=self.device)
-            if tier is Tier.HOST:
-                return aligned_tensor(numel, dtype, pin_memory=self.pin_memory)
-            raise ValueError(f"allocate: {tier} holds files, not tensors; use register()")
+            if stagger:
+                t = host_stream_buffer(numel, dtype, slot=stagger)
+            elif tier is Tier.DEVICE:
+                t = aligned_tensor(numel, dtype, pin_memory=False) if self.device.type == "cpu" \
+                    else torch.zeros(numel, dtype=dtype, device=self.device)
+            elif tier is Tier.HOST:
+                t = aligned_tensor(numel, dtype, pin_memory=self.pin_memory)
+            else:
+                raise ValueError(f"allocate: {tier} holds files, not tensors; use register()")
         except BaseException:
-            self.accounts[tier].release(nbytes)
+            self.accounts[tier].release(charged)
             raise
+        if numel:
+            self._charged[t.data_ptr()] = charged
+        return t
 
     def free(self, tier: Tier, tensor: torch.Tensor) -> None:
-        self.accounts[tier].release(tensor.numel() * tensor.element_size())
+        """Returns the bytes ``allocate`` charged for ``tensor`` (the caller drops its references)."""
+        if tensor.numel():
+            self.accounts[tier].release(self._charged.pop(tensor.data_ptr()))
 
     def count(self, src: Tier, dst: Tier, nbytes: int) -> None:
         """Records bytes moved between tiers by someone else's copy (the engine's device<->host copies)."""

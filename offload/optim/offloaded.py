@@ -51,6 +51,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         self.step_count = 0  # completed steps; the update in progress uses step_count + 1
         self.adam_seconds = 0.0
         self.adam_seconds_overlapped = 0.0
+        self.sub_groups_overlapped = 0  # queued during backward (their update could start before backward ended)
         self._device_flats: list[torch.Tensor] = []
         self._on_updated: Any = None
         self._staging: torch.Tensor | None = None
@@ -60,7 +61,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         self._in_backward = False
         grad_tier = Tier.DEVICE if placement is Tier.DEVICE else Tier.HOST
         self._grad_sets = [[store.allocate(grad_tier, layout.owned_numel(g), grad_dtype,
-                                           f"{grad_dtype} gradients of param group {g}", _FIX_HOST)
+                                           f"{grad_dtype} gradients of param group {g}", _FIX_HOST, stagger=1)
                             for g in range(n_groups)] for _ in range(grad_buffers)]
         self._grad_index = 0
         self.grads = self._grad_sets[0]  # where the engine's hooks write; the other set (if any) feeds updates
@@ -130,6 +131,8 @@ class OffloadedAdam(torch.optim.Optimizer):
     def submit(self, sg: int, grad_scale: float = 1.0) -> None:
         """Queues one sub-group's update for the step in progress (its gradients are final)."""
         self._done.add(sg)
+        if self._in_backward:
+            self.sub_groups_overlapped += 1
         self._stepper.submit((sg, grad_scale, self.grads, self.step_count + 1))
 
     def step(self, closure: Any = None, *, grad_scale: float = 1.0) -> None:  # type: ignore[override]
