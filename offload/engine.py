@@ -231,6 +231,12 @@ class Engine:
             lo = seg.flat_start - sg.start
             self._params.write_home(self._params.index_of(self.layout.params[seg.param]), values[lo : lo + seg.numel])
 
+    def register_external_parameter(self, module: torch.nn.Module, param: torch.nn.Parameter) -> None:
+        """With parameter offload, a parameter is on the device while its own module runs; declare here one that
+        ``module`` reads directly although another module owns it (a no-op without parameter offload)."""
+        if self._params is not None:
+            self._params.register_external(module, param)
+
     def read_parameter(self, p: torch.nn.Parameter) -> torch.Tensor:
         """A parameter's current low-precision value as a host tensor, wherever it lives."""
         if self._params is not None:

@@ -13,7 +13,9 @@ Parameters with at most ``stage3_param_persistence_threshold`` elements stay AVA
 When parameters are needed:
 
 * forward: a pre-hook on each module fetches its own parameters (waiting only for those not already prefetched)
-  and a post-hook releases them;
+  and a post-hook releases them. So a parameter is on the device while its owning module runs; a module that
+  reads another module's parameter directly (``self.sub.weight`` outside ``self.sub(...)``) must declare it
+  with :meth:`register_external` (DeepSpeed's rule too), or the read sees NaN;
 * backward: the model's forward runs under a saved-tensors hook that saves a *reference* (parameter, view
   geometry) instead of a parameter's device tensor, so backward fetches it again on demand at unpack time;
   a trainable parameter is released once its gradient has been accumulated (its last use in this backward),
@@ -132,11 +134,11 @@ class ParameterOffload:
     def _install(self) -> None:
         # before any module's own pre-hook (the root's included): a new forward starts the traces from the top
         self._hooks.append(self.module.register_forward_pre_hook(lambda *_: self.begin_step(), prepend=True))
+        self._uses: dict[int, list[_Param]] = {}
         for mod in self.module.modules():
             own = [self._by_param[id(p)] for p in mod.parameters(recurse=False) if id(p) in self._by_param]
             if own:
-                self._hooks.append(mod.register_forward_pre_hook(functools.partial(self._pre_forward, own)))
-                self._hooks.append(mod.register_forward_hook(functools.partial(self._post_forward, own)))
+                self._hook_module(mod, own)
         self._hooks.append(self.module.register_forward_hook(lambda *_: self._forward_done()))
         original = self.module.forward
 
@@ -148,15 +150,32 @@ class ParameterOffload:
         self.module.forward = forward
         self._original_forward = original
 
+    def _hook_module(self, mod: torch.nn.Module, own: list[_Param]) -> None:
+        self._uses[id(mod)] = own
+        self._hooks.append(mod.register_forward_pre_hook(functools.partial(self._pre_forward, own)))
+        self._hooks.append(mod.register_forward_hook(functools.partial(self._post_forward, own)))
+
+    def register_external(self, module: torch.nn.Module, param: torch.nn.Parameter) -> None:
+        """Makes ``param`` available while ``module`` runs, though another module owns it."""
+        rec = self._by_param.get(id(param))
+        if rec is None:
+            raise ValueError("register_external: the tensor is not a parameter of the model")
+        if id(module) in self._uses:
+            if rec not in self._uses[id(module)]:
+                self._uses[id(module)].append(rec)
+        else:
+            self._hook_module(module, [rec])
+
     def _pre_forward(self, own: list[_Param], module: torch.nn.Module, args: Any) -> None:
         for rec in own:
             self.fetch(rec)
             rec.users += 1
 
     def _post_forward(self, own: list[_Param], module: torch.nn.Module, args: Any, output: Any) -> None:
-        for rec in own:
+        recomputing = self._phase == "backward"  # activation checkpointing re-runs forward inside backward,
+        for rec in own:  # saving the parameters themselves: keep them until their gradient is in (grad_done)
             rec.users -= 1
-            if rec.users == 0:
+            if rec.users == 0 and not recomputing:
                 self.release(rec)
 
     def _forward_done(self) -> None:
@@ -316,8 +335,16 @@ class ParameterOffload:
 
     # step boundaries --------------------------------------------------------------------------------------------
 
+    def _reset_users(self) -> None:
+        """No module is running at a phase boundary. Counts can be left over when a forward did not finish its
+        modules: an exception, or activation checkpointing stopping a recomputation early once it has what it
+        needs (the remaining post-hooks never run)."""
+        for rec in self.params:
+            rec.users = 0
+
     def begin_step(self) -> None:
         """Before a forward: traces restart from the top; a recorded forward (eval, no backward) stops recording."""
+        self._reset_users()
         self._phase = "forward"
         for trace in self._traces.values():
             trace.pos = 0
@@ -328,9 +355,9 @@ class ParameterOffload:
     def end_backward(self, step_follows: bool) -> None:
         """After backward: release what backward fetched and close the recording of both traces. Unless an
         optimizer step comes first (it would make copies fetched now stale), start the next forward's fetches."""
+        self._reset_users()
         for rec in self.params:
-            if rec.users == 0:
-                self.release(rec)
+            self.release(rec)
         self._frozen_in_backward.clear()
         for trace in self._traces.values():
             if trace.order:
@@ -349,10 +376,11 @@ class ParameterOffload:
     def updated(self) -> None:
         """The optimizer has written new parameters to every home: mark device copies stale and start the next
         forward's fetches."""
+        self._reset_users()
         for rec in self.params:
             if rec.persistent:
                 rec.stale = True
-            elif rec.state is not ParamState.RELEASED and rec.users == 0:
+            elif rec.state is not ParamState.RELEASED:
                 self.release(rec)  # fetched before the update: holds the old values
         self._phase = "forward"
         self._traces["forward"].pos = 0
