@@ -85,7 +85,10 @@ class ParameterOffload:
         self.module, self.store, self.dtype = module, store, dtype
         self.device = store.device
         self.max_live, self.bucket = max_live, bucket
-        self.live_numel = 0
+        self.live_numel = 0  # non-persistent parameters AVAILABLE or FETCHING
+        self.in_flight_numel = 0
+        self._cache: dict[int, list[torch.Tensor]] = {}  # released device buffers by size, reused by fetches
+        self.cached_numel = 0  # live + cached stays within max_live: the device window's bound
         self.counters = {"resident": 0, "in_flight": 0, "waited": 0, "fetches": 0, "released": 0,
                          "trace_invalidations": 0}
         self._swap: SwapEngine | None = None
@@ -230,7 +233,8 @@ class ParameterOffload:
         if rec.state is ParamState.FETCHING:
             self._finish(rec)
         self._by_storage.pop(rec.device.untyped_storage().data_ptr(), None)
-        self.store.free(Tier.DEVICE, rec.device)
+        self._cache.setdefault(rec.numel, []).append(rec.device)  # fetches of same-shaped parameters reuse it
+        self.cached_numel += rec.numel
         self.live_numel -= rec.numel
         rec.device = None
         rec.param.data = self._placeholder(rec)
@@ -241,13 +245,31 @@ class ParameterOffload:
         return torch.full((1,), float("nan"), dtype=self.dtype, device=self.device).expand(rec.shape)
 
     def _materialize(self, rec: _Param) -> None:
-        rec.device = self.store.allocate(Tier.DEVICE, rec.numel, self.dtype, f"parameter {rec.index} on the device",
-                                         "raise offload.device_memory_budget or lower "
-                                         "zero_optimization.stage3_max_live_parameters")
+        """A device buffer for ``rec``: a cached one of its size (no allocation, no page faults), else a new one
+        after dropping cached buffers until the window has room."""
+        cached = self._cache.get(rec.numel)
+        if cached and not rec.persistent:
+            rec.device = cached.pop()
+            self.cached_numel -= rec.numel
+        else:
+            if not rec.persistent:
+                self._trim(self.max_live - self.live_numel - rec.numel)
+            rec.device = self.store.allocate(Tier.DEVICE, rec.numel, self.dtype, f"parameter {rec.index} on the "
+                                             "device", "raise offload.device_memory_budget or lower "
+                                             "zero_optimization.stage3_max_live_parameters")
         self._by_storage[rec.device.untyped_storage().data_ptr()] = rec
+
+    def _trim(self, keep: int) -> None:
+        """Frees cached device buffers until at most ``keep`` elements stay cached."""
+        for numel in sorted(self._cache, reverse=True):
+            bufs = self._cache[numel]
+            while bufs and self.cached_numel > max(keep, 0):
+                self.store.free(Tier.DEVICE, bufs.pop())
+                self.cached_numel -= numel
 
     def _start(self, rec: _Param) -> None:
         self._materialize(rec)
+        self.in_flight_numel += rec.numel
         if not rec.persistent:
             self.live_numel += rec.numel
         if rec.home is None:
@@ -275,6 +297,7 @@ class ParameterOffload:
 
     def _finish(self, rec: _Param) -> None:
         pending, rec.pending = rec.pending, None
+        self.in_flight_numel -= rec.numel
         t = time.perf_counter()
         try:
             pending.result() if isinstance(pending, concurrent.futures.Future) else pending.wait()
@@ -320,7 +343,7 @@ class ParameterOffload:
         trace = self._traces[self._phase]
         if trace.recording:
             return
-        in_flight = sum(r.numel for r in self.params if r.state is ParamState.FETCHING)
+        in_flight = self.in_flight_numel
         for idx in trace.order[trace.pos :]:
             rec = self.params[idx]
             if rec.state is not ParamState.RELEASED:
@@ -440,6 +463,7 @@ class ParameterOffload:
                 self.store.free(Tier.DEVICE, rec.device)
                 rec.device = None
             rec.state = ParamState.RELEASED
+        self._trim(0)
         self._copier.shutdown(wait=True)
         if self._swap is not None:
             self._swap.close()
