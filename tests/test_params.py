@@ -103,6 +103,8 @@ def test_prefetch_keeps_up_in_steady_state(tmp_path):
         s = engine.stats()["params"]
     assert s["trace_invalidations"] == 0
     assert s["hit_rate"] >= 0.95, s  # resident or already in flight when asked for
+    assert s["last_step"]["hit_rate"] >= 0.95 and s["last_step"]["waited"] == 0
+    assert s["last_step"]["fetches"] * 4 == s["fetches"]  # four identical steps since the reset
 
 
 class Branchy(nn.Module):

@@ -91,6 +91,8 @@ class ParameterOffload:
         self.cached_numel = 0  # live + cached stays within max_live: the device window's bound
         self.counters = {"resident": 0, "in_flight": 0, "waited": 0, "fetches": 0, "released": 0,
                          "trace_invalidations": 0}
+        self._mark = dict(self.counters)  # counters at the end of the last optimizer step
+        self.last_step: dict[str, float] = {}
         self._swap: SwapEngine | None = None
         self._copier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="offload-fetch")
         self._hooks: list[Any] = []
@@ -399,6 +401,8 @@ class ParameterOffload:
     def updated(self) -> None:
         """The optimizer has written new parameters to every home: mark device copies stale and start the next
         forward's fetches."""
+        self.last_step = self._rates({k: v - self._mark[k] for k, v in self.counters.items()})
+        self._mark = dict(self.counters)
         self._reset_users()
         for rec in self.params:
             if rec.persistent:
@@ -433,15 +437,21 @@ class ParameterOffload:
     def index_of(self, param: torch.nn.Parameter) -> int:
         return self._by_param[id(param)].index
 
-    def stats(self) -> dict[str, Any]:
-        c = dict(self.counters)
-        ahead = c["resident"] + c["in_flight"]
-        c["hit_rate"] = ahead / c["fetches"] if c["fetches"] else 0.0
+    @staticmethod
+    def _rates(c: dict[str, Any]) -> dict[str, Any]:
+        c = dict(c)
+        c["hit_rate"] = (c["resident"] + c["in_flight"]) / c["fetches"] if c["fetches"] else 0.0
         return c
+
+    def stats(self) -> dict[str, Any]:
+        """Fetches that found their parameter resident, in flight or had to wait (since the start or the last
+        reset, and in the last optimizer step), releases, trace invalidations."""
+        return {**self._rates(self.counters), "last_step": self.last_step}
 
     def reset_counters(self) -> None:
         for k in self.counters:
             self.counters[k] = 0
+        self._mark = dict(self.counters)
 
     def close(self) -> None:
         for h in self._hooks:
