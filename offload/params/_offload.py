@@ -13,7 +13,9 @@ Parameters with at most ``stage3_param_persistence_threshold`` elements stay AVA
 When parameters are needed:
 
 * forward: a pre-hook on each module fetches its own parameters (waiting only for those not already prefetched)
-  and a post-hook releases them. So a parameter is on the device while its owning module runs; a module that
+  and a post-hook marks them evictable: they stay on the device, least recently used first out, until a fetch
+  needs the room. Backward runs the layers in reverse, so the last layers of forward are still there when backward
+  starts (DeepSpeed's reuse distance, bounded here by the window rather than by a count). So a parameter is on the device while its owning module runs; a module that
   reads another module's parameter directly (``self.sub.weight`` outside ``self.sub(...)``) must declare it
   with :meth:`register_external` (DeepSpeed's rule too), or the read sees NaN;
 * backward: the model's forward runs under a saved-tensors hook that saves a *reference* (parameter, view
@@ -29,6 +31,7 @@ whose order departs from the trace stays correct (fetches wait), drops the trace
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import functools
 import time
@@ -88,6 +91,7 @@ class ParameterOffload:
         self.live_numel = 0  # non-persistent parameters AVAILABLE or FETCHING
         self.in_flight_numel = 0
         self._cache: dict[int, list[torch.Tensor]] = {}  # released device buffers by size, reused by fetches
+        self._evictable: collections.OrderedDict[int, _Param] = collections.OrderedDict()  # unused, oldest first
         self.cached_numel = 0  # live + cached stays within max_live: the device window's bound
         self.counters = {"resident": 0, "in_flight": 0, "waited": 0, "fetches": 0, "released": 0,
                          "trace_invalidations": 0}
@@ -180,8 +184,9 @@ class ParameterOffload:
         recomputing = self._phase == "backward"  # activation checkpointing re-runs forward inside backward,
         for rec in own:  # saving the parameters themselves: keep them until their gradient is in (grad_done)
             rec.users -= 1
-            if rec.users == 0 and not recomputing:
-                self.release(rec)
+            if rec.users == 0 and not recomputing and not rec.persistent:
+                self._evictable[rec.index] = rec  # kept while the window has room: backward may want it soon
+                self._evictable.move_to_end(rec.index)
 
     def _forward_done(self) -> None:
         """The root module returned: with autograd recording, backward comes next, so start its first fetches."""
@@ -214,6 +219,7 @@ class ParameterOffload:
     def fetch(self, rec: _Param) -> None:
         """Makes ``rec`` AVAILABLE on the device (waiting if needed), then prefetches along the trace."""
         self._follow_trace(rec)
+        self._evictable.pop(rec.index, None)  # in use again
         self.counters["fetches"] += 1
         if rec.state is ParamState.AVAILABLE:
             if rec.stale:
@@ -230,6 +236,7 @@ class ParameterOffload:
         self._prefetch()
 
     def release(self, rec: _Param) -> None:
+        self._evictable.pop(rec.index, None)
         if rec.persistent or rec.users > 0 or rec.state is ParamState.RELEASED:
             return
         if rec.state is ParamState.FETCHING:
@@ -315,9 +322,15 @@ class ParameterOffload:
             rec.device.copy_(rec.home)
         rec.stale = False
 
+    def _evict(self, numel: int) -> bool:
+        """Releases evictable parameters, least recently used first, until ``numel`` more fit the window."""
+        while self.live_numel + numel > self.max_live and self._evictable:
+            self.release(next(iter(self._evictable.values())))
+        return self.live_numel + numel <= self.max_live
+
     def _make_room(self, numel: int, keep: _Param) -> None:
-        """Before a demand fetch: drop prefetched parameters nobody uses if the window is full."""
-        if self.live_numel + numel <= self.max_live:
+        """Before a demand fetch: evict unused parameters, then prefetched ones nobody uses yet."""
+        if self._evict(numel):
             return
         for rec in self.params:
             if rec is not keep and rec.users == 0 and not rec.persistent and rec.state is not ParamState.RELEASED \
@@ -350,7 +363,7 @@ class ParameterOffload:
             rec = self.params[idx]
             if rec.state is not ParamState.RELEASED:
                 continue
-            if self.live_numel + rec.numel > self.max_live or (in_flight and in_flight + rec.numel > self.bucket):
+            if (in_flight and in_flight + rec.numel > self.bucket) or not self._evict(rec.numel):
                 break
             try:
                 self._start(rec)
