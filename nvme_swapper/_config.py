@@ -24,6 +24,10 @@ class AioConfig:
     overlap_events: refill the queue as each request completes rather than after the whole batch (aio backend only).
     o_direct: bypass the page cache. When a filesystem refuses O_DIRECT the engine falls back to buffered I/O,
         logs it once and reports it in ``stats()``.
+    checksum: keep a checksum of every block written and verify it on every read, so a swap file truncated or
+        altered behind the engine's back fails the read (OSError EBADMSG naming the key and the file) instead of
+        returning wrong bytes. Computed by the worker threads as each block's I/O completes (see bench/checksum.py
+        for its cost).
     """
 
     block_size: int = 1 << 20
@@ -33,13 +37,14 @@ class AioConfig:
     single_submit: bool = False
     overlap_events: bool = True
     o_direct: bool = True
+    checksum: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_size", "queue_depth", "thread_count"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"aio.{name} must be an integer, got {value!r}")
-        for name in ("single_submit", "overlap_events", "o_direct"):
+        for name in ("single_submit", "overlap_events", "o_direct", "checksum"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"aio.{name} must be true or false, got {getattr(self, name)!r}")
         bs = self.block_size

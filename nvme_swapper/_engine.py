@@ -14,6 +14,9 @@ Semantics callers rely on:
 * Tensors: contiguous CPU tensors of any dtype and size. Page-aligned ones (see :func:`aligned_tensor`) move by
   O_DIRECT straight from/to their memory; others go through a block-size bounce buffer (correct, one extra copy,
   counted in ``stats()["bytes_bounced"]``). A non-contiguous or non-CPU tensor is refused with ValueError.
+* With ``AioConfig(checksum=True)`` (the default) every block written gets a checksum kept in memory with the key's
+  extent, and every read verifies it: bytes changed or truncated in the file by anyone else fail the read's
+  ``wait()`` with OSError(EBADMSG) naming the key and the file, rather than reaching the caller.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import torch
 from ._buffers import round_up
 from ._config import AioConfig
 from ._handle import Op, Part, SwapHandle
-from ._native import FileIO, kernel_aio, kernel_aio_error
+from ._native import FileIO, checksum_kind, kernel_aio, kernel_aio_error
 from ._swapfile import Extent, SwapFile
 from ._workers import AiofilesWorkers, ThreadWorkers, _settle
 
@@ -45,6 +48,7 @@ _warned_fallback: set[str] = set()
 class _Entry:
     extent: Extent
     nbytes: int
+    sums: tuple[int, ...] | None  # per-block checksums of the bytes written (None: checksums off)
 
 
 class SwapEngine:
@@ -115,6 +119,7 @@ class SwapEngine:
         self._check(key, tensor, "write")
         with self._lock:
             handle = SwapHandle(key, Op.WRITE, tensor, self._last.get(key), self._complete)
+            self._want_sums(handle)
             try:
                 handle.extent = self._file.allocate(handle.nbytes)
             except OSError as exc:
@@ -138,6 +143,7 @@ class SwapEngine:
                 raise ValueError(f"read of key {key!r}: {stored} bytes were written, the output tensor has {nbytes} "
                                  f"({out.dtype}, shape {tuple(out.shape)})")
             handle = SwapHandle(key, Op.READ, out, self._last.get(key), self._complete)
+            self._want_sums(handle)
             self._launch(handle)
         return handle
 
@@ -200,6 +206,7 @@ class SwapEngine:
                 "backend": self.backend,
                 "o_direct": self._file.direct,
                 "fallback_reason": self._file.fallback_reason,
+                "checksum": checksum_kind() if self.config.checksum else None,
                 "keys": len(self._index),
                 "in_flight": len(self._inflight),
                 "live_bytes": live,
@@ -257,6 +264,10 @@ class SwapEngine:
             raise ValueError(f"{what} of key {key!r}: the tensor is not contiguous (strides {tensor.stride()}); "
                              "pass tensor.contiguous() or a contiguous buffer")
 
+    def _want_sums(self, handle: SwapHandle) -> None:
+        if self.config.checksum:
+            handle.sums = [0] * -(-handle.nbytes // self.config.block_size)
+
     def _launch(self, handle: SwapHandle) -> None:
         """Registers and queues a request; called with the lock held so queue order is issue order."""
         self._last[handle.key] = handle
@@ -287,6 +298,9 @@ class SwapEngine:
                 if entry.nbytes != handle.nbytes:
                     raise ValueError(f"read of key {handle.key!r}: {entry.nbytes} bytes were written, the output "
                                      f"tensor has {handle.nbytes}")
+                handle.expected = entry.sums
+                if entry.sums is None:
+                    handle.sums = None
                 handle.extent = entry.extent
             return handle.extent
 
@@ -307,7 +321,8 @@ class SwapEngine:
             if handle.op is Op.WRITE:
                 if error is None:
                     old = self._index.get(key)
-                    self._index[key] = _Entry(handle.extent, handle.nbytes)
+                    self._index[key] = _Entry(handle.extent, handle.nbytes,
+                                              None if handle.sums is None else tuple(handle.sums))
                     if old is not None:
                         self._file.free(old.extent)
                     self._counters["writes"] += 1

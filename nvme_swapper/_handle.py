@@ -30,7 +30,7 @@ class SwapHandle:
     raised; ``done()`` polls; ``await handle`` waits from asyncio."""
 
     __slots__ = ("key", "op", "nbytes", "tensor", "address", "extent", "after", "_future", "_lock", "_parts_left",
-                 "_error", "_on_complete")
+                 "_error", "_on_complete", "sums", "expected")
 
     def __init__(self, key: str, op: Op, tensor: "torch.Tensor", after: "SwapHandle | None",
                  on_complete: Callable[["SwapHandle", BaseException | None], None]) -> None:
@@ -46,6 +46,8 @@ class SwapHandle:
         self._parts_left = 0
         self._error: BaseException | None = None
         self._on_complete = on_complete
+        self.sums: list[int] | None = None  # per-block checksums of the bytes moved (None: checksums off)
+        self.expected: tuple[int, ...] | None = None  # reads: the checksums recorded when the bytes were written
 
     # caller side ------------------------------------------------------------------------------------------------
 

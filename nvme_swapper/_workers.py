@@ -9,6 +9,11 @@ syscalls release the GIL, so the threads' I/O overlaps Python work and each othe
 aiofiles coroutine (buffered I/O through aiofiles' thread pool), at most ``queue_depth`` at once; writes use O_DSYNC
 and drop the written pages from the page cache, so a write has reached the disk when it completes, as with O_DIRECT.
 
+Checksums (``AioConfig.checksum``): each block of ``block_size`` bytes of a tensor gets a checksum, computed by the
+worker that moved it: by the kernel-AIO runner as each block completes (so it overlaps the requests still in
+flight), otherwise right after the block's pread/pwrite. Writes record them in ``handle.sums``; reads compare them
+with ``handle.expected`` (what the write recorded) and fail with EBADMSG on a mismatch.
+
 Ordering: a part of a request waits for the previous request on its key (``handle.after``). Parts are queued in
 issue order, so the request waited on has always been taken by a worker already: the wait always ends.
 """
@@ -27,7 +32,7 @@ from typing import Callable
 from ._buffers import PAGE, aligned_tensor, round_up
 from ._config import AioConfig
 from ._handle import Op, Part, SwapHandle
-from ._native import FileIO, ShortTransfer, memory_at
+from ._native import FileIO, ShortTransfer, Transfers, checksum, memory_at
 from ._swapfile import Extent, SwapFile
 
 Resolver = Callable[[SwapHandle], Extent]
@@ -45,6 +50,26 @@ def _io_error(handle: SwapHandle, path: str, exc: OSError | None = None, *, code
     what = detail or os.strerror(code)
     err = OSError(code, f"{handle.op.value} of key {handle.key!r} failed: {what}", path)
     return err
+
+
+def _checksum_part(handle: SwapHandle, start: int, end: int, block_size: int, path: str,
+                   known: dict[int, int] | None = None) -> None:
+    """Records (writes) or verifies (reads) the checksums of the blocks in bytes [start, end) of a request, whose
+    I/O has completed. ``known``: checksums already computed by the AIO runner, by block index."""
+    sums = handle.sums
+    if sums is None:
+        return
+    for lo in range(start, end, block_size):
+        block = lo // block_size
+        hi = min(lo + block_size, handle.nbytes)
+        value = known.get(block) if known else None
+        sums[block] = value if value is not None else checksum(handle.address + lo, hi - lo)
+        if handle.op is Op.READ:
+            assert handle.expected is not None and handle.extent is not None
+            if sums[block] != handle.expected[block]:
+                raise OSError(errno.EBADMSG, f"read of key {handle.key!r} failed: checksum mismatch in block {block} "
+                              f"(bytes {lo}..{hi} of the tensor, file offset {handle.extent.offset + lo}): the swap "
+                              "file was truncated or changed outside the engine", path)
 
 
 class ThreadWorkers:
@@ -115,6 +140,7 @@ class ThreadWorkers:
         handle, fd, bs = part.handle, self._file.fd, self._config.block_size
         is_write = handle.op is Op.WRITE
         start, end = part.start, part.end
+        known: dict[int, int] | None = None
         if not self._file.direct:
             self._sync(handle, memory_at(handle.address + start, end - start), extent.offset + start, is_write)
         elif handle.address % PAGE:
@@ -122,30 +148,39 @@ class ThreadWorkers:
         else:
             body_end = end - end % PAGE
             if body_end > start:
-                transfers = [(handle.address + o, min(bs, body_end - o), extent.offset + o)
-                             for o in range(start, body_end, bs)]
+                transfers = Transfers((handle.address + o, min(bs, body_end - o), extent.offset + o)
+                                      for o in range(start, body_end, bs))
                 if ctx is not None:
-                    self._aio(handle, ctx, fd, is_write, transfers)
+                    known = self._aio(handle, ctx, fd, is_write, transfers)
                 else:
                     for addr, n, off in transfers:
                         self._sync(handle, memory_at(addr, n), off, is_write)
             if end > body_end:
                 self._bounced(handle, extent, body_end, end, bounce, bounce_address, is_write)
+        _checksum_part(handle, start, end, bs, str(self._file.path), known)
         self._on_bytes(handle.op, end - start, 0 if handle.address % PAGE == 0 else end - start)
 
-    def _aio(self, handle: SwapHandle, ctx: int, fd: int, is_write: bool,
-             transfers: list[tuple[int, int, int]]) -> None:
+    def _aio(self, handle: SwapHandle, ctx: int, fd: int, is_write: bool, transfers: Transfers) -> dict[int, int]:
+        """Runs the transfers on the AIO context; returns the checksums it computed, by block index (only the
+        transfers that cover a whole block; none after a failure)."""
         c = self._config
+        if handle.sums is not None:
+            transfers.sums = (ctypes.c_uint64 * len(transfers))()
         failure = self._io.aio_run(ctx, c.depth_per_thread, fd, is_write, transfers, c.single_submit,
                                    c.overlap_events)
         if failure is None:
-            return
+            if transfers.sums is None:
+                return {}
+            return {(addr - handle.address) // c.block_size: transfers.sums[i]
+                    for i, (addr, n, _) in enumerate(transfers)
+                    if n == min(c.block_size, handle.nbytes - (addr - handle.address))}
         index, result = failure
         if result < 0:
             raise _io_error(handle, str(self._file.path), code=-result)
         # a short transfer: finish it (and everything after it, which may not have been submitted) synchronously
         for addr, n, off in transfers[index:]:
             self._sync(handle, memory_at(addr, n), off, is_write)
+        return {}
 
     def _sync(self, handle: SwapHandle, view: memoryview, offset: int, is_write: bool) -> None:
         """Moves the whole view with pread/pwrite, continuing after partial transfers; no progress is an error."""
@@ -232,6 +267,7 @@ class AiofilesWorkers:
                         if is_write:
                             os.posix_fadvise(f.fileno(), extent.offset + part.start, len(view),
                                              os.POSIX_FADV_DONTNEED)
+                _checksum_part(handle, part.start, part.end, self._config.block_size, path)
                 self._on_bytes(handle.op, len(view), 0)
         except BaseException as exc:
             error = exc

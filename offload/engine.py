@@ -29,10 +29,12 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
+from nvme_swapper import FileIO
+
 from . import _checkpoint
 from ._precision import LossScaler
 from .config import OffloadConfig
-from .memory import Tier, TieredStore, default_host_budget, fmt_bytes
+from .memory import Tier, TieredStore, default_host_budget, fmt_bytes, prepare_nvme_path
 from .optim._layout import FlatLayout, Segment
 from .optim.offloaded import OffloadedAdam
 from .params import ParameterOffload
@@ -53,11 +55,16 @@ class Engine:
     """Returned by :func:`offload.initialize`. See the module docstring."""
 
     def __init__(self, model: torch.nn.Module, config: OffloadConfig | Mapping[str, Any] | str | Path | None = None,
-                 *, param_groups: Iterable[dict[str, Any]] | None = None) -> None:
+                 *, param_groups: Iterable[dict[str, Any]] | None = None, _file_io: FileIO | None = None) -> None:
+        """``_file_io`` (tests only): the OS-call boundary of the optimizer state's swap engine, to inject faults."""
         self.config = cfg = OffloadConfig.load(config)
         if not isinstance(model, torch.nn.Module):
             raise ValueError(f"initialize: model must be a torch.nn.Module, got {type(model).__name__}")
         zero = cfg.zero_optimization
+        for name in ("offload_optimizer", "offload_param"):
+            section = getattr(zero, name)
+            if section.device == "nvme":
+                prepare_nvme_path(section.nvme_path, f"zero_optimization.{name}.nvme_path")
         self.module = model
         self.dtype = cfg.dtype
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
@@ -87,7 +94,7 @@ class Engine:
             Tier.DEVICE: device_budget,
             Tier.HOST: host_budget if host_budget is not None else default_host_budget(),
             Tier.NVME: cfg.offload.nvme_memory_budget,
-        }, pin_memory=zero.offload_optimizer.pin_memory)
+        }, pin_memory=zero.offload_optimizer.pin_memory, file_io=_file_io)
         try:
             self.layout = FlatLayout(groups, zero.sub_group_size, whole_params=self._param_home == "nvme")
             if self._param_home == "none":
@@ -508,7 +515,8 @@ def _aligned(numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def initialize(model: torch.nn.Module, config: OffloadConfig | Mapping[str, Any] | str | Path | None = None, *,
-               param_groups: Iterable[dict[str, Any]] | None = None) -> Engine:
+               param_groups: Iterable[dict[str, Any]] | None = None, _file_io: FileIO | None = None) -> Engine:
     """Wraps ``model`` (in place) for offloaded training under ``config`` (a dict, a JSON path, or OffloadConfig).
-    Fails here, with the numbers, if the configuration cannot fit its tier budgets."""
-    return Engine(model, config, param_groups=param_groups)
+    Fails here, with the numbers, if the configuration cannot fit its tier budgets or an nvme_path is unusable.
+    ``_file_io`` is for fault-injection tests (see :class:`Engine`)."""
+    return Engine(model, config, param_groups=param_groups, _file_io=_file_io)

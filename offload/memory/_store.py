@@ -19,8 +19,11 @@ failed write keeps the bytes in their buffer (residency HOST): nothing is lost.
 from __future__ import annotations
 
 import collections
+import errno
 import os
 import shutil
+import stat
+import tempfile
 import time
 from dataclasses import dataclass
 from enum import Enum
@@ -70,6 +73,33 @@ def default_host_budget() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 9 // 10
 
 
+def prepare_nvme_path(path: str | os.PathLike[str], key: str) -> Path:
+    """Checks an ``nvme_path`` from the configuration (``key`` is its dotted config key) so that a bad one fails at
+    ``initialize`` with the path named, never mid-training. Creates it (0700) when missing. Refuses a symlink (the
+    swap files would land wherever it points, outside the place configured), something that is not a directory, and
+    a directory where a file cannot be created (read-only filesystem, permissions: probed by creating one, which
+    also holds for root). Room for the swap files is checked when the store reserves them (``open_nvme``)."""
+    root = Path(path)
+    if root.is_symlink():
+        raise ValueError(f"{key} {str(root)!r} is a symlink (to {os.readlink(root)!r}); swap files are not written "
+                         "through symlinks: give the real directory")
+    try:
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OSError(exc.errno, f"{key}: cannot create {root}: {os.strerror(exc.errno or errno.EIO)}; give a "
+                      "writable directory", str(root)) from None
+    if not stat.S_ISDIR(root.lstat().st_mode):
+        raise ValueError(f"{key} {str(root)!r} exists and is not a directory; give a directory")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".probe-", dir=root)
+    except OSError as exc:
+        raise OSError(exc.errno, f"{key}: cannot write in {root}: {os.strerror(exc.errno or errno.EIO)}; give a "
+                      "writable directory", str(root)) from None
+    os.close(fd)
+    os.unlink(probe)
+    return root
+
+
 class Transfer:
     """A fetch or an evict in flight. ``wait()`` completes it: a fetch returns the staged tensor, an evict frees
     its buffer; either raises the I/O error."""
@@ -91,8 +121,11 @@ class Transfer:
 class TieredStore:
     """Budgets, allocations and transfers across DEVICE, HOST and NVME for one engine. ``close()`` frees all."""
 
-    def __init__(self, device: torch.device, budgets: dict[Tier, int | None], *, pin_memory: bool) -> None:
+    def __init__(self, device: torch.device, budgets: dict[Tier, int | None], *, pin_memory: bool,
+                 file_io: FileIO | None = None) -> None:
+        """``file_io``: the OS-call boundary handed to the swap engine (tests inject faults through it)."""
         self.device = device
+        self._file_io = file_io
         self.pin_memory = pin_memory and device.type == "cuda"
         self.accounts = {tier: TierAccount(tier, budgets.get(tier)) for tier in Tier}
         self.moved: collections.Counter[str] = collections.Counter()
@@ -100,6 +133,7 @@ class TieredStore:
         self._managed: dict[str, _Managed] = {}
         self._charged: dict[int, int] = {}  # bytes charged per allocation, by address
         self._evicting: collections.deque[_Managed] = collections.deque()
+        self._unwritten: list[_Managed] = []  # kept in their buffers by a failed write-back, held by no one
         self._swap: SwapEngine | None = None
         self._pool: BufferPool | None = None
 
@@ -157,12 +191,13 @@ class TieredStore:
             account.budget = shutil.disk_usage(root).free * 95 // 100
         spare = buffer_count * (-(-slot_bytes // 4096) * 4096)
         account.reserve(total_bytes + spare, f"{what} on {root}",
-                        f"free disk space at {root}, or lower the state offloaded there")
+                        f"free disk space at {root}, point zero_optimization.offload_optimizer.nvme_path at a larger "
+                        "filesystem, or lower the state offloaded there")
         self._pool = BufferPool(buffer_count, slot_bytes, self.accounts[Tier.HOST], pin_memory=self.pin_memory,
                                 what=f"{buffer_count} NVMe staging buffers of {fmt_bytes(slot_bytes)}",
                                 fix="lower zero_optimization.sub_group_size or offload_optimizer.buffer_count, or "
                                     "raise offload.host_memory_budget")
-        self._swap = SwapEngine(root, aio, file_io=file_io)
+        self._swap = SwapEngine(root, aio, file_io=file_io if file_io is not None else self._file_io)
         self._swap.reserve(total_bytes + spare)  # written now: steady-state writes are overwrites, ENOSPC is now
 
     def register(self, key: str, numel: int, dtype: torch.dtype) -> None:
@@ -174,8 +209,12 @@ class TieredStore:
         return self._managed[key].residency
 
     def stage(self, key: str) -> torch.Tensor:
-        """A staging buffer for a tensor with no stored bytes yet (its first write): no read."""
+        """A staging buffer for a tensor whose stored bytes the caller replaces as a whole (its first write, a
+        checkpoint load): no read. A tensor kept in its buffer by a failed write-back keeps that buffer."""
         m = self._managed[key]
+        if m.residency is Residency.HOST:
+            self._claim(m)
+            return self._view(m)
         assert m.residency is Residency.NVME and m.io is None
         m.slot = self._take_slot(block=True)
         m.residency = Residency.HOST
@@ -194,10 +233,11 @@ class TieredStore:
     def acquire(self, key: str) -> torch.Tensor:
         """Blocks until ``key`` is in a staging buffer and returns it (flat, its dtype)."""
         m = self._managed[key]
+        self._claim(m)
         if m.residency is Residency.NVME:
             self._start_read(m, self._take_slot(block=True))
         if m.residency in (Residency.FETCHING, Residency.EVICTING):
-            self._wait(m)
+            self._wait_or_settle(m)
             if m.residency is Residency.FETCHING:
                 self.moved["nvme->host"] += m.nbytes
             else:
@@ -221,14 +261,31 @@ class TieredStore:
             self._reclaim(block=True)
 
     def drain(self) -> None:
-        """Waits for every write-back (raising the first error) and every prefetch in flight."""
-        while self._evicting:
-            self._reclaim(block=True)
+        """Waits for every write-back and every prefetch in flight. Write-backs that failed (now or before) are
+        retried once after all others finished, so a fault that has cleared by then costs nothing; the first error
+        of the retry (or of a prefetch) is raised, after everything in flight has settled."""
+        error: BaseException | None = None
+        for _ in range(2):
+            self._retry_unwritten()
+            error = None
+            while self._evicting:
+                try:
+                    self._reclaim(block=True)
+                except Exception as exc:
+                    error = error or exc
+            if error is None:
+                break
         for m in self._managed.values():
             if m.residency is Residency.FETCHING:
-                self._wait(m)
+                try:
+                    self._wait_or_settle(m)
+                except Exception as exc:
+                    error = error or exc
+                    continue
                 self.moved["nvme->host"] += m.nbytes
                 m.residency = Residency.HOST
+        if error is not None:
+            raise error
 
     def release(self, key: str) -> None:
         """Drops a clean staged copy (its bytes are already on NVMe) without writing it."""
@@ -259,10 +316,38 @@ class TieredStore:
             m.io = None
             self.stall_seconds += time.perf_counter() - t
 
+    def _claim(self, m: _Managed) -> None:
+        """A caller takes ``m``'s buffer: a write-back that failed earlier is now the caller's to redo."""
+        if m in self._unwritten:
+            self._unwritten.remove(m)
+
+    def _retry_unwritten(self) -> None:
+        while self._unwritten:
+            self.evict(self._unwritten.pop(0).key)
+
+    def _wait_or_settle(self, m: _Managed) -> None:
+        """Waits for ``m``'s transfer; when it failed, leaves ``m`` in a state the next call can use and raises.
+        A failed read gives its buffer back (the stored bytes are untouched: a later acquire reads them again); a
+        failed write-back keeps the bytes in their buffer (residency HOST: nothing lost, the caller decides)."""
+        try:
+            self._wait(m)
+        except BaseException:
+            if m.residency is Residency.FETCHING:
+                assert m.slot is not None and self._pool is not None
+                self._pool.give(m.slot)
+                m.slot, m.residency = None, Residency.NVME
+            elif m.residency is Residency.EVICTING:
+                self._evicting.remove(m)
+                m.residency = Residency.HOST
+                self._unwritten.append(m)
+            raise
+
     def _take_slot(self, *, block: bool) -> int | None:
         assert self._pool is not None
         while True:
             slot = self._pool.take()
+            if slot is None and not self._evicting:
+                self._retry_unwritten()  # buffers kept by failed write-backs: write them again (or fail again)
             if slot is not None or not self._evicting:
                 if slot is None and block:
                     raise RuntimeError("all NVMe staging buffers are held by tensors in use; raise "
@@ -276,12 +361,7 @@ class TieredStore:
         freed = False
         while self._evicting and (block and not freed or self._evicting[0].io.done()):
             m = self._evicting[0]
-            try:
-                self._wait(m)
-            except BaseException:
-                self._evicting.popleft()
-                m.residency = Residency.HOST  # the bytes are still in the buffer: nothing lost, caller decides
-                raise
+            self._wait_or_settle(m)
             self._evicting.popleft()
             self.moved["host->nvme"] += m.nbytes
             assert m.slot is not None and self._pool is not None

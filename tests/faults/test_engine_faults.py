@@ -1,0 +1,164 @@
+"""Faults while training with optimizer state on NVMe: injected ENOSPC, EIO and short transfers on the swap file's
+writes and reads, and exceptions raised in the swap worker and the optimizer's stepper thread.
+
+Each test trains a small GPT with ``offload.initialize(..., _file_io=Faults())``, saves a checkpoint, arms a fault
+during a later step, and checks that (1) the step fails with an error that names the sub-group's key and the swap
+file, within a bounded time (no hang), (2) once the fault is cleared, loading the checkpoint into the same engine
+and training on ends with parameters and optimizer state bitwise equal to a run that never saw the fault, and
+(3) one-off short transfers, which the engine completes, change nothing at all.
+"""
+
+from __future__ import annotations
+
+import errno
+import re
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import offload
+from _faults import Faults, bounded
+from models import batches, lm_loss, make
+
+STEPS, SAVED_AT = 6, 3
+
+
+def config(tmp_path: Path, backend: str = "auto") -> dict:
+    return {
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
+        "zero_optimization": {"sub_group_size": 4096,
+                              "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "nvme"),
+                                                    "buffer_count": 2}},
+        "aio": {"block_size": 1 << 16, "backend": backend},
+    }
+
+
+def step(engine, batch) -> None:
+    x, y = batch
+    engine.backward(lm_loss(engine(x), y))
+    engine.step()
+
+
+@pytest.fixture(scope="module")
+def unfaulted(tmp_path_factory) -> dict[str, torch.Tensor]:
+    tmp = tmp_path_factory.mktemp("unfaulted")
+    with offload.initialize(make(), config(tmp)) as engine:
+        for batch in batches(STEPS):
+            step(engine, batch)
+        return state(engine)
+
+
+def state(engine) -> dict[str, torch.Tensor]:
+    """Parameters and the full optimizer state, as the checkpoint format sees them."""
+    ckpt = engine.save_checkpoint(engine.config.zero_optimization.offload_optimizer.nvme_path + "-final")
+    out = {}
+    with offload.initialize(make(seed=9), {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}) as other:
+        other.load_checkpoint(ckpt.parent)
+        out.update(other.consolidated_state_dict())
+        for k, sg in enumerate(other.layout.sub_groups):
+            out[f"state/{k}"] = other.optimizer.read_state(sg).clone()
+    return out
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+FAULTS = [
+    ("write", errno.ENOSPC, errno.ENOSPC),
+    ("write", errno.EIO, errno.EIO),
+    ("write", ("short", 0), errno.ENOSPC),  # a write that makes no progress: the disk is full
+    ("read", errno.EIO, errno.EIO),
+    ("read", ("short", 0), errno.EIO),  # the file ends early (truncated)
+]
+
+
+@pytest.mark.parametrize("backend", ["aio", "threads"])
+@pytest.mark.parametrize("op, fault, code", FAULTS)
+def test_swap_fault_mid_step_names_key_and_file_and_loses_nothing(tmp_path, unfaulted, backend, op, fault, code):
+    data = batches(STEPS)
+    faults = Faults()
+    ckpt = tmp_path / "ckpt"
+    with offload.initialize(make(), config(tmp_path, backend), _file_io=faults) as engine:
+        swap_file = str(engine.store._swap._file.path)
+        for batch in data[:SAVED_AT]:
+            step(engine, batch)
+        engine.save_checkpoint(ckpt)
+        step(engine, data[SAVED_AT])
+        faults.arm(op, fault)  # until cleared: every write (or read) of the swap file fails
+        with pytest.raises(OSError) as info:
+            bounded(lambda: step(engine, data[SAVED_AT + 1]))
+        assert faults.hits[op] >= 1
+        err = info.value
+        assert err.errno == code and err.filename == swap_file, err
+        assert re.search(rf"{op} of key 'adam/\d+/\d+' failed", str(err)), err
+        faults.disarm()
+        assert bounded(lambda: engine.load_checkpoint(ckpt)) == f"step{SAVED_AT}"
+        for batch in data[SAVED_AT:]:
+            bounded(lambda: step(engine, batch))
+        assert_same(state(engine), unfaulted)
+
+
+@pytest.mark.parametrize("op", ["write", "read"])
+def test_one_off_short_transfers_are_completed_transparently(tmp_path, unfaulted, op):
+    faults = Faults()
+    with offload.initialize(make(), config(tmp_path), _file_io=faults) as engine:
+        for i, batch in enumerate(batches(STEPS)):
+            if i >= 1:
+                faults.arm(op, ("short", 4096), times=3)  # three calls per step come up one page long
+            bounded(lambda: step(engine, batch))
+        assert faults.hits[op] >= 3
+        assert_same(state(engine), unfaulted)
+
+
+class WorkerBug(RuntimeError):
+    pass
+
+
+def test_exception_in_swap_worker_surfaces_at_next_wait(tmp_path, unfaulted):
+    data = batches(STEPS)
+    faults = Faults()
+    ckpt = tmp_path / "ckpt"
+    with offload.initialize(make(), config(tmp_path), _file_io=faults) as engine:
+        for batch in data[:SAVED_AT]:
+            step(engine, batch)
+        engine.save_checkpoint(ckpt)
+        faults.arm("read", WorkerBug("injected bug in the swap worker"), times=1)
+        with pytest.raises(WorkerBug, match="injected bug in the swap worker"):
+            bounded(lambda: step(engine, data[SAVED_AT]))
+        engine.load_checkpoint(ckpt)
+        for batch in data[SAVED_AT:]:
+            bounded(lambda: step(engine, batch))
+        assert_same(state(engine), unfaulted)
+
+
+def test_exception_in_stepper_thread_surfaces_at_next_wait(tmp_path, unfaulted, monkeypatch):
+    from offload.optim import offloaded
+
+    data = batches(STEPS)
+    ckpt = tmp_path / "ckpt"
+    real = offloaded.adam_step
+    calls = {"n": 0}
+
+    def failing_once(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise WorkerBug("injected bug in the optimizer thread")
+        return real(*args, **kwargs)
+
+    with offload.initialize(make(), config(tmp_path)) as engine:
+        for batch in data[:SAVED_AT]:
+            step(engine, batch)
+        engine.save_checkpoint(ckpt)
+        monkeypatch.setattr(offloaded, "adam_step", failing_once)
+        with pytest.raises(WorkerBug, match="optimizer thread"):
+            bounded(lambda: step(engine, data[SAVED_AT]))
+        assert [t for t in threading.enumerate() if t.name == "offload-stepper"]  # still serving
+        engine.load_checkpoint(ckpt)
+        for batch in data[SAVED_AT:]:
+            bounded(lambda: step(engine, batch))
+        assert_same(state(engine), unfaulted)
