@@ -6,10 +6,11 @@
  *
  * The checksum (swp_hash) guards swap files against changes made behind the engine's back (truncation, another
  * writer, a bad sector returned as data). It is not cryptographic. It must keep up with several GB/s of I/O on one
- * core, so it is an eight-lane multiply-accumulate: each 64-bit word is xored with a per-lane key and the product
- * of its two 32-bit halves is added to its lane, the word itself to the neighbouring lane (the construction of
- * xxHash3's inner loop). Only 32x32->64 multiplies and adds: the compiler vectorizes it with SSE2/AVX2 (pmuludq).
- * The lanes are then folded with a full 64-bit avalanche together with the length, so trailing zeros count.
+ * core, so it is an eight-lane multiply-accumulate: each 64-bit word is xored with a key that depends on its lane
+ * and its place in a 1 KiB round, and the product of its two 32-bit halves is added to its lane, the word itself
+ * to the neighbouring lane; the lanes are scrambled after each round (the construction of xxHash3's long loop).
+ * Only 32x32->64 multiplies, adds and shifts: the compiler vectorizes it (pmuludq). The lanes are then folded with
+ * a full 64-bit avalanche together with the length, so trailing zeros count.
  * swp_run hashes each transfer as its I/O completes, while the other requests stay in flight.
  */
 #define _GNU_SOURCE
@@ -23,10 +24,17 @@
 #define MAX_DEPTH 256
 #define LANES 8
 #define STRIPE (LANES * 8)
+#define ROUND 16 /* stripes between scrambles */
 
-static const uint64_t KEYS[LANES] = {
-    0xbe4ba423396cfeb8ULL, 0x1cad21f72c81017cULL, 0xdb979083e96dd4deULL, 0x1f67b3b7a4a44072ULL,
-    0x78e5c0cc4ee679cbULL, 0x2172ffcc7dd05a82ULL, 0x8e2443f7744608b8ULL, 0x4c263a81e69035e0ULL,
+/* splitmix64 outputs; lane i of stripe j of a round uses KEYS[i + j] (a sliding window, so where a word sits
+ * within a round changes what it adds) */
+static const uint64_t KEYS[LANES + ROUND] = {
+    0x40d68dea0c3e39b3ULL, 0xf6069bcb4e650071ULL, 0xf4a91fdc907de039ULL, 0x856e8bb9e2118d5eULL,
+    0xcba2113022300068ULL, 0xb0d8c24a75bc7adeULL, 0x11acd26bf8662e5dULL, 0xd78807ba63a2a004ULL,
+    0x12598145f5dd65fdULL, 0x067c72245c3de249ULL, 0x8dd646b953495095ULL, 0x79f38251848589bcULL,
+    0x907f6d4cf1b77b5dULL, 0x460e2e87e2076c82ULL, 0x727f5d3d83e6b8edULL, 0x088ffaa84ca13e1eULL,
+    0x0522330b5c893202ULL, 0xa6150904fc034975ULL, 0xea013e1b185ed6a8ULL, 0x495593ef97e28dfcULL,
+    0xf99498b7703aae40ULL, 0x75bad36ebcfb3491ULL, 0xd6eeb32ea3760f7cULL, 0xe6c00031cec46577ULL,
 };
 
 static inline uint64_t mix64(uint64_t h) { /* MurmurHash3's finalizer: every input bit moves every output bit */
@@ -38,13 +46,23 @@ static inline uint64_t mix64(uint64_t h) { /* MurmurHash3's finalizer: every inp
     return h;
 }
 
-static inline void accumulate(uint64_t *restrict acc, const unsigned char *restrict p) {
+static inline void accumulate(uint64_t *restrict acc, const unsigned char *restrict p, const uint64_t *restrict key) {
     uint64_t w[LANES];
     memcpy(w, p, sizeof(w));
     for (int i = 0; i < LANES; ++i) {
-        uint64_t k = w[i] ^ KEYS[i];
+        uint64_t k = w[i] ^ key[i];
         acc[i ^ 1] += w[i];
         acc[i] += (k & 0xffffffffULL) * (k >> 32);
+    }
+}
+
+/* after each round: fold the high bits down and multiply, so which round a word was in changes the result */
+static inline void scramble(uint64_t *acc) {
+    for (int i = 0; i < LANES; ++i) {
+        uint64_t a = acc[i];
+        a ^= a >> 47;
+        a ^= KEYS[ROUND + i];
+        acc[i] = a * 0x9e3779b1ULL;
     }
 }
 
@@ -52,13 +70,17 @@ uint64_t swp_hash(const void *data, uint64_t n) {
     const unsigned char *p = (const unsigned char *)data;
     uint64_t acc[LANES];
     for (int i = 0; i < LANES; ++i) acc[i] = KEYS[(i + 3) % LANES];
-    uint64_t whole = n / STRIPE;
-    for (uint64_t s = 0; s < whole; ++s) accumulate(acc, p + s * STRIPE);
+    uint64_t whole = n / STRIPE, s = 0;
+    for (; s + ROUND <= whole; s += ROUND) {
+        for (int j = 0; j < ROUND; ++j) accumulate(acc, p + (s + j) * STRIPE, KEYS + j);
+        scramble(acc);
+    }
+    for (int j = 0; s < whole; ++s, ++j) accumulate(acc, p + s * STRIPE, KEYS + j);
     uint64_t rest = n - whole * STRIPE;
     if (rest) {
         unsigned char last[STRIPE] = {0};
         memcpy(last, p + whole * STRIPE, rest);
-        accumulate(acc, last);
+        accumulate(acc, last, KEYS + whole % ROUND);
     }
     uint64_t h = mix64(n ^ 0x9e3779b97f4a7c15ULL);
     for (int i = 0; i < LANES; ++i) h = mix64(h ^ acc[i]) + (uint64_t)i;

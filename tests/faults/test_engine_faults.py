@@ -11,6 +11,7 @@ and training on ends with parameters and optimizer state bitwise equal to a run 
 from __future__ import annotations
 
 import errno
+import os
 import re
 import threading
 from pathlib import Path
@@ -159,6 +160,31 @@ def test_exception_in_stepper_thread_surfaces_at_next_wait(tmp_path, unfaulted, 
             bounded(lambda: step(engine, data[SAVED_AT]))
         assert [t for t in threading.enumerate() if t.name == "offload-stepper"]  # still serving
         engine.load_checkpoint(ckpt)
+        for batch in data[SAVED_AT:]:
+            bounded(lambda: step(engine, batch))
+        assert_same(state(engine), unfaulted)
+
+
+def test_swap_file_altered_behind_the_engine_fails_the_step_then_resumes(tmp_path, unfaulted):
+    data = batches(STEPS)
+    ckpt = tmp_path / "ckpt"
+    with offload.initialize(make(), config(tmp_path)) as engine:
+        for batch in data[:SAVED_AT]:
+            step(engine, batch)
+        engine.save_checkpoint(ckpt)
+        swap = engine.store._swap
+        key = swap.keys()[1]
+        fd = os.open(swap._file.path, os.O_RDWR)
+        try:
+            offset = swap._index[key].extent.offset + 1000
+            os.pwrite(fd, bytes([os.pread(fd, 1, offset)[0] ^ 1]), offset)  # one bit of one moment flipped
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        with pytest.raises(OSError, match=f"read of key '{key}' failed: checksum mismatch") as info:
+            bounded(lambda: step(engine, data[SAVED_AT]))
+        assert info.value.errno == errno.EBADMSG and info.value.filename == str(swap._file.path)
+        engine.load_checkpoint(ckpt)  # rewrites every sub-group's state
         for batch in data[SAVED_AT:]:
             bounded(lambda: step(engine, batch))
         assert_same(state(engine), unfaulted)
