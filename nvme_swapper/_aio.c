@@ -105,8 +105,9 @@ static void hash_done(uint64_t *sums, const uint64_t *bufs, const uint64_t *lens
     *count = 0;
 }
 
-/* Runs n transfers. When sums is not NULL, sums[i] receives swp_hash of transfer i's buffer once it completed in
- * full (for a read: the bytes read; for a write: the bytes written). Returns 0 when every transfer moved its full length. Otherwise returns -1, stores the index of
+/* Runs n transfers. When sums is not NULL, sums[i] receives swp_hash of transfer i's buffer: for a write, while
+ * the write is in flight (the caller leaves the buffer alone); for a read, once it completed in full. Only the sums
+ * of transfers before *bad_index are meaningful after a failure. Returns 0 when every transfer moved its full length. Otherwise returns -1, stores the index of
  * the first failed transfer in *bad_index and its result (negative errno, or the short byte count) in *bad_result;
  * transfers already in flight are drained first, and no new ones are submitted after a failure.
  * single_submit: one iocb per io_submit call. overlap: refill as soon as one completes (else wait for all in flight).
@@ -164,7 +165,11 @@ long swp_run(uint64_t ctx_id, long depth, int fd, int is_write, long n, const ui
             next -= batch - submitted;
         }
         inflight += submitted;
-        /* hash what completed in the last round now that its slots are refilled: it overlaps the I/O in flight */
+        /* a write's bytes are final once submitted: hash them while they are in flight */
+        if (sums != NULL && is_write)
+            for (long k = 0; k < submitted; ++k) to_hash[n_hash++] = (long)(ready[k]->aio_data & 0xffffffff);
+        /* hash what was submitted (writes) or completed (reads) since the last pass, now that the queue is
+         * refilled: it overlaps the I/O in flight */
         hash_done(sums, bufs, lens, to_hash, &n_hash);
         if (inflight == 0) continue;
         long min_nr = overlap ? 1 : inflight;
@@ -185,7 +190,7 @@ long swp_run(uint64_t ctx_id, long depth, int fd, int is_write, long n, const ui
                 *bad_result = res;
             }
             free_slots[n_free++] = slot;
-            if (sums != NULL && res == (int64_t)lens[idx]) to_hash[n_hash++] = idx;
+            if (sums != NULL && !is_write && res == (int64_t)lens[idx]) to_hash[n_hash++] = idx;
         }
         inflight -= got;
     }

@@ -83,6 +83,8 @@ class AioConfig:
                 raise ValueError(f"unknown key {prefix}.{key}; allowed: {', '.join(sorted(known | {'use_gds'}))}")
             if key in values:
                 raise ValueError(f"{prefix}.thread_count given twice (thread_count and intra_op_parallelism)")
+            if key == "backend" and isinstance(value, str):
+                value = value.lower()  # as every other choice in the JSON configuration
             values[key] = value
         try:
             return cls(**values)

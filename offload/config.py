@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import json
 import logging
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -36,12 +37,12 @@ def parse_bytes(value: Any, key: str) -> int:
     if isinstance(value, bool):
         raise ValueError(f"{key} must be a byte count, got {value!r}")
     if isinstance(value, (int, float)):
-        if value < 0 or value != int(value):
+        if isinstance(value, float) and not math.isfinite(value) or value < 0 or value != int(value):
             raise ValueError(f"{key} must be a non-negative whole number of bytes, got {value!r}")
         return int(value)
     if isinstance(value, str):
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*", value)
-        if m and m.group(2).lower() in _UNITS:
+        if m and m.group(2).lower() in _UNITS and math.isfinite(float(m.group(1))):
             return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
     raise ValueError(f"{key} must be a byte count such as 2147483648 or \"2GiB\" (units: B, KB, MB, GB, TB, KiB, "
                      f"MiB, GiB, TiB), got {value!r}")
@@ -60,7 +61,7 @@ class _Section:
             d = {}
         if not isinstance(d, Mapping):
             raise ValueError(f"{path or 'config'} must be a JSON object, got {type(d).__name__}")
-        fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+        fields = {f.name: f for f in dataclasses.fields(cls) if f.init and f.name != "ignored"}
         values: dict[str, Any] = {}
         for key, value in d.items():
             name = cls._aliases.get(key, key)
@@ -71,7 +72,7 @@ class _Section:
                     values["ignored"] = (*values["ignored"], key)
                     continue
                 hint = difflib.get_close_matches(key, list(fields) + list(cls._aliases), n=1)
-                allowed = ", ".join(sorted(set(fields) - {"ignored"}))
+                allowed = ", ".join(sorted(fields))
                 raise ValueError(f"unknown key {full}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
                                  + f"; allowed: {allowed}")
             values[name] = cls._convert(name, value, full)
@@ -89,7 +90,7 @@ def _check_type(full: str, value: Any, kind: type | tuple[type, ...], what: str)
 
 
 def _int(full: str, value: Any, lo: int, hi: int | None = None) -> int:
-    if isinstance(value, float) and value == int(value):
+    if isinstance(value, float) and value.is_integer():
         value = int(value)  # JSON writers turn 1e9 into a float
     _check_type(full, value, int, "an integer")
     if value < lo or (hi is not None and value > hi):
@@ -100,7 +101,7 @@ def _int(full: str, value: Any, lo: int, hi: int | None = None) -> int:
 def _float(full: str, value: Any, lo: float, hi: float | None = None, *, open_lo: bool = False) -> float:
     _check_type(full, value, (int, float), "a number")
     value = float(value)
-    if value != value or value < lo or (open_lo and value == lo) or (hi is not None and value > hi):
+    if not math.isfinite(value) or value < lo or (open_lo and value == lo) or (hi is not None and value > hi):
         bounds = f"{'(' if open_lo else '['}{lo}, {hi if hi is not None else 'inf'}]"
         raise ValueError(f"{full} must be in {bounds}, got {value}")
     return value
@@ -226,6 +227,8 @@ class _OffloadTarget(_Section):
             return _choice(full, value, _DEVICES)
         if name == "nvme_path":
             _check_type(full, value, str, "a directory path")
+            if "\x00" in value:
+                raise ValueError(f"{full} must be a directory path without NUL characters, got {value!r}")
             return value
         return cls._convert_own(name, value, full)
 
@@ -412,6 +415,23 @@ class OffloadConfig(_Section):
         return cls.from_dict(config)
 
     def to_dict(self) -> dict[str, Any]:
-        """The configuration as plain JSON values (for checkpoints and logs)."""
-        return json.loads(json.dumps(dataclasses.asdict(self), default=str))
+        """The configuration as DeepSpeed-shaped JSON values (for checkpoints and logs); ``load`` reads it back to
+        an equal OffloadConfig. Unset optional values are left out."""
+        out = _plain(self)
+        opt = out["optimizer"]
+        out["optimizer"] = {"type": opt.pop("type"), "params": opt}
+        out.update(dict.fromkeys(out.pop("ignored"), None))
+        return out
 
+
+def _plain(section: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if dataclasses.is_dataclass(value):
+            value = _plain(value)
+        elif isinstance(value, tuple):
+            value = list(value)
+        if value is not None:
+            out[f.name] = value
+    return out

@@ -1,0 +1,244 @@
+"""Property-based fuzz of the JSON configuration (``OffloadConfig.load(dict)``).
+
+A table here lists every key with its full dotted path and what it accepts. From it hypothesis builds valid
+configurations (which must load and round-trip through ``to_dict``), and configurations with one invalid value or
+one unknown key planted at a random place (which must raise ValueError naming the full dotted key and saying what
+is allowed; never another exception type).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from offload import OffloadConfig
+
+BOOL, INT, FLOAT, CHOICE, BYTES, BETAS, PATH, POW2 = "bool int float choice bytes betas path pow2".split()
+
+# dotted key -> (kind, arguments); ints and floats: (lo, hi or None), floats also whether lo itself is excluded
+SCHEMA: dict[str, tuple] = {
+    "train_micro_batch_size_per_gpu": (INT, 1, None),
+    "gradient_accumulation_steps": (INT, 1, None),
+    "train_batch_size": (INT, 1, None),
+    "seed": (INT, 0, None),
+    "gradient_clipping": (FLOAT, 0.0, None, False),
+    "fp16.enabled": (BOOL,),
+    "fp16.loss_scale": (FLOAT, 0.0, None, False),
+    "fp16.initial_scale_power": (INT, 0, 64),
+    "fp16.loss_scale_window": (INT, 1, None),
+    "fp16.hysteresis": (INT, 1, None),
+    "fp16.consecutive_hysteresis": (BOOL,),
+    "fp16.min_loss_scale": (FLOAT, 0.0, None, True),
+    "fp16.auto_cast": (BOOL,),
+    "bf16.enabled": (BOOL,),
+    "optimizer.type": (CHOICE, ("adam", "adamw")),
+    "optimizer.params.lr": (FLOAT, 0.0, None, False),
+    "optimizer.params.eps": (FLOAT, 0.0, None, True),
+    "optimizer.params.weight_decay": (FLOAT, 0.0, None, False),
+    "optimizer.params.betas": (BETAS,),
+    "optimizer.params.bias_correction": (BOOL,),
+    "optimizer.params.adam_w_mode": (BOOL,),
+    "zero_optimization.stage": (INT, 0, 3),
+    "zero_optimization.sub_group_size": (INT, 1, None),
+    "zero_optimization.stage3_max_live_parameters": (INT, 1, None),
+    "zero_optimization.stage3_prefetch_bucket_size": (INT, 1, None),
+    "zero_optimization.stage3_param_persistence_threshold": (INT, 0, None),
+    "zero_optimization.stage3_max_reuse_distance": (INT, 1, None),
+    "zero_optimization.contiguous_gradients": (BOOL,),
+    "zero_optimization.overlap_comm": (BOOL,),
+    "zero_optimization.reduce_scatter": (BOOL,),
+    "zero_optimization.reduce_bucket_size": (INT, 1, None),
+    "zero_optimization.allgather_bucket_size": (INT, 1, None),
+    "zero_optimization.allgather_partitions": (BOOL,),
+    "zero_optimization.round_robin_gradients": (BOOL,),
+    "zero_optimization.offload_optimizer.device": (CHOICE, ("none", "cpu", "nvme")),
+    "zero_optimization.offload_optimizer.nvme_path": (PATH,),
+    "zero_optimization.offload_optimizer.pin_memory": (BOOL,),
+    "zero_optimization.offload_optimizer.buffer_count": (INT, 1, 64),
+    "zero_optimization.offload_optimizer.fast_init": (BOOL,),
+    "zero_optimization.offload_optimizer.delayed_update": (BOOL,),
+    "zero_optimization.offload_optimizer.overlap_step": (BOOL,),
+    "zero_optimization.offload_param.device": (CHOICE, ("none", "cpu", "nvme")),
+    "zero_optimization.offload_param.nvme_path": (PATH,),
+    "zero_optimization.offload_param.pin_memory": (BOOL,),
+    "zero_optimization.offload_param.buffer_count": (INT, 1, 1024),
+    "zero_optimization.offload_param.buffer_size": (INT, 1, None),
+    "zero_optimization.offload_param.max_in_cpu": (INT, 1, None),
+    "aio.block_size": (POW2, 4096, 256 << 20),
+    "aio.queue_depth": (INT, 8, 8),  # valid range depends on thread_count; the generator keeps them consistent
+    "aio.thread_count": (INT, 1, 8),
+    "aio.backend": (CHOICE, ("auto", "aio", "threads", "aiofiles")),
+    "aio.single_submit": (BOOL,),
+    "aio.overlap_events": (BOOL,),
+    "aio.o_direct": (BOOL,),
+    "aio.checksum": (BOOL,),
+    "offload.device_memory_budget": (BYTES,),
+    "offload.host_memory_budget": (BYTES,),
+    "offload.nvme_memory_budget": (BYTES,),
+}
+SECTIONS = sorted({k.rsplit(".", 1)[0] for k in SCHEMA if "." in k} | {""})
+huge = st.integers(min_value=1 << 40, max_value=1 << 62)
+
+
+def valid_value(key: str) -> st.SearchStrategy:
+    kind, *args = SCHEMA[key]
+    if kind == BOOL:
+        return st.booleans()
+    if kind == INT:
+        lo, hi = args
+        return st.integers(lo, hi if hi is not None else lo + 10**6) | (huge if hi is None else st.nothing())
+    if kind == FLOAT:
+        lo, hi, open_lo = args
+        return st.floats(lo, 1e6, exclude_min=open_lo, allow_nan=False) | st.integers(int(lo) + 1, 100)
+    if kind == CHOICE:
+        return st.sampled_from(args[0]) | st.sampled_from(args[0]).map(str.upper)
+    if kind == BETAS:
+        return st.lists(st.floats(0.0, 0.999), min_size=2, max_size=2)
+    if kind == PATH:
+        return st.text(st.characters(blacklist_characters="\x00", blacklist_categories=("Cs",)), min_size=1,
+                       max_size=30)
+    if kind == POW2:
+        return st.integers(12, 28).map(lambda b: 1 << b)
+    if kind == BYTES:
+        return (st.integers(0, 1 << 50) | st.sampled_from(["1GiB", "512 MB", "0.5GB", "1e9", "4096", "2 TiB"])
+                | st.none())
+    raise AssertionError(kind)
+
+
+def invalid_value(key: str) -> st.SearchStrategy:
+    """Values the key must refuse: wrong types, out-of-range numbers, non-finite numbers, unknown choices."""
+    kind, *args = SCHEMA[key]
+    junk = st.sampled_from([[], {}, "x", [1, 2, 3], {"a": 1}])
+    nonfinite = st.sampled_from([math.nan, math.inf, -math.inf])
+    if kind == BOOL:
+        return junk | st.integers() | st.sampled_from(["true", "yes", 0.0, None])
+    if kind == INT:
+        lo, hi = args
+        out = junk | st.booleans() | st.integers(max_value=lo - 1) | nonfinite | st.floats(0.1, 0.9) | \
+            st.sampled_from(["8", None] if key not in ("train_batch_size", "seed") else ["8"])
+        return out | st.integers(min_value=hi + 1) if hi is not None else out
+    if kind == FLOAT:
+        lo, hi, open_lo = args
+        out = junk | st.booleans() | nonfinite | st.floats(max_value=lo, exclude_max=not open_lo) | st.just(None)
+        return out
+    if kind == CHOICE:
+        return junk | st.booleans() | st.integers() | st.text(max_size=8).filter(lambda s: s.lower() not in args[0])
+    if kind == BETAS:
+        return (junk | st.lists(st.floats(0.0, 0.5), max_size=4).filter(lambda v: len(v) != 2)
+                | st.tuples(st.floats(1.0, 10.0), st.floats(0.0, 0.5)).map(list)
+                | st.tuples(st.floats(max_value=-0.001), st.floats(0.0, 0.5)).map(list)
+                | st.tuples(st.booleans(), st.floats(0.0, 0.5)).map(list)
+                | st.tuples(nonfinite, st.floats(0.0, 0.5)).map(list))
+    if kind == PATH:
+        return st.integers() | st.booleans() | st.sampled_from([[], {}, "a\x00b"])
+    if kind == POW2:
+        return (junk | st.booleans() | st.integers(max_value=4095) | st.integers(min_value=(256 << 20) + 1)
+                | st.integers(4097, 1 << 20).filter(lambda v: v & (v - 1)) | st.floats(4096.0, 8192.0))
+    if kind == BYTES:
+        return (junk.filter(lambda v: v != "x") | st.just("x") | st.booleans() | st.integers(max_value=-1)
+                | nonfinite | st.floats(0.1, 0.9) | st.sampled_from(["12 parsecs", "-5GB", "1e400", "GB", ""]))
+    raise AssertionError(kind)
+
+
+def put(cfg: dict, key: str, value) -> None:
+    *parents, leaf = key.split(".")
+    node = cfg
+    for p in parents:
+        node = node.setdefault(p, {})
+    node[leaf] = value
+
+
+@st.composite
+def valid_configs(draw) -> dict:
+    cfg: dict = {}
+    keys = draw(st.lists(st.sampled_from(sorted(SCHEMA)), unique=True, max_size=20))
+    for key in keys:
+        if key in ("aio.queue_depth", "fp16.enabled", "bf16.enabled") or key.endswith((".device", ".nvme_path")):
+            continue  # drawn below, consistently
+        put(cfg, key, draw(valid_value(key)))
+    if draw(st.booleans()):
+        threads = cfg.get("aio", {}).get("thread_count", 1)
+        put(cfg, "aio.queue_depth", draw(st.integers(threads, 256 * threads)))
+    precision = draw(st.sampled_from(["fp32", "fp16", "bf16"]))
+    if precision != "fp32":
+        put(cfg, f"{precision}.enabled", True)
+    for section in ("offload_optimizer", "offload_param"):
+        device = draw(st.sampled_from(["none", "cpu", "nvme", None]))
+        if device is not None:
+            put(cfg, f"zero_optimization.{section}.device", device)
+        if device == "nvme" or draw(st.booleans()):
+            put(cfg, f"zero_optimization.{section}.nvme_path", draw(valid_value(f"zero_optimization.{section}."
+                                                                              "nvme_path")))
+        if section == "offload_param" and device in ("cpu", "nvme"):
+            put(cfg, "zero_optimization.stage", 3)
+    return cfg
+
+
+def check_error(exc: ValueError, key: str) -> None:
+    msg = str(exc)
+    assert key in msg, f"{key} not named in: {msg}"
+    assert any(w in msg for w in ("must", "allowed", "required", "one of", "needs")), msg
+
+
+@settings(max_examples=300, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(valid_configs())
+def test_valid_configs_load_and_round_trip(cfg):
+    loaded = OffloadConfig.load(cfg)
+    plain = loaded.to_dict()
+    assert OffloadConfig.load(json.loads(json.dumps(plain))) == loaded
+
+
+@settings(max_examples=600, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_one_invalid_value_names_its_key(data):
+    cfg = data.draw(valid_configs())
+    key = data.draw(st.sampled_from(sorted(SCHEMA)))
+    bad = data.draw(invalid_value(key))
+    if key == "aio.queue_depth":  # invalid against the thread_count the config ends up with
+        threads = cfg.get("aio", {}).get("thread_count", 1)
+        bad = data.draw(st.integers(max_value=threads - 1) | st.integers(min_value=256 * threads + 1)
+                        | st.sampled_from(["8", 8.5, True, None]))
+    if key == "aio.thread_count":
+        cfg.get("aio", {}).pop("queue_depth", None)
+    put(cfg, key, bad)
+    with pytest.raises(ValueError) as info:
+        OffloadConfig.load(cfg)
+    check_error(info.value, key)
+
+
+@settings(max_examples=300, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_unknown_keys_are_named(data):
+    cfg = data.draw(valid_configs())
+    section = data.draw(st.sampled_from(SECTIONS))
+    known = {k.rsplit(".", 1)[-1] for k in SCHEMA if (k.rsplit(".", 1)[0] if "." in k else "") == section}
+    known |= {k.split(".")[0] for k in SCHEMA} if section == "" else set()
+    known |= {"params", "intra_op_parallelism", "use_gds", "bfloat16", "ignored"} | {
+        "steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer", "dump_state", "memory_breakdown",
+        "comms_logger", "flops_profiler", "tensorboard", "wandb", "csv_monitor"}
+    name = data.draw(st.from_regex(r"[a-z_][a-z0-9_]{0,15}", fullmatch=True).filter(lambda n: n not in known))
+    full = f"{section}.{name}" if section else name
+    put(cfg, full, 1)
+    with pytest.raises(ValueError, match="unknown key") as info:
+        OffloadConfig.load(cfg)
+    assert full in str(info.value) and "allowed" in str(info.value)
+
+
+@pytest.mark.parametrize("value", [{"ignored": ["x"]}, {"ignored": 5}])
+def test_ignored_is_not_a_user_key(value):
+    with pytest.raises(ValueError, match="unknown key ignored"):
+        OffloadConfig.load(value)
+
+
+@pytest.mark.parametrize("bad, key", [({"seed": math.nan}, "seed"), ({"seed": math.inf}, "seed"),
+                                      ({"offload": {"host_memory_budget": math.inf}}, "offload.host_memory_budget"),
+                                      ({"offload": {"host_memory_budget": "1e400"}}, "offload.host_memory_budget"),
+                                      ({"optimizer": {"params": {"lr": math.inf}}}, "optimizer.params.lr")])
+def test_non_finite_numbers_are_value_errors(bad, key):
+    """Found by the fuzz: these raised OverflowError or an unnamed ValueError from int()/float()."""
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        OffloadConfig.load(bad)
