@@ -85,6 +85,14 @@ class OffloadedAdam(torch.optim.Optimizer):
                 self._init_state(sg, block)
                 self._state.append(block)
         self._stepper = _Stepper(self._update)
+        self._warm_kernel()
+
+    @staticmethod
+    def _warm_kernel() -> None:
+        """Builds (first use on a machine) and loads the CPU Adam kernel now, not inside the first step."""
+        one = torch.zeros(1)
+        adam_step(one, torch.zeros(1), torch.zeros(1), torch.zeros(1), step=1, lr=0.0, beta1=0.9, beta2=0.999,
+                  eps=1e-8, weight_decay=0.0)
 
     # setup ------------------------------------------------------------------------------------------------------
 

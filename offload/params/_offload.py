@@ -129,10 +129,27 @@ class ParameterOffload:
                     rec.device.copy_(rec.home if rec.home is not None else p.detach().reshape(-1))
                     rec.state = ParamState.AVAILABLE
                 p.data = self._placeholder(rec) if not persistent else rec.device.view(rec.shape)
+            self._check_window()
             self._install()
         except BaseException:
             self.close()
             raise
+
+    def _check_window(self) -> None:
+        """The window plus the persistent parameters must fit the device budget: fail here, not mid-step."""
+        budget = self.store.accounts[Tier.DEVICE].budget
+        size = torch.empty((), dtype=self.dtype).element_size()
+        persistent = sum(r.numel for r in self.params if r.persistent) * size
+        largest = max((r.numel for r in self.params if not r.persistent), default=0)
+        if largest > self.max_live:
+            raise ValueError(f"zero_optimization.stage3_max_live_parameters ({self.max_live}) is smaller than the "
+                             f"largest parameter ({largest} elements); raise it to at least {largest}")
+        if budget is not None and self.max_live * size + persistent > budget:
+            raise BudgetExceeded(Tier.DEVICE, f"the parameter window (stage3_max_live_parameters {self.max_live} "
+                                 f"x {size} B) plus {persistent} B of persistent parameters",
+                                 self.max_live * size + persistent, 0, budget,
+                                 f"lower zero_optimization.stage3_max_live_parameters to at most "
+                                 f"{(budget - persistent) // size} or raise offload.device_memory_budget")
 
     @staticmethod
     def _key(rec: _Param) -> str:
@@ -235,15 +252,20 @@ class ParameterOffload:
             self._finish(rec)
         self._prefetch()
 
-    def release(self, rec: _Param) -> None:
+    def release(self, rec: _Param, reuse: bool = True) -> None:
+        """Back to RELEASED. ``reuse=False`` when autograd may still hold the device tensor (unpacked for a
+        backward node that has not run yet): its buffer is dropped, not handed to the next fetch."""
         self._evictable.pop(rec.index, None)
         if rec.persistent or rec.users > 0 or rec.state is ParamState.RELEASED:
             return
         if rec.state is ParamState.FETCHING:
             self._finish(rec)
         self._by_storage.pop(rec.device.untyped_storage().data_ptr(), None)
-        self._cache.setdefault(rec.numel, []).append(rec.device)  # fetches of same-shaped parameters reuse it
-        self.cached_numel += rec.numel
+        if reuse:
+            self._cache.setdefault(rec.numel, []).append(rec.device)  # fetches of same-shaped parameters reuse it
+            self.cached_numel += rec.numel
+        else:
+            self.store.free(Tier.DEVICE, rec.device)
         self.live_numel -= rec.numel
         rec.device = None
         rec.param.data = self._placeholder(rec)
@@ -335,7 +357,7 @@ class ParameterOffload:
         for rec in self.params:
             if rec is not keep and rec.users == 0 and not rec.persistent and rec.state is not ParamState.RELEASED \
                     and rec.index not in self._frozen_in_backward:
-                self.release(rec)
+                self.release(rec, reuse=self._phase == "forward")
                 if self.live_numel + numel <= self.max_live:
                     return
 

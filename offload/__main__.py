@@ -1,0 +1,7 @@
+"""python -m offload: see offload/cli.py."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
