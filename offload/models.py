@@ -29,7 +29,9 @@ class GPTConfig:
         return self.vocab_size * d + self.context * d + self.layers * per_block + 2 * d
 
 
-class _Block(nn.Module):
+class Block(nn.Module):
+    """One pre-norm transformer block: causal self-attention, then a 4x GELU MLP, each residual."""
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         d = cfg.width
@@ -55,7 +57,7 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.tok = nn.Embedding(cfg.vocab_size, cfg.width)
         self.pos = nn.Embedding(cfg.context, cfg.width)
-        self.blocks = nn.ModuleList(_Block(cfg) for _ in range(cfg.layers))
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
         self.ln = nn.LayerNorm(cfg.width)
         self.head = nn.Linear(cfg.width, cfg.vocab_size, bias=False)
         self.head.weight = self.tok.weight

@@ -1,4 +1,5 @@
-"""Small models for tests: a GPT-style transformer with tied embeddings, deterministic (no dropout)."""
+"""Small models for tests: a GPT-style transformer with tied embeddings and a position *parameter* (not a module),
+deterministic (no dropout). Its blocks are the package's (offload/models.py)."""
 
 from __future__ import annotations
 
@@ -6,24 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-class Block(nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        # no qkv bias: the key part of it has an analytically zero gradient, so its Adam update is normalized
-        # rounding noise and no two correct implementations agree on it element by element
-        self.qkv, self.proj = nn.Linear(d, 3 * d, bias=False), nn.Linear(d, d)
-        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-        self.heads = heads
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+from offload.models import Block, GPTConfig
 
 
 class TinyGPT(nn.Module):
@@ -31,7 +15,7 @@ class TinyGPT(nn.Module):
         super().__init__()
         self.tok = nn.Embedding(vocab, d)
         self.pos = nn.Parameter(torch.randn(ctx, d) * 0.02)
-        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(GPTConfig(width=d, heads=heads, layers=layers)) for _ in range(layers))
         self.ln = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
         self.head.weight = self.tok.weight  # tied
