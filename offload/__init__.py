@@ -8,5 +8,6 @@ from .config import OffloadConfig
 from .engine import Engine, Phase, initialize
 from .memory import BudgetExceeded, Tier
 from .optim import CPUAdam
+from .planner import estimate
 
-__all__ = ["BudgetExceeded", "CPUAdam", "Engine", "OffloadConfig", "Phase", "Tier", "initialize"]
+__all__ = ["BudgetExceeded", "CPUAdam", "Engine", "OffloadConfig", "Phase", "Tier", "estimate", "initialize"]

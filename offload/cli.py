@@ -1,6 +1,7 @@
 """``python -m offload``: the command line. The only module that prints; the library logs.
 
     python -m offload demo [--layers 6] [--width 512] [--steps 30] [--placement nvme|cpu] [--config FILE]
+    python -m offload estimate (--params N | --model config.json|module:callable) [--gpu-mem 24GiB] ...
 
 ``demo`` trains a GPT (offload/models.py) that is larger than the device budget it is given, with optimizer
 state and parameters offloaded (NVMe by default), on a synthetic task it can learn (each next token is a fixed
@@ -127,6 +128,49 @@ def demo(args: argparse.Namespace) -> int:
     return 0 if last is not None and last < first else 1
 
 
+def _load_model(spec: str) -> torch.nn.Module:
+    """A model on the meta device (no memory) from a transformers config.json or a ``module:callable``."""
+    import importlib
+
+    with torch.device("meta"):
+        if spec.endswith(".json") or Path(spec).is_dir():
+            import transformers
+
+            path = Path(spec) / "config.json" if Path(spec).is_dir() else Path(spec)
+            data = json.loads(path.read_text())
+            cfg = transformers.AutoConfig.for_model(**data)
+            return transformers.AutoModelForCausalLM.from_config(cfg)
+        module, _, name = spec.partition(":")
+        if not name:
+            raise ValueError(f"--model {spec!r}: give a config.json path or module:callable")
+        return getattr(importlib.import_module(module), name)()
+
+
+def estimate_command(args: argparse.Namespace) -> int:
+    from .planner import best, config_for, estimate, table
+
+    kw = dict(gpus=args.gpus, sub_group_size=int(args.sub_group_size), buffer_count=args.buffer_count,
+              gpu_mem=parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None,
+              host_mem=parse_bytes(args.host_mem, "--host-mem") if args.host_mem else None,
+              nvme_free=parse_bytes(args.nvme_free, "--nvme-free") if args.nvme_free else None)
+    if args.model:
+        model = _load_model(args.model)
+        ests = estimate(model=model, **kw)
+        n = sum(p.numel() for p in model.parameters())
+    else:
+        n = int(float(args.params))
+        ests = estimate(n, **kw)
+    print(f"{n / 1e9:.3g}B parameters, bf16 with fp32 Adam state, {args.gpus} GPU(s); peak bytes per tier per rank:\n")
+    print(table(ests))
+    choice = best(ests)
+    if choice is None:
+        print("\nnothing fits" if any(e.fits is not None for e in ests) else "\n(give --gpu-mem, --host-mem "
+              "and --nvme-free to see what fits)")
+        return 1 if any(e.fits is not None for e in ests) else 0
+    print(f"\nbest: {choice.placement}\n{json.dumps(config_for(choice), indent=2)}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m offload", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -145,10 +189,20 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--swap-dir", default=None, help="where swap files go (default: $TMPDIR)")
     d.add_argument("--config", default=None, help="a DeepSpeed-shaped JSON config instead of the demo's")
     d.add_argument("--seed", type=int, default=0)
+    e = sub.add_parser("estimate", help="bytes per tier for each placement, and the one that fits")
+    what = e.add_mutually_exclusive_group(required=True)
+    what.add_argument("--params", help="number of parameters (e.g. 7e9)")
+    what.add_argument("--model", help="a transformers config.json (or its folder), or module:callable")
+    e.add_argument("--gpus", type=int, default=1)
+    e.add_argument("--gpu-mem", help="memory per GPU, e.g. 24GiB")
+    e.add_argument("--host-mem", help="host RAM of the machine, e.g. 256GiB")
+    e.add_argument("--nvme-free", help="free NVMe space, e.g. 2TB")
+    e.add_argument("--sub-group-size", type=float, default=1e8)
+    e.add_argument("--buffer-count", type=int, default=4)
     args = ap.parse_args(argv)
     try:
-        return demo(args)
-    except (ValueError, RuntimeError, OSError) as exc:
+        return estimate_command(args) if args.command == "estimate" else demo(args)
+    except (ValueError, RuntimeError, OSError, TypeError, ImportError, AttributeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

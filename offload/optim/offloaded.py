@@ -70,6 +70,7 @@ class OffloadedAdam(torch.optim.Optimizer):
             if not nvme_path:
                 raise ValueError("zero_optimization.offload_optimizer.nvme_path is required for device \"nvme\"")
             total = sum(3 * sg.numel * 4 for sg in layout.sub_groups)
+            buffer_count = min(buffer_count, len(layout.sub_groups))  # more buffers than sub-groups buy nothing
             store.open_nvme(nvme_path, aio, slot_bytes=3 * layout.max_sub_group_numel * 4, buffer_count=buffer_count,
                             total_bytes=total, what=f"optimizer state ({fmt_bytes(total)})")
             for sg in layout.sub_groups:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import functools
+import shutil
 import time
 from dataclasses import dataclass, field
 from enum import Enum
@@ -106,9 +107,19 @@ class ParameterOffload:
         self._traces = {"forward": _Trace(), "backward": _Trace()}
         self._phase = "forward"
         self._frozen_in_backward: set[int] = set()
+        self._nvme_bytes = 0
+        self._private: list[torch.Tensor] = []  # host copies this object allocated (and frees at close)
         if nvme_path is not None:
             root = Path(nvme_path)
             root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            size = torch.empty((), dtype=dtype).element_size()
+            homed = [p.numel() for p in params if p.numel() > persistence_threshold]
+            account = store.accounts[Tier.NVME]
+            if account.budget is None:
+                account.budget = shutil.disk_usage(root).free * 95 // 100
+            # every parameter's key, plus one spare extent: a rewrite goes beside the bytes it replaces
+            self._nvme_bytes = (sum(homed) + max(homed, default=0)) * size
+            account.reserve(self._nvme_bytes, f"parameters homed on {root}", f"free disk space at {root}")
             self._swap = SwapEngine(root, aio or AioConfig())
         try:
             for i, (p, home) in enumerate(zip(params, homes)):
@@ -121,8 +132,9 @@ class ParameterOffload:
                     staged.copy_(p.detach().reshape(-1))
                     self._swap.write(self._key(rec), staged).wait()
                     rec.home = None
-                elif home is None:
-                    rec.home = aligned_tensor(p.numel(), dtype, pin_memory=store.pin_memory)
+                elif home is None:  # frozen, or persistent with NVMe homes: a private host copy
+                    rec.home = store.allocate(Tier.HOST, p.numel(), dtype, f"the host copy of parameter {i}")
+                    self._private.append(rec.home)
                     rec.home.copy_(p.detach().reshape(-1))
                 if persistent:
                     self._materialize(rec)
@@ -513,3 +525,9 @@ class ParameterOffload:
         if self._swap is not None:
             self._swap.close()
             self._swap = None
+        if self._nvme_bytes:
+            self.store.accounts[Tier.NVME].release(self._nvme_bytes)
+            self._nvme_bytes = 0
+        for t in self._private:
+            self.store.free(Tier.HOST, t)
+        self._private = []

@@ -1,0 +1,51 @@
+"""offload.estimate against the engine: for the demo's model, every placement's estimated peak per tier is within
+10% of the peak the engine measures."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import offload
+from offload.models import GPT, GPTConfig
+from offload.planner import PLACEMENTS, best, config_for, estimate, table
+
+CFG = GPTConfig(vocab_size=512, context=64, layers=3, heads=4, width=256)  # the demo's shape, smaller
+KNOBS = dict(sub_group_size=200_000, buffer_count=3, max_live_parameters=600_000, persistence_threshold=10_000)
+
+
+def measured(tmp_path, opt: str, par: str) -> dict[str, int]:
+    torch.manual_seed(0)
+    config = config_for(offload.planner.Estimate("", opt, par, 0, 0, 0, None, None), str(tmp_path))
+    z = config["zero_optimization"]
+    z.update(sub_group_size=KNOBS["sub_group_size"], stage3_max_live_parameters=KNOBS["max_live_parameters"],
+             stage3_param_persistence_threshold=KNOBS["persistence_threshold"])
+    z["offload_optimizer"]["buffer_count"] = KNOBS["buffer_count"]
+    config["aio"] = {"block_size": 1 << 16}
+    x = torch.randint(0, CFG.vocab_size, (2, 32))
+    with offload.initialize(GPT(CFG), config) as engine:
+        for _ in range(2):
+            engine.backward(GPT.loss(engine(x), x))
+            engine.step()
+        return {t: r["peak"] for t, r in engine.memory_report().items()}
+
+
+@pytest.mark.parametrize("name, opt, par", PLACEMENTS)
+def test_estimate_within_ten_percent_of_measured_peaks(tmp_path, name, opt, par):
+    est = next(e for e in estimate(model=GPT(CFG), **KNOBS) if e.placement == name)
+    peaks = measured(tmp_path, opt, par)
+    for tier in ("device", "host", "nvme"):
+        want, got = getattr(est, tier), peaks[tier]
+        assert abs(want - got) <= 0.10 * max(got, 1), (tier, want, got)
+
+
+def test_fits_best_and_table():
+    n = 3_000_000_000
+    ests = estimate(n, gpu_mem=24 << 30, host_mem=24 << 30, nvme_free=80 << 30)
+    by = {e.placement: e for e in ests}
+    assert not by["no offload"].fits and by["no offload"].limiting == "device"
+    assert by["optimizer on nvme"].nvme >= 12 * n
+    assert best(ests).placement == "optimizer on nvme"  # 3B params: 36 GB of Adam state fits only on disk
+    assert "optimizer + parameters on nvme" in table(ests)
+    with pytest.raises(ValueError, match="exactly one"):
+        estimate()
