@@ -397,7 +397,13 @@ class ParameterOffload:
             rec = self.params[idx]
             if rec.state is not ParamState.RELEASED:
                 continue
-            if (in_flight and in_flight + rec.numel > self.bucket) or not self._evict(rec.numel):
+            if in_flight and in_flight + rec.numel > self.bucket:
+                break
+            # forward may evict (the oldest are needed last, in backward); in backward every evictable parameter
+            # is left from forward and needed before anything further along the trace: only freed room is used
+            room = self._evict(rec.numel) if self._phase == "forward" else \
+                self.live_numel + rec.numel <= self.max_live
+            if not room:
                 break
             try:
                 self._start(rec)
