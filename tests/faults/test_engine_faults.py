@@ -78,8 +78,8 @@ FAULTS = [
 ]
 
 
-@pytest.mark.parametrize("backend", ["aio", "threads"])
-@pytest.mark.parametrize("op, fault, code", FAULTS)
+@pytest.mark.parametrize("op, fault, code, backend", [(*f, "aio") for f in FAULTS] +
+                         [(*f, "threads") for f in FAULTS if isinstance(f[1], int)])
 def test_swap_fault_mid_step_names_key_and_file_and_loses_nothing(tmp_path, unfaulted, backend, op, fault, code):
     data = batches(STEPS)
     faults = Faults()
