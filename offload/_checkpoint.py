@@ -84,7 +84,8 @@ class _TensorFile:
     def plan(entries: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> dict[str, dict[str, Any]]:
         index, offset = {}, 0
         for name, dtype, shape in entries:
-            nbytes = torch.empty(shape, dtype=dtype, device="meta").numel() * torch.empty((), dtype=dtype).element_size()
+            numel = torch.empty(shape, dtype=dtype, device="meta").numel()
+            nbytes = numel * torch.empty((), dtype=dtype).element_size()
             index[name] = {"dtype": str(dtype), "shape": list(shape), "offset": offset, "nbytes": nbytes}
             offset += -(-nbytes // 4096) * 4096
         return index

@@ -108,7 +108,8 @@ class Engine:
                 self._flats = []
                 self._offload_parameters()
             elif self._delayed:
-                self._flats = self._flatten_to_device()  # updates land in host buffers, copied to the device at the next step
+                # updates land in host buffers, copied to the device at the next step
+                self._flats = self._flatten_to_device()
                 self._next_flats = [self.store.allocate(Tier.HOST, f.numel(), self.dtype, "delayed-update parameters",
                                                         "raise offload.host_memory_budget or turn off "
                                                         "offload_optimizer.delayed_update") for f in self._flats]

@@ -12,7 +12,7 @@ import torch
 
 from nvme_swapper import aligned_tensor
 
-from ._tiers import Tier, TierAccount
+from ._tiers import TierAccount
 
 
 class BufferPool:

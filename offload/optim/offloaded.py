@@ -1,11 +1,11 @@
 """OffloadedAdam: Adam/AdamW whose fp32 master weights and moments live on HOST or NVME, one sub-group at a time.
 
 Per sub-group (see :mod:`._layout`) the state is one flat fp32 block ``[master | exp_avg | exp_avg_sq]``: one
-allocation on HOST, or one NVMe key read and written in a single request. Gradients arrive (from the engine's
-hooks) in one host buffer per param group: fp32 when micro-batches accumulate into it, else the training dtype (a
-bf16 gradient widened to fp32 carries no more information, and the kernel reads bf16/fp16 directly). Updating a sub-group is one pass of the CPU Adam kernel, which
-also writes the new low-precision parameters straight into the device's flat parameter buffer (on CUDA, into a
-pinned staging buffer copied to the device on a side stream).
+allocation on HOST, or one NVMe key read and written in a single request. Gradients arrive (from the engine's hooks)
+in one host buffer per param group: fp32 when micro-batches accumulate into it, else the training dtype (a bf16
+gradient widened to fp32 carries no more information, and the kernel reads bf16/fp16 directly). Updating a sub-group
+is one pass of the CPU Adam kernel, which also writes the new low-precision parameters straight into the device's
+flat parameter buffer (on CUDA, into a pinned staging buffer copied to the device on a side stream).
 
 All state access runs on one worker thread, the stepper, which takes sub-group indices from a queue: the engine
 queues a sub-group as soon as its gradients are final (overlap with backward) or all remaining ones at ``step``.

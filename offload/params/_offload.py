@@ -15,18 +15,21 @@ When parameters are needed:
 * forward: a pre-hook on each module fetches its own parameters (waiting only for those not already prefetched)
   and a post-hook marks them evictable: they stay on the device, least recently used first out, until a fetch
   needs the room. Backward runs the layers in reverse, so the last layers of forward are still there when backward
-  starts (DeepSpeed's reuse distance, bounded here by the window rather than by a count). So a parameter is on the device while its owning module runs; a module that
-  reads another module's parameter directly (``self.sub.weight`` outside ``self.sub(...)``) must declare it
-  with :meth:`register_external` (DeepSpeed's rule too), or the read sees NaN;
+  starts (DeepSpeed's reuse distance, bounded here by the window rather than by a count). So a parameter is on the
+  device while its owning module runs; a module that reads another module's parameter directly
+  (``self.sub.weight`` outside ``self.sub(...)``) must declare it with :meth:`register_external` (DeepSpeed's rule
+  too), or the read sees NaN;
 * backward: the model's forward runs under a saved-tensors hook that saves a *reference* (parameter, view
-  geometry) instead of a parameter's device tensor, so backward fetches it again on demand at unpack time;
-  a trainable parameter is released once its gradient has been accumulated (its last use in this backward),
-  frozen ones when backward ends.
+  geometry) instead of a parameter's device tensor, so backward fetches it again on demand at unpack time; a
+  trainable parameter is released once its gradient has been accumulated (its last use in this backward), frozen
+  ones when backward ends.
 
 Prefetch: the first step records the order parameters are fetched in (forward and backward separately); later
 steps, at each fetch, start the fetches of the next parameters in that order as long as the live parameters stay
-within ``stage3_max_live_parameters`` and the fetches in flight within ``stage3_prefetch_bucket_size``. A step
-whose order departs from the trace stays correct (fetches wait), drops the trace and records a new one.
+within ``stage3_max_live_parameters`` and the fetches in flight within ``stage3_prefetch_bucket_size``; in forward
+it may evict the oldest evictable parameters for room, in backward only room that finished gradients freed (every
+leftover of forward is needed before anything further along the trace). A step whose order departs from the trace
+stays correct (fetches wait), drops the trace and records a new one.
 """
 
 from __future__ import annotations
