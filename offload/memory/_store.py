@@ -53,6 +53,7 @@ class _Managed:
     numel: int
     dtype: torch.dtype
     residency: Residency = Residency.NVME
+    claimed: bool = False  # handed out by stage/acquire and not yet given back by evict/release
     slot: int | None = None
     io: SwapHandle | None = None  # the read or write in flight, cleared when waited
 
@@ -218,6 +219,7 @@ class TieredStore:
         assert m.residency is Residency.NVME and m.io is None
         m.slot = self._take_slot(block=True)
         m.residency = Residency.HOST
+        m.claimed = True
         return self._view(m)
 
     def fetch(self, key: str) -> Transfer | None:
@@ -252,6 +254,7 @@ class TieredStore:
         assert m.residency is Residency.HOST and self._swap is not None
         m.io = self._swap.write(key, self._view(m))
         m.residency = Residency.EVICTING
+        m.claimed = False
         self._evicting.append(m)
         return Transfer(self, key, evict=True)
 
@@ -291,11 +294,15 @@ class TieredStore:
         """Drops a clean staged copy (its bytes are already on NVMe) without writing it."""
         m = self._managed[key]
         if m.residency is Residency.FETCHING:
-            self._wait(m)
+            try:
+                self._wait_or_settle(m)
+            except OSError:
+                pass  # dropped unread: the stored bytes are untouched, and the next acquire reads (and reports) again
         if m.residency in (Residency.FETCHING, Residency.HOST):
             assert m.slot is not None and self._pool is not None
             self._pool.give(m.slot)
             m.slot, m.residency = None, Residency.NVME
+        m.claimed = False
 
     def _view(self, m: _Managed) -> torch.Tensor:
         assert m.slot is not None and self._pool is not None
@@ -318,6 +325,7 @@ class TieredStore:
 
     def _claim(self, m: _Managed) -> None:
         """A caller takes ``m``'s buffer: a write-back that failed earlier is now the caller's to redo."""
+        m.claimed = True
         if m in self._unwritten:
             self._unwritten.remove(m)
 
@@ -348,6 +356,8 @@ class TieredStore:
             slot = self._pool.take()
             if slot is None and not self._evicting:
                 self._retry_unwritten()  # buffers kept by failed write-backs: write them again (or fail again)
+            if slot is None and not self._evicting and block and self._drop_prefetched():
+                continue
             if slot is not None or not self._evicting:
                 if slot is None and block:
                     raise RuntimeError("all NVMe staging buffers are held by tensors in use; raise "
@@ -355,6 +365,16 @@ class TieredStore:
                 return slot
             if not self._reclaim(block=block) and not block:
                 return None
+
+    def _drop_prefetched(self) -> bool:
+        """Gives back the buffer of one prefetched tensor no one has claimed (clean: its bytes are on NVMe), e.g.
+        one a failed step fetched and never used. True if one was dropped."""
+        unwritten = {id(m) for m in self._unwritten}
+        for m in self._managed.values():
+            if not m.claimed and m.residency in (Residency.FETCHING, Residency.HOST) and id(m) not in unwritten:
+                self.release(m.key)
+                return True
+        return False
 
     def _reclaim(self, *, block: bool) -> bool:
         """Frees the buffers of finished write-backs (waiting for the oldest if ``block``). True if any freed."""

@@ -137,7 +137,8 @@ def test_exception_in_swap_worker_surfaces_at_next_wait(tmp_path, unfaulted):
         assert_same(state(engine), unfaulted)
 
 
-def test_exception_in_stepper_thread_surfaces_at_next_wait(tmp_path, unfaulted, monkeypatch):
+@pytest.mark.parametrize("fail_at", [1, 4, 7])
+def test_exception_in_stepper_thread_surfaces_at_next_wait(tmp_path, unfaulted, monkeypatch, fail_at):
     from offload.optim import offloaded
 
     data = batches(STEPS)
@@ -147,7 +148,7 @@ def test_exception_in_stepper_thread_surfaces_at_next_wait(tmp_path, unfaulted, 
 
     def failing_once(*args, **kwargs):
         calls["n"] += 1
-        if calls["n"] == 2:
+        if calls["n"] == fail_at:
             raise WorkerBug("injected bug in the optimizer thread")
         return real(*args, **kwargs)
 
