@@ -1,4 +1,4 @@
-"""AioConfig: how the swap engine issues I/O. Frozen, validated at construction, parsed from DeepSpeed's ``aio`` JSON."""
+"""AioConfig: how the swap engine issues I/O. Frozen, validated when built, parsed from DeepSpeed's ``aio`` JSON."""
 
 from __future__ import annotations
 

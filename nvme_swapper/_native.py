@@ -11,9 +11,9 @@ Keeping every syscall in one small class gives the fault-injection tests a singl
 chosen call with ENOSPC, EIO or a short count) without touching the engine under test.
 
 Block checksums (``swp_hash`` in ``_aio.c``, about 12 GB/s on one core) come from the same compiled library; the
-kernel-AIO runner computes them as each transfer completes. Where the library cannot be built, :func:`checksum`
-falls back to ``zlib.crc32`` (about 4 GB/s). One process uses one of the two for its whole life, and checksums live
-only in memory, so the two never meet.
+kernel-AIO runner computes them while the I/O is in flight (writes) or as each read completes. Where the library
+cannot be built, :func:`checksum` falls back to ``zlib.crc32`` (about 4 GB/s). One process uses one of the two for
+its whole life, and checksums live only in memory, so the two never meet.
 """
 
 from __future__ import annotations
@@ -133,7 +133,8 @@ def checksum_kind() -> str:
 
 class Transfers(list):
     """(address, length, offset) transfers for :meth:`FileIO.aio_run`. When ``sums`` is a ctypes uint64 array of
-    the same length, the runner stores each transfer's checksum there as it completes in full."""
+    the same length, the runner stores each transfer's checksum there. A FileIO subclass that hands a different
+    list to ``FileIO.aio_run`` must report a failure for it (the caller then recomputes the checksums)."""
 
     sums: ctypes.Array | None = None
 

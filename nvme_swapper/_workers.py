@@ -10,9 +10,10 @@ aiofiles coroutine (buffered I/O through aiofiles' thread pool), at most ``queue
 and drop the written pages from the page cache, so a write has reached the disk when it completes, as with O_DIRECT.
 
 Checksums (``AioConfig.checksum``): each block of ``block_size`` bytes of a tensor gets a checksum, computed by the
-worker that moved it: by the kernel-AIO runner as each block completes (so it overlaps the requests still in
-flight), otherwise right after the block's pread/pwrite. Writes record them in ``handle.sums``; reads compare them
-with ``handle.expected`` (what the write recorded) and fail with EBADMSG on a mismatch.
+worker that moved it: by the kernel-AIO runner while the block's write is in flight, or as the block's read
+completes (so hashing overlaps the requests still in flight), otherwise right after the block's pread/pwrite.
+Writes record them in ``handle.sums``; reads compare them with ``handle.expected`` (what the write recorded) and
+fail with EBADMSG on a mismatch.
 
 Ordering: a part of a request waits for the previous request on its key (``handle.after``). Parts are queued in
 issue order, so the request waited on has always been taken by a worker already: the wait always ends.

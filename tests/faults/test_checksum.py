@@ -135,3 +135,17 @@ def test_checksum_properties():
     a = checksum(buf.data_ptr(), 64)
     view[0:8], view[8:16] = bytes(range(9, 17)), bytes(range(1, 9))
     assert checksum(buf.data_ptr(), 64) != a
+
+
+def test_fallback_without_the_c_helper_still_detects_changes(tmp_path, monkeypatch):
+    from nvme_swapper import _native
+
+    monkeypatch.setattr(_native, "_library", lambda: None)  # as when no C compiler is found
+    assert _native.checksum_kind() == "crc32"
+    with SwapEngine(tmp_path, AioConfig(block_size=BS, thread_count=2, queue_depth=2)) as engine:
+        assert engine.backend == "threads" and engine.stats()["checksum"] == "crc32"
+        data = store_all(engine, aligned=True)
+        alter(engine._file.path, offset_of(engine, "b") + BS + 1)
+        with pytest.raises(OSError, match="read of key 'b' failed: checksum mismatch in block 1 "):
+            read(engine, "b", True)
+        assert torch.equal(read(engine, "a", True), data["a"])
