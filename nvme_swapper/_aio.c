@@ -106,7 +106,8 @@ static void hash_done(uint64_t *sums, const uint64_t *bufs, const uint64_t *lens
 }
 
 /* Runs n transfers. When sums is not NULL, sums[i] receives swp_hash of transfer i's buffer: for a write, while
- * the write is in flight (the caller leaves the buffer alone); for a read, once it completed in full. Only the sums
+ * the write is in flight (the caller leaves the buffer alone); for a read, once it completed in full. Hashing is
+ * spread over the loop, one block between two looks at the completion queue, so it overlaps the I/O in flight. Only the sums
  * of transfers before *bad_index are meaningful after a failure. Returns 0 when every transfer moved its full length. Otherwise returns -1, stores the index of
  * the first failed transfer in *bad_index and its result (negative errno, or the short byte count) in *bad_result;
  * transfers already in flight are drained first, and no new ones are submitted after a failure.
@@ -120,7 +121,7 @@ long swp_run(uint64_t ctx_id, long depth, int fd, int is_write, long n, const ui
     struct iocb *ready[MAX_DEPTH];
     struct io_event events[MAX_DEPTH];
     long free_slots[MAX_DEPTH];
-    long to_hash[MAX_DEPTH];
+    long to_hash[2 * MAX_DEPTH]; /* transfers whose checksum is still to compute */
     long n_free = 0, next = 0, inflight = 0, failed = 0, n_hash = 0;
 
     if (depth < 1 || depth > MAX_DEPTH) return -EINVAL;
@@ -166,13 +167,19 @@ long swp_run(uint64_t ctx_id, long depth, int fd, int is_write, long n, const ui
         }
         inflight += submitted;
         /* a write's bytes are final once submitted: hash them while they are in flight */
-        if (sums != NULL && is_write)
+        if (sums != NULL && is_write) {
+            if (n_hash + submitted > 2 * MAX_DEPTH) hash_done(sums, bufs, lens, to_hash, &n_hash);
             for (long k = 0; k < submitted; ++k) to_hash[n_hash++] = (long)(ready[k]->aio_data & 0xffffffff);
-        /* hash what was submitted (writes) or completed (reads) since the last pass, now that the queue is
-         * refilled: it overlaps the I/O in flight */
-        hash_done(sums, bufs, lens, to_hash, &n_hash);
+        }
         if (inflight == 0) continue;
         long min_nr = overlap ? 1 : inflight;
+        if (n_hash > 0) {
+            /* one block per pass, with the queue full; then reap without waiting, so a completion is refilled
+             * after at most one block's hashing rather than after all of them */
+            --n_hash;
+            sums[to_hash[n_hash]] = swp_hash((const void *)(uintptr_t)bufs[to_hash[n_hash]], lens[to_hash[n_hash]]);
+            min_nr = 0;
+        }
         long got = syscall(SYS_io_getevents, ctx, min_nr, inflight, events, NULL);
         if (got < 0) {
             if (errno == EINTR) continue;
@@ -190,7 +197,10 @@ long swp_run(uint64_t ctx_id, long depth, int fd, int is_write, long n, const ui
                 *bad_result = res;
             }
             free_slots[n_free++] = slot;
-            if (sums != NULL && !is_write && res == (int64_t)lens[idx]) to_hash[n_hash++] = idx;
+            if (sums != NULL && !is_write && res == (int64_t)lens[idx]) {
+                if (n_hash == 2 * MAX_DEPTH) hash_done(sums, bufs, lens, to_hash, &n_hash);
+                to_hash[n_hash++] = idx;
+            }
         }
         inflight -= got;
     }
