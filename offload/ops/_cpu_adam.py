@@ -27,11 +27,12 @@ from types import ModuleType
 
 import torch
 
+from nvme_swapper._native import cache_dir  # one build cache for the distribution
+
 logger = logging.getLogger("offload")
 
 BACKEND_ENV = "OFFLOAD_CPU_ADAM_BACKEND"
 ISA_ENV = "OFFLOAD_CPU_ADAM_ISA"
-CACHE_ENV = "OFFLOAD_CACHE_DIR"
 
 _SOURCE = Path(__file__).with_name("cpu_adam.cpp")
 
@@ -87,12 +88,6 @@ def _requested_backend() -> str:
     if backend not in ("auto", "native", "torch"):
         raise ValueError(f"{BACKEND_ENV}={backend!r}; use 'auto', 'native' or 'torch'")
     return backend
-
-
-def cache_dir() -> Path:
-    """Root of offload's build cache: ``$OFFLOAD_CACHE_DIR``, else ``~/.cache/offload``."""
-    root = os.environ.get(CACHE_ENV)
-    return Path(root).expanduser() if root else Path.home() / ".cache" / "offload"
 
 
 @functools.lru_cache(maxsize=None)
