@@ -7,6 +7,7 @@ timeout and every round ends at a barrier with a timeout, so a deadlock fails th
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import random
 import threading
 import time
@@ -148,10 +149,16 @@ def test_swap_engine_under_threads_and_tasks(tmp_path):
         try:
             while True:
                 go = time.monotonic() < deadline
-                barrier.wait()
-                check_accounting(engine, threads + tasks + [shared])
-                checks += 1
-                barrier.wait()
+                try:
+                    barrier.wait()
+                    check_accounting(engine, threads + tasks + [shared])
+                    checks += 1
+                    barrier.wait()
+                except threading.BrokenBarrierError:
+                    if errors:
+                        raise errors[0] from None  # a worker failed: its error, not the barrier's
+                    faulthandler.dump_traceback(all_threads=True)  # a worker hung: show where
+                    raise
                 if not go:
                     break
         finally:
