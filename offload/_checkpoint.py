@@ -53,7 +53,7 @@ def _others(engine: "Engine") -> dict[str, torch.Tensor]:
     return out
 
 
-def _pieces(engine: "Engine", sg, block: torch.Tensor, names: list[str]):
+def _pieces(sg, block: torch.Tensor, names: list[str]):
     """(entry name, view of ``block``, element offset in the entry) for every piece of a sub-group's state."""
     n = sg.numel
     parts = dict(zip(_KINDS, (block[:n], block[n : 2 * n], block[2 * n :])))
@@ -153,7 +153,7 @@ def save(engine: "Engine", root: Path, tag: str) -> Path:
     f = _TensorFile(tmp / "tensors.bin", index, write=True)
     try:
         for sg in layout.sub_groups:
-            for name, view, offset in _pieces(engine, sg, opt.read_state(sg), names):
+            for name, view, offset in _pieces(sg, opt.read_state(sg), names):
                 f.write(name, view, offset)
             opt.done_state(sg, dirty=False)
         for name, t in others.items():
@@ -237,7 +237,7 @@ def load(engine: "Engine", root: Path, tag: str | None) -> str:
         for sg in layout.sub_groups:
             block = opt.stage_state(sg)
             block.zero_()  # padding between parameters
-            for name, view, offset in _pieces(engine, sg, block, names):
+            for name, view, offset in _pieces(sg, block, names):
                 f.read_into(name, view, offset)
             opt.done_state(sg, dirty=True)
         opt.wait()

@@ -11,7 +11,7 @@ are offloaded, i.e. stage 3).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,9 +38,6 @@ class Estimate:
     nvme: int
     fits: bool | None  # None when no budget was given for any tier
     limiting: str | None  # the tier that does not fit
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def _round(n: int, m: int = 4096) -> int:

@@ -40,9 +40,6 @@ class BufferPool:
         start = index * self.slot_bytes
         return self._memory[start : start + nbytes].view(dtype)
 
-    def free_count(self) -> int:
-        return len(self._free)
-
     def take(self) -> int | None:
         return self._free.pop() if self._free else None
 
