@@ -29,7 +29,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from nvme_swapper import FileIO
+from nvme_swapper import FileIO, aligned_tensor
 
 from . import _checkpoint
 from ._precision import LossScaler
@@ -183,7 +183,7 @@ class Engine:
         flats = []
         for g, numel in enumerate(self.layout.group_numel):
             flat = torch.zeros(numel, dtype=self.dtype, device=self.device) if self.device.type == "cuda" \
-                else _aligned(numel, self.dtype)
+                else aligned_tensor(numel, self.dtype, pin_memory=False)
             flats.append(flat)
         with torch.no_grad():
             for i, p in enumerate(self.layout.params):
@@ -507,12 +507,6 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _aligned(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    from nvme_swapper import aligned_tensor
-
-    return aligned_tensor(numel, dtype, pin_memory=False)
 
 
 def initialize(model: torch.nn.Module, config: OffloadConfig | Mapping[str, Any] | str | Path | None = None, *,
