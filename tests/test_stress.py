@@ -112,18 +112,17 @@ def test_swap_engine_under_threads_and_tasks(tmp_path):
         shared_lock = threading.Lock()
         barrier = threading.Barrier(len(threads) + 2, timeout=2 * WAIT)
         deadline = time.monotonic() + SECONDS
+        go = [True]  # decided by the checker alone, so every thread agrees on the last round
         errors: list[BaseException] = []
 
         def rounds(body) -> None:
             try:
                 while True:
-                    go = time.monotonic() < deadline
-                    if go:
-                        body()
-                    barrier.wait()  # the checker looks at a quiescent engine
-                    barrier.wait()
-                    if not go:
+                    barrier.wait()  # a round starts: the checker has set go
+                    if not go[0]:
                         return
+                    body()
+                    barrier.wait()  # the round ends: the checker looks at a quiescent engine
             except BaseException as exc:
                 errors.append(exc)
                 barrier.abort()
@@ -148,19 +147,19 @@ def test_swap_engine_under_threads_and_tasks(tmp_path):
         checks = 0
         try:
             while True:
-                go = time.monotonic() < deadline
+                go[0] = time.monotonic() < deadline
                 try:
+                    barrier.wait()
+                    if not go[0]:
+                        break
                     barrier.wait()
                     check_accounting(engine, threads + tasks + [shared])
                     checks += 1
-                    barrier.wait()
                 except threading.BrokenBarrierError:
                     if errors:
                         raise errors[0] from None  # a worker failed: its error, not the barrier's
                     faulthandler.dump_traceback(all_threads=True)  # a worker hung: show where
                     raise
-                if not go:
-                    break
         finally:
             if errors:
                 barrier.abort()
