@@ -38,11 +38,14 @@ def aligned_tensor(
     *,
     pin_memory: bool | None = None,
     huge_pages: bool = True,
+    prefault: bool = True,
 ) -> torch.Tensor:
     """A zero-filled, contiguous host tensor whose data starts on a page (2 MiB when large) boundary.
 
     ``pin_memory=None`` pins when CUDA is available. The swap engine reads into such a tensor and writes from it
     without any extra copy; see :class:`nvme_swapper.SwapEngine` for what happens with other tensors.
+    ``prefault=False`` (unpinned only) leaves the pages to be faulted in by their first writer: for a buffer that a
+    read fills at once, the I/O thread then pays for the faults instead of the caller's thread.
     """
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     if any(d < 0 for d in shape):
@@ -69,5 +72,6 @@ def aligned_tensor(
         except OSError:
             pass  # THP disabled ("never"): small pages still work, only slower for large I/O
     body = torch.from_numpy(array[start : start + nbytes])
-    body.fill_(0)  # prefault now, with huge pages where granted, instead of inside a timed step
+    if prefault:
+        body.fill_(0)  # fault the (already zero) pages in now, as huge pages where granted, not inside a timed step
     return body.view(dtype).view(shape)

@@ -141,12 +141,13 @@ class TieredStore:
     # plain allocations -----------------------------------------------------------------------------------------
 
     def allocate(self, tier: Tier, numel: int, dtype: torch.dtype, what: str, fix: str = "", *,
-                 stagger: int = 0) -> torch.Tensor:
+                 stagger: int = 0, prefault: bool = True) -> torch.Tensor:
         """A zeroed flat tensor on DEVICE or HOST, counted against the tier's budget until ``free``.
 
         ``stagger=k`` (CPU memory, large buffers) starts the buffer k stream-offsets into its huge page, for buffers
         streamed in lockstep with others by the Adam kernel: streams at equal huge-page offsets hit the same DRAM
-        banks together and run up to twice as slow (docs/cpu_adam.md)."""
+        banks together and run up to twice as slow (docs/cpu_adam.md). ``prefault=False``: the buffer is about to be
+        filled by a swap read, whose I/O thread faults its pages in (see ``aligned_tensor``)."""
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         cpu = tier is Tier.HOST or self.device.type == "cpu"
         stagger = stagger if cpu and not self.pin_memory and nbytes >= (64 << 20) else 0  # padding <= 3%
@@ -156,7 +157,7 @@ class TieredStore:
             if stagger:
                 t = host_stream_buffer(numel, dtype, slot=stagger)
             elif tier is Tier.DEVICE:
-                t = aligned_tensor(numel, dtype, pin_memory=False) if self.device.type == "cpu" \
+                t = aligned_tensor(numel, dtype, pin_memory=False, prefault=prefault) if self.device.type == "cpu" \
                     else torch.zeros(numel, dtype=dtype, device=self.device)
             elif tier is Tier.HOST:
                 t = aligned_tensor(numel, dtype, pin_memory=self.pin_memory)
