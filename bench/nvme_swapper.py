@@ -1,9 +1,9 @@
 """Swap-engine throughput against the disk's own limit, measured in the same run.
 
-Workloads: one 2 GiB tensor, and 64 x 32 MiB tensors in flight at once; block sizes 256 KiB / 1 MiB / 4 MiB and
-queue depths 1 / 8 / 32; the engine's kernel-AIO backend ("aio") and the portable aiofiles backend, both moving
-bytes only (AioConfig(checksum=False)); and the default configuration users get, with per-block checksums, at
-4 MiB and depths 8 and 32 ("checksummed aio").
+Workloads: one 2 GiB tensor (--size), and 64 tensors of 1/64 of that in flight at once; block sizes 256 KiB /
+1 MiB / 4 MiB and queue depths 1 / 8 / 32 (--blocks, --depths); the engine's kernel-AIO backend ("aio") and the
+portable aiofiles backend, both moving bytes only (AioConfig(checksum=False)); and the default configuration users
+get, with per-block checksums, at 4 MiB and depths 8 and 32 ("checksummed aio").
 
 The limit: fio (direct=1; libaio and io_uring; queue depths 1 and 8; 1 and 4 MiB blocks; --iomem=shmhuge huge-page
 buffers, which need vm.nr_hugepages: set here when run as root, restored after) and a plain single-threaded
@@ -13,7 +13,11 @@ This disk is shared and noisy, so every round runs all probes and all engine con
 and the table reports medians over rounds. Writes are steady-state overwrites for everyone: fio overwrites the file
 it laid out, and the engine first reserves (writes) the space its copy-on-write extents will take.
 
-    python bench/nvme_swapper.py [--dir DIR] [--rounds 3] [--quick] [--out results/nvme_swapper.json]
+    python bench/nvme_swapper.py [--dir DIR] [--rounds 3] [--quick] [--size 2GiB] [--blocks 256KiB,1MiB,4MiB]
+                                 [--depths 1,8,32] [--no-fio] [--out results/nvme_swapper.json]
+
+``python -m offload bench nvme`` runs this script and plots throughput against block size and queue depth from
+its JSON (the engine's sweep over --blocks x --depths).
 """
 
 from __future__ import annotations
@@ -34,12 +38,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from nvme_swapper import AioConfig, SwapEngine, aligned_tensor  # noqa: E402
 from nvme_swapper._native import memory_at  # noqa: E402
+from offload.config import parse_bytes  # noqa: E402
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 
 def gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
+
+
+def human(nbytes: int) -> str:
+    """2GiB, 32MiB, 256KiB: the workload names in the table and the JSON."""
+    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if nbytes >= size and nbytes % size == 0:
+            return f"{nbytes // size}{unit}"
+    return f"{nbytes}B"
 
 
 # the limit ---------------------------------------------------------------------------------------------------------
@@ -117,7 +130,9 @@ def run_engine(directory: Path, backend: str, block: int, depth: int, big, small
                     checksum=checksum)
     result = {}
     with SwapEngine(directory, cfg) as eng:
-        for workload, srcs, outs in (("1x2GiB", [big], [outs_big]), ("64x32MiB", smalls, outs_small)):
+        nbig = big.numel() * big.element_size()
+        for workload, srcs, outs in ((f"1x{human(nbig)}", [big], [outs_big]),
+                                     (f"{len(smalls)}x{human(nbig // len(smalls))}", smalls, outs_small)):
             keys = [f"{workload}-{i}" for i in range(len(srcs))]
             nbytes = sum(s.numel() * s.element_size() for s in srcs)
             eng.reserve(nbytes)  # written space: the timed writes are overwrites, as fio's are
@@ -141,20 +156,34 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="256 MiB instead of 2 GiB, 1 round (a smoke test)")
     ap.add_argument("--threads", type=int, default=1, help="engine thread_count (capped at the queue depth)")
+    ap.add_argument("--size", default=None, help="bytes per pass (default 2GiB; 256MiB with --quick); "
+                    "a multiple of 64 x 4 KiB")
+    ap.add_argument("--blocks", default="256KiB,1MiB,4MiB", help="engine block sizes to sweep (comma-separated)")
+    ap.add_argument("--depths", default="1,8,32", help="engine queue depths to sweep (comma-separated)")
+    ap.add_argument("--no-fio", action="store_true", help="skip fio: the limit is the pread/pwrite loop alone")
     ap.add_argument("--out", default="results/nvme_swapper.json")
     args = ap.parse_args()
 
-    total = 256 * MiB if args.quick else 2 * GiB
+    total = parse_bytes(args.size, "--size") if args.size else 256 * MiB if args.quick else 2 * GiB
+    if total < 64 * 4 * KiB or total % (64 * 4 * KiB):
+        ap.error(f"--size must be a multiple of 256KiB (64 tensors of whole 4 KiB pages), got {args.size}")
     rounds = 1 if args.quick else args.rounds
     small_count, small_size = 64, total // 64
     base = Path(args.dir) if args.dir else Path.cwd()
+    blocks = [parse_bytes(b.strip(), "--blocks") for b in args.blocks.split(",")]
+    depths = [int(d) for d in args.depths.split(",")]
+    for b in blocks:
+        for d in depths:
+            try:
+                AioConfig(block_size=b, queue_depth=d, thread_count=min(args.threads, d))
+            except ValueError as exc:
+                ap.error(f"--blocks/--depths: {exc}")
     work = Path(tempfile.mkdtemp(prefix="bench-nvme-", dir=base))
-    blocks = [256 * KiB, MiB, 4 * MiB]
-    depths = [1, 8, 32]
     backends = ["aio", "aiofiles"]
-    have_fio = shutil.which("fio") is not None
+    have_fio = shutil.which("fio") is not None and not args.no_fio
     if not have_fio:
-        print("fio not found (Debian package 'fio'): the limit is the pread/pwrite loop alone", file=sys.stderr)
+        print("fio not used (--no-fio, or not installed: Debian package 'fio'): the limit is the pread/pwrite "
+              "loop alone", file=sys.stderr)
 
     big, out_big = aligned_tensor(total), aligned_tensor(total)
     big.random_(0, 256)
@@ -212,7 +241,7 @@ def main() -> None:
         cands = [(k, v) for k, v in med.items() if k.startswith(prefix) and k.endswith(direction)]
         return max(cands, key=lambda kv: kv[1]) if cands else ("-", 0.0)
 
-    print(f"\nnvme_swapper bench: {total / GiB:g} GiB per pass, {rounds} round(s), medians in GB/s, dir {base}\n")
+    print(f"\nnvme_swapper bench: {total / GiB:.3g} GiB per pass, {rounds} round(s), medians in GB/s, dir {base}\n")
     print(f"{'configuration':44s} {'write':>8s} {'read':>8s}")
     names = sorted({k.rsplit(" ", 1)[0] for k in med})
     for name in names:
@@ -232,7 +261,8 @@ def main() -> None:
               f"= {s['ours_vs_limit']:.3f} x limit, {s['ours_vs_aiofiles']:.2f} x aiofiles ({s['aiofiles_gbps']:.2f})")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"bytes_per_pass": total, "rounds": rounds, "samples": samples, "medians": med,
+    out.write_text(json.dumps({"bytes_per_pass": total, "rounds": rounds, "block_sizes": blocks, "queue_depths": depths,
+                               "thread_count": args.threads, "samples": samples, "medians": med,
                                "limit": limit, "summary": summary, "hugepages_for_fio": huge.ok,
                                "directory": str(base)}, indent=2))
     print(f"\nwrote {out}")

@@ -133,9 +133,21 @@ def main() -> None:
             print(f"the disk holds less than --params needs: using {n:.3g} parameters", file=sys.stderr)
         engine = engine_for(n, "nvme", nvme, sub, args.buffers)
         adam = adam_alone(n, sub)
-        parts = {"step": lambda: engine.optimizer.step(grad_scale=1.0), "read": lambda: read_all(engine),
+        breakdown: dict[str, list[float]] = {"adam": [], "stalled": []}
+
+        def step() -> None:
+            """One optimizer step, with the Adam time and the time stalled on reads it contained."""
+            before = engine.stats()
+            engine.optimizer.step(grad_scale=1.0)
+            after = engine.stats()
+            breakdown["adam"].append(after["adam_seconds"] - before["adam_seconds"])
+            breakdown["stalled"].append(after["stall_seconds"] - before["stall_seconds"])
+
+        parts = {"step": step, "read": lambda: read_all(engine),
                  "write": lambda: write_all(engine), "disk": lambda: read_all(engine, write_back=True), "adam": adam}
-        engine.optimizer.step(grad_scale=1.0)  # warm-up: the kernel is built, every extent has been rewritten
+        step()  # warm-up: the kernel is built, every extent has been rewritten
+        for samples in breakdown.values():
+            samples.clear()
         for r in range(args.rounds):
             order = list(parts)
             random.Random(r).shuffle(order)
@@ -187,8 +199,13 @@ def main() -> None:
     print(f"  HOST step / plain CPUAdam                {summary['host_step_over_cpuadam']:.3f}  (target <= 1.1)")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    step_parts = {k: median(v) for k, v in breakdown.items()}
+    step_parts["other"] = max(0.0, med["nvme step"] - step_parts["adam"] - step_parts["stalled"])
+    print(f"  NVMe step: Adam {step_parts['adam']:.3f} s, stalled on reads {step_parts['stalled']:.3f} s, "
+          f"other (write-backs draining, bookkeeping) {step_parts['other']:.3f} s")
     out.write_text(json.dumps({"params_nvme": n, "params_host": n_host, "sub_group_size": sub,
-                               "buffer_count": args.buffers, "samples": results, "medians": med,
+                               "buffer_count": args.buffers, "rounds": args.rounds, "samples": results, "medians": med,
+                               "step_breakdown": step_parts, "step_breakdown_samples": breakdown,
                                "summary": summary, "nvme_engine_stats": nvme_stats}, indent=2, default=str))
     print(f"\nwrote {out}")
 

@@ -2,7 +2,8 @@
 
 Knows nothing of models or optimizers: it stores the bytes of host tensors under string keys in a swap file and
 moves them with worker threads (kernel AIO with several requests in flight per thread, or pread/pwrite), returning
-handles to wait on. Start at :class:`SwapEngine`; docs/architecture.md explains the file layout.
+handles to wait on. Start at :class:`SwapEngine`; docs/architecture.md explains the file layout. :func:`tune_aio`
+measures a directory over block sizes, queue depths and thread counts and picks the fastest :class:`AioConfig`.
 """
 
 from ._buffers import PAGE, aligned_tensor, is_aligned
@@ -10,5 +11,7 @@ from ._config import AioConfig
 from ._engine import SwapEngine
 from ._handle import SwapHandle
 from ._native import FileIO, ShortTransfer
+from ._tune import TuneResult, tune_aio
 
-__all__ = ["AioConfig", "FileIO", "PAGE", "ShortTransfer", "SwapEngine", "SwapHandle", "aligned_tensor", "is_aligned"]
+__all__ = ["AioConfig", "FileIO", "PAGE", "ShortTransfer", "SwapEngine", "SwapHandle", "TuneResult", "aligned_tensor",
+           "is_aligned", "tune_aio"]

@@ -40,7 +40,7 @@ from ._native import FileIO, checksum_kind, kernel_aio, kernel_aio_error
 from ._swapfile import Extent, SwapFile
 from ._workers import AiofilesWorkers, ThreadWorkers, _settle
 
-log = logging.getLogger("nvme_swapper")
+log = logging.getLogger(__name__)
 _warned_fallback: set[str] = set()
 
 

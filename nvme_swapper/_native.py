@@ -30,7 +30,7 @@ import threading
 import zlib
 from pathlib import Path
 
-log = logging.getLogger("nvme_swapper")
+log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("_aio.c")
 _lib: ctypes.CDLL | None = None  # built and loaded

@@ -28,7 +28,7 @@ from pathlib import Path
 from ._buffers import PAGE, aligned_tensor, round_up
 from ._native import FileIO, memory_at
 
-log = logging.getLogger("nvme_swapper")
+log = logging.getLogger(__name__)
 
 MAGIC = b"nvme_swapper swap file v1\n"
 _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02

@@ -1,23 +1,34 @@
-"""Checkpoints: raw tensor bytes plus JSON, written so that a crash at any moment leaves the previous one loadable.
+"""Checkpoints: raw tensor bytes plus JSON, written so that a crash at any moment leaves the previous one loadable;
+one shard per rank, loadable with any number of ranks.
 
-Layout of ``save(engine, root, tag)``::
+Layout of ``save(engine, root, tag)`` (with N ranks; N = 1 is the same)::
 
-    root/latest              the tag of the newest complete checkpoint (replaced atomically, last)
-    root/<tag>/meta.json     format, counters, loss scaler, hyperparameters, and an index: name -> dtype, shape, offset
-    root/<tag>/tensors.bin   every tensor's bytes at a page-aligned offset
+    root/latest                 the tag of the newest complete checkpoint (replaced atomically, last)
+    root/<tag>/meta.json        format, world size, counters, loss scaler, hyperparameters, full shapes, the model's
+                                state_dict keys, and the list of shards
+    root/<tag>/tensors.bin      rank 0's shard (``tensors.<r>.bin`` for rank r): tensors at page-aligned offsets
+    root/<tag>/index.<r>.json   rank r's index: entry name -> dtype, shape, offset, and ``start``, the element
+                                offset of this piece in the flattened full tensor
 
-The tag directory is first written as ``root/.tmp-<tag>-<pid>``, its files fsynced, then renamed into place and
-the directory fsynced; only then is ``latest`` rewritten (temp file, fsync, rename). Loading never unpickles: it
-parses JSON and copies bytes into tensors of the dtypes the index names. Directories are 0700, files 0600.
+Trainable parameters are stored per parameter name (``param/``, ``exp_avg/``, ``exp_avg_sq/``, fp32) as pieces:
+each rank writes the part of each parameter that falls in the range of the flat buffer it owns, so a parameter may
+be split between shards. ``frozen/`` and ``buffer/`` (replicated on every rank) are written by rank 0 whole.
+Nothing depends on sub_group_size, placement or world size: loading re-cuts the pieces for the loading engine's
+layout (N ranks save, M ranks load). With several ranks, ``root`` must be one filesystem that every rank sees (a
+shared mount on multi-node runs): each rank writes its own shard, and a loading rank reads whichever shards hold
+its range.
 
-Tensors are stored per parameter name (``param/``, ``exp_avg/``, ``exp_avg_sq/`` for trainable parameters, fp32;
-``frozen/`` and ``buffer/`` for the rest), not per sub-group, so a checkpoint does not depend on sub_group_size or
-on how state was placed, and can be re-cut for another layout when loading.
+The tag directory is first written as ``root/.tmp-<tag>-<pid of rank 0>``, every shard fsynced, then (rank 0, once
+all ranks report success) meta.json written, the directory renamed into place and fsynced; only then is
+``latest`` rewritten (temp file, fsync, rename). Loading never unpickles: it parses JSON and copies bytes into
+tensors of the dtypes the index names. Directories are 0700, files 0600. Format v1 (one ``tensors.bin`` indexed
+in meta.json) still loads.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -31,7 +42,8 @@ from nvme_swapper._native import memory_at
 if TYPE_CHECKING:
     from .engine import Engine
 
-FORMAT = "offload-checkpoint-v1"
+FORMAT = "offload-checkpoint-v2"
+_FORMAT_V1 = "offload-checkpoint-v1"
 _KINDS = ("param", "exp_avg", "exp_avg_sq")
 _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
                                torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}
@@ -131,30 +143,113 @@ class _TensorFile:
             self.fd = -1
 
 
+def _owned_piece(engine: "Engine", i: int) -> tuple[int, int] | None:
+    """(start in the flattened parameter, element count) of parameter ``i`` inside this rank's owned range."""
+    layout = engine.layout
+    lo, hi = layout.owned[layout.param_group[i]]
+    for p0, numel, base in layout.rank_pieces(i):
+        a, b = max(lo, p0), min(hi, p0 + numel)
+        if a < b:
+            return base + a - p0, b - a
+    return None
+
+
+def _state_dict_entries(engine: "Engine", names: list[str]) -> dict[str, str]:
+    """Each key of ``module.state_dict()`` -> the checkpoint entry holding its value (tied weights share one)."""
+    entry: dict[int, str] = {id(p): f"param/{n}" for n, p in zip(names, engine.layout.params)}
+    for n, p in engine.module.named_parameters():
+        entry.setdefault(id(p), f"frozen/{n}")
+    for n, b in engine.module.named_buffers():
+        entry.setdefault(id(b), f"buffer/{n}")
+    return {key: entry[id(t)] for key, t in engine.module.state_dict(keep_vars=True).items() if id(t) in entry}
+
+
+def _shard_names(rank: int) -> tuple[str, str]:
+    return ("tensors.bin" if rank == 0 else f"tensors.{rank}.bin"), f"index.{rank}.json"
+
+
 def save(engine: "Engine", root: Path, tag: str) -> Path:
+    """Collective with several ranks: each writes its shard; rank 0 commits once all succeeded."""
     if not tag or "/" in tag or tag.startswith(".") or tag == "latest":
         raise ValueError(f"checkpoint tag {tag!r} must be a plain name (no '/', not starting with '.', not 'latest')")
-    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    comm, rank = engine.comm, engine.rank
     final = root / tag
-    if final.exists():
+    if rank == 0:
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if comm.sum_float(float(final.exists()) if rank == 0 else 0.0):
         raise ValueError(f"checkpoint {final} already exists; pass another tag or remove it")
-    tmp = root / f".tmp-{tag}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(mode=0o700)
+    pid = int(comm.sum_float(float(os.getpid()) if rank == 0 else 0.0))
+    tmp = root / f".tmp-{tag}-{pid}"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(mode=0o700)
+    comm.barrier()
+    error: BaseException | None = None
+    try:
+        index = _write_shard(engine, tmp)
+    except (OSError, ValueError) as exc:
+        error = exc
+    failed = int(comm.sum_float(1.0 if error is not None else 0.0))
+    if error is not None:
+        raise error
+    if failed:
+        raise RuntimeError(f"checkpoint {final}: {failed} other rank(s) failed to write their shard (see their "
+                           "errors); nothing was committed and the previous checkpoint stays the latest")
+    if rank == 0:
+        names = _names(engine)
+        opt = engine.optimizer
+        shapes = {f"{k}/{n}": list(p.shape) for n, p in zip(names, engine.layout.params) for k in _KINDS}
+        shapes.update({n: e["shape"] for n, e in index.items() if not n.split("/")[0] in _KINDS})
+        meta = {
+            "format": FORMAT,
+            "world_size": engine.world_size,
+            "shards": [dict(zip(("tensors", "index"), _shard_names(r))) for r in range(engine.world_size)],
+            "global_steps": engine.global_steps,
+            "micro_steps": engine.micro_steps,
+            "optimizer_steps": opt.step_count,
+            "loss_scaler": engine.scaler.state_dict(),
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+            "dtype": str(engine.dtype),
+            "pending_update": engine._apply_pending,
+            "shapes": shapes,
+            "state_dict": _state_dict_entries(engine, names),
+        }
+        _write_file(tmp / "meta.json", json.dumps(meta, indent=1).encode())
+        _fsync_dir(tmp)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+        _write_file(root / ".latest.tmp", tag.encode())
+        os.replace(root / ".latest.tmp", root / "latest")
+        _fsync_dir(root)
+    comm.barrier()  # no rank returns before the checkpoint is complete
+    return final
+
+
+def _write_shard(engine: "Engine", tmp: Path) -> dict[str, dict[str, Any]]:
+    """This rank's pieces of the trainable state (and, on rank 0, the replicated tensors) and its index."""
     names = _names(engine)
-    layout, opt = engine.layout, engine.optimizer
-    others = _others(engine)
-    entries = [(f"{k}/{n}", torch.float32, tuple(p.shape)) for n, p in zip(names, layout.params) for k in _KINDS]
+    layout, opt, rank = engine.layout, engine.optimizer, engine.rank
+    entries, starts = [], {}
+    for i, (n, p) in enumerate(zip(names, layout.params)):
+        piece = _owned_piece(engine, i)
+        if piece is not None:
+            for k in _KINDS:
+                entries.append((f"{k}/{n}", torch.float32, (piece[1],)))
+                starts[f"{k}/{n}"] = piece[0]
+    others = _others(engine) if rank == 0 else {}
     entries += [(n, t.dtype, tuple(t.shape)) for n, t in others.items()]
-    pending = engine._apply_pending  # delayed update: the device still holds the previous parameters
+    pending = engine._apply_pending and rank == 0  # delayed update: the device still holds the previous parameters
     if pending:
         entries += [(f"device/{n}", engine.dtype, tuple(p.shape)) for n, p in zip(names, layout.params)]
     index = _TensorFile.plan(entries)
-    f = _TensorFile(tmp / "tensors.bin", index, write=True)
+    for name, entry in index.items():
+        entry["start"] = starts.get(name, 0)
+    tensors, index_name = _shard_names(rank)
+    f = _TensorFile(tmp / tensors, index, write=True)
     try:
         for sg in layout.sub_groups:
             for name, view, offset in _pieces(sg, opt.read_state(sg), names):
-                f.write(name, view, offset)
+                f.write(name, view, offset - index[name]["start"])
             opt.done_state(sg, dirty=False)
         for name, t in others.items():
             f.write(name, t)
@@ -163,25 +258,8 @@ def save(engine: "Engine", root: Path, tag: str) -> Path:
                 f.write(f"device/{name}", p.detach())
     finally:
         f.close(sync=True)
-    meta = {
-        "format": FORMAT,
-        "global_steps": engine.global_steps,
-        "micro_steps": engine.micro_steps,
-        "optimizer_steps": opt.step_count,
-        "loss_scaler": engine.scaler.state_dict(),
-        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
-        "dtype": str(engine.dtype),
-        "pending_update": pending,
-        "tensors": index,
-    }
-    _write_file(tmp / "meta.json", json.dumps(meta, indent=1).encode())
-    _fsync_dir(tmp)
-    os.rename(tmp, final)
-    _fsync_dir(root)
-    _write_file(root / ".latest.tmp", tag.encode())
-    os.replace(root / ".latest.tmp", root / "latest")
-    _fsync_dir(root)
-    return final
+    _write_file(tmp / index_name, json.dumps(index).encode())
+    return index
 
 
 def _write_file(path: Path, data: bytes) -> None:
@@ -195,90 +273,197 @@ def _write_file(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
-def _open(root: Path, tag: str | None) -> tuple[str, dict[str, Any], _TensorFile]:
-    if tag is None:
+class Checkpoint:
+    """A checkpoint opened for reading, whatever the world size that wrote it: each entry is a list of pieces
+    (start in the flattened tensor, element count, shard) and reads are re-cut across them."""
+
+    def __init__(self, root: Path, tag: str | None) -> None:
+        if tag is None:
+            try:
+                tag = (root / "latest").read_text().strip()
+            except FileNotFoundError:
+                raise FileNotFoundError(f"no checkpoint in {root}: {root / 'latest'} does not exist") from None
+        self.tag, self.folder = tag, root / tag
+        folder = self.folder
         try:
-            tag = (root / "latest").read_text().strip()
+            meta = json.loads((folder / "meta.json").read_text())
         except FileNotFoundError:
-            raise FileNotFoundError(f"no checkpoint in {root}: {root / 'latest'} does not exist") from None
-    folder = root / tag
-    try:
-        meta = json.loads((folder / "meta.json").read_text())
-    except FileNotFoundError:
-        raise FileNotFoundError(f"checkpoint {folder} is missing or incomplete (no meta.json)") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"checkpoint {folder}/meta.json is damaged: {exc}") from None
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"checkpoint {folder} has format {meta.get('format')!r}; this version reads {FORMAT!r}")
-    for name, e in meta["tensors"].items():
-        if e.get("dtype") not in _DTYPES:
-            raise ValueError(f"checkpoint {folder}: tensor {name} has unsupported dtype {e.get('dtype')!r}")
-    size = os.stat(folder / "tensors.bin").st_size
-    need = max((e["offset"] + e["nbytes"] for e in meta["tensors"].values()), default=0)
-    if size < need:
-        raise ValueError(f"checkpoint {folder}/tensors.bin is truncated: {size} bytes, the index needs {need}")
-    return tag, meta, _TensorFile(folder / "tensors.bin", meta["tensors"], write=False)
+            raise FileNotFoundError(f"checkpoint {folder} is missing or incomplete (no meta.json)") from None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"checkpoint {folder}/meta.json is damaged: {exc}") from None
+        self.meta = meta
+        if meta.get("format") == _FORMAT_V1:
+            shards = [("tensors.bin", meta["tensors"])]
+            for e in meta["tensors"].values():
+                e["start"] = 0
+            self.shapes = {n: e["shape"] for n, e in meta["tensors"].items()}
+        elif meta.get("format") == FORMAT:
+            shards = []
+            for s in meta["shards"]:
+                try:
+                    shards.append((s["tensors"], json.loads((folder / s["index"]).read_text())))
+                except (OSError, json.JSONDecodeError) as exc:
+                    raise ValueError(f"checkpoint {folder}: shard index {s['index']} is missing or damaged: "
+                                     f"{exc}") from None
+            self.shapes = meta["shapes"]
+        else:
+            raise ValueError(f"checkpoint {folder} has format {meta.get('format')!r}; this version reads {FORMAT!r}"
+                             f" and {_FORMAT_V1!r}")
+        self.pieces: dict[str, list[tuple[int, int, int]]] = {}
+        self.dtypes: dict[str, torch.dtype] = {}
+        self._files: list[_TensorFile | None] = []
+        self._shards = shards
+        for k, (tensors, index) in enumerate(shards):
+            for name, e in index.items():
+                if e.get("dtype") not in _DTYPES:
+                    raise ValueError(f"checkpoint {folder}: tensor {name} has unsupported dtype {e.get('dtype')!r}")
+                numel = math.prod(e["shape"])
+                self.pieces.setdefault(name, []).append((int(e["start"]), numel, k))
+                self.dtypes[name] = _DTYPES[e["dtype"]]
+            size = os.stat(folder / tensors).st_size if (folder / tensors).exists() else -1
+            need = max((e["offset"] + e["nbytes"] for e in index.values()), default=0)
+            if size < need:
+                raise ValueError(f"checkpoint {folder}/{tensors} is missing or truncated: {max(size, 0)} bytes, its "
+                                 f"index needs {need}")
+            self._files.append(None)
+
+    def _file(self, k: int) -> _TensorFile:
+        f = self._files[k]
+        if f is None:
+            tensors, index = self._shards[k]
+            f = self._files[k] = _TensorFile(self.folder / tensors, index, write=False)
+        return f
+
+    def read_range(self, name: str, out: torch.Tensor, start: int) -> None:
+        """Elements [start, start + out.numel()) of the flattened entry ``name`` into ``out`` (flat, contiguous)."""
+        n, covered = out.numel(), 0
+        for s, count, k in self.pieces.get(name, ()):
+            a, b = max(start, s), min(start + n, s + count)
+            if a < b:
+                self._file(k).read_into(name, out[a - start : b - start], a - s)
+                covered += b - a
+        if covered != n:
+            raise ValueError(f"checkpoint {self.folder}: elements [{start}, {start + n}) of {name} are not all in "
+                             "its shards (a shard is missing or does not match meta.json)")
+
+    def read(self, name: str) -> torch.Tensor:
+        out = torch.empty(self.shapes[name], dtype=self.dtypes[name])
+        self.read_range(name, out.view(-1), 0)
+        return out
+
+    def state_dict_entries(self) -> dict[str, str]:
+        """state_dict key -> entry (format v1 did not record tied names: each entry under its own name)."""
+        if "state_dict" in self.meta:
+            return self.meta["state_dict"]
+        return {n.split("/", 1)[1]: n for n in self.shapes if n.split("/")[0] in ("param", "frozen", "buffer")}
+
+    def close(self) -> None:
+        for f in self._files:
+            if f is not None:
+                f.close()
+        self._files = [None] * len(self._files)
 
 
 def load(engine: "Engine", root: Path, tag: str | None) -> str:
-    tag, meta, f = _open(root, tag)
+    ck = Checkpoint(root, tag)
+    meta = ck.meta
     try:
         names = _names(engine)
         layout, opt = engine.layout, engine.optimizer
         expected = {f"{k}/{n}": tuple(p.shape) for n, p in zip(names, layout.params) for k in _KINDS}
         expected.update({n: tuple(t.shape) for n, t in _others(engine).items()})
-        found = {n: tuple(e["shape"]) for n, e in meta["tensors"].items() if not n.startswith("device/")}
+        found = {n: tuple(s) for n, s in ck.shapes.items() if not n.startswith("device/")}
         missing = sorted(set(expected) - set(found))
         unexpected = sorted(set(found) - set(expected))
         wrong = sorted(n for n in set(expected) & set(found) if expected[n] != found[n])
         if missing or unexpected or wrong:
-            raise ValueError(f"checkpoint {root / tag} does not match the model: missing {missing[:5]}, "
+            raise ValueError(f"checkpoint {ck.folder} does not match the model: missing {missing[:5]}, "
                              f"unexpected {unexpected[:5]}, shape differs for {wrong[:5]}")
         for sg in layout.sub_groups:
             block = opt.stage_state(sg)
             block.zero_()  # padding between parameters
             for name, view, offset in _pieces(sg, block, names):
-                f.read_into(name, view, offset)
+                ck.read_range(name, view, offset)
             opt.done_state(sg, dirty=True)
         opt.wait()
         pending = bool(meta.get("pending_update")) and engine._delayed
         with torch.no_grad():
             for i, (name, p) in enumerate(zip(names, layout.params)):
-                master = f.read(f"param/{name}")
+                master = ck.read(f"param/{name}")
                 if pending:  # resume mid-pipeline: the device keeps the previous parameters one more step
-                    p.copy_(f.read(f"device/{name}"))
+                    p.copy_(ck.read(f"device/{name}"))
                     layout.param_view(engine._next_flats[layout.param_group[i]], i).copy_(master)
                 else:
                     engine.write_parameter(p, master)  # the working copy: master rounded to the training dtype
             trainable = {id(p) for p in layout.params}
             for n, p in engine.module.named_parameters():
                 if id(p) not in trainable:
-                    engine.write_parameter(p, f.read(f"frozen/{n}"))
+                    engine.write_parameter(p, ck.read(f"frozen/{n}"))
             for n, b in engine.module.named_buffers():
-                b.copy_(f.read(f"buffer/{n}"))
+                b.copy_(ck.read(f"buffer/{n}"))
         engine._apply_pending = pending
     finally:
-        f.close()
+        ck.close()
     engine.global_steps = meta["global_steps"]
     engine.micro_steps = meta["micro_steps"]
     opt.step_count = meta["optimizer_steps"]
     engine.scaler.load_state_dict(meta["loss_scaler"])
     for group, saved in zip(opt.param_groups, meta["param_groups"]):
         group.update({k: tuple(v) if k == "betas" else v for k, v in saved.items()})
-    return tag
+    return ck.tag
 
 
 def consolidated_state_dict(engine: "Engine") -> dict[str, torch.Tensor]:
+    """Collective with several ranks: every rank's share of the fp32 masters is all-gathered."""
     layout, opt = engine.layout, engine.optimizer
-    masters = [aligned_tensor(tuple(p.shape), torch.float32, pin_memory=False) for p in layout.params]
-    for sg in layout.sub_groups:
-        block = opt.read_state(sg)
-        for seg in sg.segments:
-            lo = seg.flat_start - sg.start
-            masters[seg.param].view(-1)[seg.param_start : seg.param_start + seg.numel].copy_(block[lo : lo + seg.numel])
-        opt.done_state(sg, dirty=False)
+    masters: list[torch.Tensor] = []
+    if engine.world_size == 1:
+        masters = [aligned_tensor(tuple(p.shape), torch.float32, pin_memory=False) for p in layout.params]
+        for sg in layout.sub_groups:
+            block = opt.read_state(sg)
+            for seg in sg.segments:
+                lo = seg.flat_start - sg.start
+                masters[seg.param].view(-1)[seg.param_start : seg.param_start + seg.numel].copy_(
+                    block[lo : lo + seg.numel])
+            opt.done_state(sg, dirty=False)
+    else:
+        on = engine.device if engine.comm.pg.backend == "nccl" else torch.device("cpu")
+        fulls = [torch.zeros(n, dtype=torch.float32, device=on) for n in layout.group_numel]
+        for sg in layout.sub_groups:
+            fulls[sg.group][sg.start : sg.end].copy_(opt.read_state(sg)[: sg.numel])
+            opt.done_state(sg, dirty=False)
+        for g, full in enumerate(fulls):
+            lo, hi = layout.owned[g]
+            engine.comm.all_gather(full, full[lo:hi])
+        for i, p in enumerate(layout.params):
+            master = torch.empty(p.numel(), dtype=torch.float32)
+            for p0, numel, base in layout.rank_pieces(i):
+                master[base : base + numel].copy_(fulls[layout.param_group[i]][p0 : p0 + numel])
+            masters.append(master.view(p.shape))
+        del fulls
     by_id = {id(p): m for p, m in zip(layout.params, masters)}
     out: dict[str, torch.Tensor] = {}
     for name, t in engine.module.state_dict(keep_vars=True).items():
         out[name] = by_id[id(t)] if id(t) in by_id else t.detach().cpu().clone()
     return out
+
+
+def export(root: Path, out: Path, tag: str | None = None) -> tuple[str, int]:
+    """The full model of a checkpoint (fp32 master weights, frozen tensors, buffers) as one file that
+    ``torch.load(out, weights_only=True)`` reads into a plain state dict; returns (tag, tensors written). Works for
+    any world size that wrote it, in one process, one tensor at a time in memory plus the result."""
+    ck = Checkpoint(root, tag)
+    try:
+        entries = ck.state_dict_entries()
+        cache: dict[str, torch.Tensor] = {}
+        state = {}
+        for key, entry in entries.items():
+            if entry not in cache:
+                cache[entry] = ck.read(entry)
+            state[key] = cache[entry]
+    finally:
+        ck.close()
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    torch.save(state, tmp)
+    os.replace(tmp, out)
+    return ck.tag, len(state)

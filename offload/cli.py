@@ -2,10 +2,15 @@
 
     python -m offload demo [--layers 6] [--width 512] [--steps 30] [--placement nvme|cpu] [--config FILE]
     python -m offload estimate (--params N | --model config.json|module:callable) [--gpu-mem 24GiB] ...
+    python -m offload tune --nvme-path DIR [--size 1GiB] [--quick] [--out aio.json]
+    python -m offload bench {adam,nvme,step,params,train} [--out results/] [script flags ...]
 
 ``demo`` trains a GPT (offload/models.py) that is larger than the device budget it is given, with optimizer
 state and parameters offloaded (NVMe by default), on a synthetic task it can learn (each next token is a fixed
 function of the current one), shows progress, and ends with a memory report per tier and where the time went.
+``tune`` measures a directory's disk over block sizes, queue depths and thread counts with the swap engine and
+writes the fastest as an ``aio`` config section. ``bench`` runs a script of bench/ (flags after the name go to
+it), which writes JSON under --out, and draws PNG plots of it there (matplotlib).
 """
 
 from __future__ import annotations
@@ -171,6 +176,125 @@ def estimate_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _byte_list(text: str, flag: str) -> list[int]:
+    return [parse_bytes(v.strip(), flag) for v in text.split(",") if v.strip()]
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} must be comma-separated integers such as 1,8,32, got {text!r}") from None
+
+
+def tune_command(args: argparse.Namespace) -> int:
+    from nvme_swapper import AioConfig, tune_aio
+
+    size = parse_bytes(args.size, "--size") if args.size else (64 << 20 if args.quick else 1 << 30)
+    if size < 1 << 20 or size % 4096:
+        raise ValueError(f"--size must be at least 1MiB and a multiple of 4KiB, got {args.size}")
+    blocks = _byte_list(args.block_sizes or ("1MiB,4MiB" if args.quick else "256KiB,1MiB,4MiB,8MiB"),
+                        "--block-sizes")
+    depths = _int_list(args.queue_depths or ("1,8,32" if args.quick else "1,4,16,32"), "--queue-depths")
+    threads = _int_list(args.thread_counts or ("1" if args.quick else "1,2"), "--thread-counts")
+    checks = [("--block-sizes", {"block_size": v}) for v in blocks] + \
+        [("--queue-depths", {"queue_depth": v}) for v in depths] + \
+        [("--thread-counts", {"thread_count": v, "queue_depth": max(v, 1)}) for v in threads]
+    for flag, fields in checks:
+        try:
+            AioConfig(**fields)
+        except ValueError as exc:
+            raise ValueError(f"{flag}: {exc}") from None
+    if not blocks or not depths or not threads:
+        raise ValueError("--block-sizes, --queue-depths and --thread-counts each need at least one value")
+    repeats = args.repeats if args.repeats is not None else (1 if args.quick else 3)
+    if repeats < 1:
+        raise ValueError(f"--repeats must be at least 1, got {repeats}")
+    if not 0 <= args.tolerance < 1:
+        raise ValueError(f"--tolerance must be in [0, 1) (a fraction: 0.03 is 3%), got {args.tolerance}")
+    n_settings = sum(1 for t in threads for q in depths if q >= t) * len(blocks)
+    if not n_settings:
+        raise ValueError(f"--queue-depths {depths} are all below --thread-counts {threads}: each thread needs at "
+                         "least one request slot")
+    print(f"tune: {args.nvme_path}, {fmt_bytes(size)} written and read per measurement, {n_settings} settings x "
+          f"{repeats} round(s)", file=sys.stderr, flush=True)
+
+    def progress(done: int, total: int) -> None:
+        if sys.stderr.isatty():
+            print(f"\r  {done}/{total} measurements", end="" if done < total else "\n", file=sys.stderr, flush=True)
+
+    result = tune_aio(args.nvme_path, size=size, block_sizes=blocks, queue_depths=depths, thread_counts=threads,
+                      repeats=repeats, tolerance=args.tolerance, progress=progress)
+    print(f"\nmedians of {repeats} round(s), GB/s = 10^9 B/s; score = 2 / (1/write + 1/read) (the optimizer step "
+          f"writes and reads the same bytes); * chosen, + within {result.tolerance:.0%} of the best (the smallest "
+          f"setting of those wins)\n")
+    print(result.table())
+    if not result.o_direct:
+        print(f"\nwarning: {result.fallback_reason}: these are buffered (page cache) numbers", file=sys.stderr)
+    fragment = json.dumps(result.fragment(), indent=2)
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(fragment + "\n")
+        print(f"\nwrote {out} ({result.seconds:.0f} s of measurement)")
+    else:
+        print(f"\n{fragment}")
+    return 0
+
+
+BENCHES = {"adam": "cpu_adam", "nvme": "nvme_swapper", "step": "offload_step", "params": "param_offload",
+           "train": "train"}
+
+
+def bench_command(args: argparse.Namespace) -> int:
+    import subprocess
+
+    from . import _plots
+
+    extra = list(args.args)
+    if extra[:1] == ["--"]:
+        extra = extra[1:]
+    out_dir = Path(args.out)
+    for i, a in enumerate(extra):  # --out after the name: still the results folder (argparse hands it over)
+        if a == "--out" and i + 1 < len(extra):
+            out_dir = Path(extra[i + 1])
+            del extra[i : i + 2]
+            break
+        if a.startswith("--out="):
+            out_dir = Path(a.split("=", 1)[1])
+            del extra[i]
+            break
+    script = Path(__file__).resolve().parent.parent / "bench" / f"{BENCHES[args.name]}.py"
+    if not script.exists():
+        raise RuntimeError(f"bench: {script} not found; the benchmarks ship with the source checkout, run from one")
+    if "-h" in extra or "--help" in extra:
+        return subprocess.run([sys.executable, str(script), "--help"], check=False).returncode
+    if not args.no_plot:
+        _plots._pyplot()  # fail before a long run, not after it
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result = out_dir / f"{BENCHES[args.name]}.json"
+    cmd = [sys.executable, str(script), *extra, "--out", str(result)]
+    print(f"bench {args.name}: {' '.join(cmd)}", file=sys.stderr, flush=True)
+    rc = subprocess.run(cmd, check=False).returncode
+    if rc != 0:
+        print(f"error: {script.name} exited with status {rc}", file=sys.stderr)
+        return rc
+    if not args.no_plot:
+        paths = _plots.plot(args.name, json.loads(result.read_text()), out_dir)
+        print("plots: " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+def export_command(args: argparse.Namespace) -> int:
+    """A checkpoint (written by any number of ranks) as one file of full fp32 tensors that plain torch loads."""
+    from ._checkpoint import export
+
+    out = Path(args.out)
+    tag, count = export(Path(args.checkpoint), out, args.tag)
+    print(f"wrote {out}: {count} tensors of checkpoint {tag} (torch.load({str(out)!r}, weights_only=True))")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m offload", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -199,9 +323,36 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--nvme-free", help="free NVMe space, e.g. 2TB")
     e.add_argument("--sub-group-size", type=float, default=1e8)
     e.add_argument("--buffer-count", type=int, default=4)
+    t = sub.add_parser("tune", help="measure a directory's disk and write the fastest aio settings as JSON")
+    t.add_argument("--nvme-path", required=True, help="directory on the disk the swap files will use")
+    t.add_argument("--size", default=None, help="bytes written and read per measurement (default 1GiB; 64MiB "
+                   "with --quick)")
+    t.add_argument("--block-sizes", default=None, help="comma-separated (default 256KiB,1MiB,4MiB,8MiB)")
+    t.add_argument("--queue-depths", default=None, help="comma-separated (default 1,4,16,32)")
+    t.add_argument("--thread-counts", default=None, help="comma-separated (default 1,2)")
+    t.add_argument("--repeats", type=int, default=None, help="rounds over the grid; medians are compared "
+                   "(default 3; 1 with --quick)")
+    t.add_argument("--tolerance", type=float, default=0.03, help="settings this close to the best count as tied; "
+                   "the smallest of them wins (default 0.03)")
+    t.add_argument("--quick", action="store_true", help="a small grid, 64MiB, one round (a smoke test)")
+    t.add_argument("--out", default=None, help="write the aio fragment here (default: print it)")
+    b = sub.add_parser("bench", help="run a benchmark of bench/, write its JSON and PNG plots under --out",
+                       description="Runs bench/<script>.py NAME with the flags after NAME (see each script's "
+                       "--help), writes its JSON as OUT/<script>.json and draws PNG plots beside it.")
+    b.add_argument("name", choices=sorted(BENCHES), help="adam: CPU Adam; nvme: swap engine; step: offloaded "
+                   "optimizer step; params: parameter offload; train: training steps of a GPT on NVMe")
+    b.add_argument("--out", default="results", help="results folder (default results/)")
+    b.add_argument("--no-plot", action="store_true", help="JSON only")
+    b.add_argument("args", nargs=argparse.REMAINDER, help="flags for the script")
+    x = sub.add_parser("export", help="a checkpoint folder as one .pt of full fp32 tensors for torch.load")
+    x.add_argument("checkpoint", help="the folder given to engine.save_checkpoint")
+    x.add_argument("out", help="the file to write, e.g. model.pt")
+    x.add_argument("--tag", default=None, help="which checkpoint (default: the latest)")
     args = ap.parse_args(argv)
+    commands = {"demo": demo, "estimate": estimate_command, "tune": tune_command, "bench": bench_command,
+                "export": export_command}
     try:
-        return estimate_command(args) if args.command == "estimate" else demo(args)
+        return commands[args.command](args)
     except (ValueError, RuntimeError, OSError, TypeError, ImportError, AttributeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -335,9 +335,12 @@ class BudgetConfig(_Section):
     device_memory_budget: int | None = None  # None: the CUDA device's total memory; unlimited on CPU
     host_memory_budget: int | None = None  # None: 90% of the memory available at initialize
     nvme_memory_budget: int | None = None  # None: the free space of the nvme_path filesystem, less 5%
+    comm_timeout: float = 1800.0  # seconds a collective waits for the other ranks before failing (torch's default)
 
     @classmethod
     def _convert(cls, name: str, value: Any, full: str) -> Any:
+        if name == "comm_timeout":
+            return _float(full, value, 0.0, open_lo=True)
         return None if value is None else parse_bytes(value, full)
 
 

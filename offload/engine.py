@@ -18,6 +18,11 @@ hand each sub-group whose gradients are all final to the optimizer thread during
 ``engine.step()`` at an accumulation boundary checks for overflow (fp16), computes the global gradient norm for
 clipping, folds loss scale and clipping into one gradient divisor for the CPU Adam kernel, and updates the
 remaining sub-groups. The model is wrapped in place: ``engine(batch)`` and ``model(batch)`` are the same call.
+
+With several ranks (torch.distributed, or torchrun's environment: :mod:`offload.dist`) the layout gives this rank
+1/N of every flat buffer; gradients are reduce-scattered to their owners (at the step in stage 1, after each
+backward in stage 2, in each hook in stage 3), updated parameters all-gathered (after the step, or on demand in
+stage 3). One rank runs the same code with collectives that are copies or nothing.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from nvme_swapper import FileIO, aligned_tensor
 from . import _checkpoint
 from ._precision import LossScaler
 from .config import OffloadConfig
+from .dist import Comm, GradPartition, ParamShards, join
 from .memory import Tier, TieredStore, default_host_budget, fmt_bytes, prepare_nvme_path
 from .optim._layout import FlatLayout, Segment
 from .optim.offloaded import OffloadedAdam
@@ -61,49 +67,69 @@ class Engine:
         if not isinstance(model, torch.nn.Module):
             raise ValueError(f"initialize: model must be a torch.nn.Module, got {type(model).__name__}")
         zero = cfg.zero_optimization
-        for name in ("offload_optimizer", "offload_param"):
-            section = getattr(zero, name)
-            if section.device == "nvme":
-                prepare_nvme_path(section.nvme_path, f"zero_optimization.{name}.nvme_path")
         self.module = model
         self.dtype = cfg.dtype
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-            else torch.device("cpu")
+        self.stage = zero.stage  # 0 partitions the optimizer state like 1: replicating it is never cheaper
         self.phase = Phase.IDLE
         self.global_steps = 0
         self.micro_steps = 0
         self.scaler = LossScaler(cfg.fp16)
         self._closed = False
         self._hooks: list[Any] = []
-
         self._delayed = zero.offload_optimizer.delayed_update
         self._param_home = zero.offload_param.device  # "none": parameters live on the device
         if self._delayed and self._param_home != "none":
             raise ValueError("offload_optimizer.delayed_update cannot be combined with offload_param yet; turn one "
                              "of them off")
+        self._zero: GradPartition | None = None
+        self._seen_micro: set[int] = set()  # parameters with a gradient in this micro-batch
         self._params: ParameterOffload | None = None
         self._apply_pending = False
         self._next_flats: list[torch.Tensor] = []
-        groups, options = self._param_groups(param_groups)
+        self._rank_dirs: list[Path] = []
+        self.comm = Comm(join(cfg.offload.comm_timeout, torch.device("cuda" if torch.cuda.is_available() else "cpu")))
+        self.world_size, self.rank = self.comm.world_size, self.comm.rank
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cpu")
+        try:
+            if self.world_size > 1 and self._delayed:
+                raise ValueError(f"offload_optimizer.delayed_update is not supported with several ranks (world size "
+                                 f"{self.world_size}) yet; turn it off")
+            if self.world_size > 1 and self.stage == 3 and self._param_home != "cpu":
+                raise ValueError(f"zero_optimization.stage 3 with several ranks (world size {self.world_size}) "
+                                 "partitions parameters into host homes: set zero_optimization.offload_param.device "
+                                 f"to \"cpu\" (got {self._param_home!r}), or use stage 2")
+            self._nvme_paths = {name: self._prepare_nvme(name) for name in ("offload_optimizer", "offload_param")}
+            groups, options = self._param_groups(param_groups)
+        except BaseException:
+            self._close_comm()
+            raise
         placement = _PLACEMENT[zero.offload_optimizer.device]
         device_budget = cfg.offload.device_memory_budget
         if device_budget is None and self.device.type == "cuda":
             device_budget = torch.cuda.get_device_properties(self.device).total_memory
         host_budget = cfg.offload.host_memory_budget
+        if host_budget is None:  # ranks on one host share its memory
+            host_budget = default_host_budget() // (self.comm.pg.local_world_size if self.world_size > 1 else 1)
         self.store = TieredStore(self.device, {
             Tier.DEVICE: device_budget,
-            Tier.HOST: host_budget if host_budget is not None else default_host_budget(),
+            Tier.HOST: host_budget,
             Tier.NVME: cfg.offload.nvme_memory_budget,
         }, pin_memory=zero.offload_optimizer.pin_memory, file_io=_file_io)
         try:
-            self.layout = FlatLayout(groups, zero.sub_group_size, whole_params=self._param_home == "nvme")
+            self.layout = FlatLayout(groups, zero.sub_group_size, world_size=self.world_size, rank=self.rank,
+                                     whole_params=self._param_home == "nvme",
+                                     per_param=self.stage == 3 and self.world_size > 1)
             if self._param_home == "none":
                 self._reserve_device()
+            accumulate = cfg.gradient_accumulation_steps > 1
+            self._zero = GradPartition(self.comm, self.layout, self.store, stage=self.stage, dtype=self.dtype,
+                                       accumulate=accumulate)
             self.optimizer = OffloadedAdam(self.layout, self.store, cfg.optimizer, placement, group_options=options,
-                                           nvme_path=zero.offload_optimizer.nvme_path,
+                                           nvme_path=self._nvme_paths["offload_optimizer"],
                                            buffer_count=zero.offload_optimizer.buffer_count, aio=cfg.aio,
-                                           grad_dtype=torch.float32 if cfg.gradient_accumulation_steps > 1
-                                           else self.dtype, grad_buffers=2 if self._delayed else 1)
+                                           grad_dtype=torch.float32 if accumulate else self.dtype,
+                                           grad_buffers=2 if self._delayed else 1)
             if self._param_home != "none":
                 self._flats = []
                 self._offload_parameters()
@@ -122,12 +148,28 @@ class Engine:
             self._teardown()
             raise
         self._overlap = (zero.offload_optimizer.overlap_step and not self._delayed and not cfg.fp16.enabled
-                         and cfg.gradient_clipping == 0.0)
+                         and cfg.gradient_clipping == 0.0 and self.world_size == 1)  # ranks: reduce first
+        self._comm_mark = self._comm_totals()
+        self.last_step_comm = {"payload_bytes": 0, "wire_bytes": 0}
         self._pending = [0] * len(self.layout.sub_groups)
         self._seen: set[int] = set()
         self._start_window()
 
     # construction -----------------------------------------------------------------------------------------------
+
+    def _prepare_nvme(self, name: str) -> str | None:
+        """The checked swap directory of ``zero_optimization.<name>``: with several ranks, a ``rank<r>`` folder of
+        its nvme_path per rank (removed at close if left empty), so ranks sharing a disk never share files."""
+        section = getattr(self.config.zero_optimization, name)
+        if section.device != "nvme":
+            return section.nvme_path
+        path = prepare_nvme_path(section.nvme_path, f"zero_optimization.{name}.nvme_path")
+        if self.world_size > 1:
+            sub = path / f"rank{self.rank}"
+            if not sub.exists():
+                self._rank_dirs.append(sub)
+            path = prepare_nvme_path(sub, f"zero_optimization.{name}.nvme_path (rank {self.rank})")
+        return str(path)
 
     def _param_groups(self, param_groups: Iterable[dict[str, Any]] | None
                       ) -> tuple[list[list[torch.nn.Parameter]], list[dict[str, Any]]]:
@@ -208,7 +250,18 @@ class Engine:
         trainable = {id(p) for p in layout.params}
         frozen = [p for p in self.module.parameters() if id(p) not in trainable]
         homes: list[torch.Tensor | None] = [None] * len(layout.params)
-        if self._param_home == "cpu":
+        shards = None
+        if layout.per_param:  # several ranks: each home holds this rank's piece of every parameter
+            self._host_flats = [self.store.allocate(Tier.HOST, layout.owned_numel(g), self.dtype,
+                                                    f"this rank's share of the parameters of param group {g}",
+                                                    "raise offload.host_memory_budget or use more ranks")
+                                for g in range(len(layout.group_numel))]
+            shards = ParamShards(self.comm, layout, self._host_flats, self.device)
+            with torch.no_grad():
+                for i, p in enumerate(layout.params):
+                    shards.write(i, p.detach())
+            self.optimizer.attach_device(self._host_flats, owned_only=True)
+        elif self._param_home == "cpu":
             self._host_flats = [self.store.allocate(Tier.HOST, n, self.dtype, f"the host home of param group {g}",
                                                     "raise offload.host_memory_budget or home the parameters on nvme")
                                 for g, n in enumerate(layout.group_numel)]
@@ -229,7 +282,8 @@ class Engine:
             self.module, layout.params + frozen, homes + [None] * len(frozen), self.store, self.dtype,
             persistence_threshold=zero.stage3_param_persistence_threshold,
             max_live=zero.stage3_max_live_parameters, bucket=zero.stage3_prefetch_bucket_size,
-            nvme_path=zero.offload_param.nvme_path if self._param_home == "nvme" else None, aio=self.config.aio)
+            nvme_path=self._nvme_paths["offload_param"] if self._param_home == "nvme" else None, aio=self.config.aio,
+            shards=shards)
 
     def _write_param_homes(self, sg: Any, values: torch.Tensor) -> None:
         """On the optimizer thread, after a sub-group's update: its parameters go to their NVMe homes."""
@@ -302,8 +356,12 @@ class Engine:
         self._last_micro = self.micro_steps % gas == gas - 1
         self.phase = Phase.BACKWARD
         self.optimizer.begin_backward()
+        self._seen_micro.clear()
         try:
             (loss.float() * (self.scaler.scale / gas)).backward()
+            if self._zero is not None and not self._zero.direct and self.stage == 2:
+                # stage 2: this micro-batch's gradients go to their owners now, accumulating there
+                self._zero.reduce(self.optimizer.grads, self._seen_micro, accumulate=self.micro_steps % gas != 0)
         finally:
             self.optimizer.end_backward()
             if self._params is not None:
@@ -317,19 +375,26 @@ class Engine:
         flat = grad.detach().reshape(-1)
         first = i not in self._seen
         own0 = self.layout.owned
-        for sg_index, seg in self._segments[i]:
+        assert self._zero is not None
+        base = 0
+        if self.layout.per_param:  # stage 3: summed over ranks now, this rank's piece kept
+            flat, base = self._zero.reduce_param(i, flat), self.rank * self.layout.piece[i]
+        elif not self._zero.direct:  # several ranks: into the full buffer, reduced to the owners later
+            self._zero.add(i, flat, first if self.stage <= 1 else i not in self._seen_micro)
+        for sg_index, seg in self._segments[i] if self._zero.direct or self.layout.per_param else ():
             sg = self.layout.sub_groups[sg_index]
             dst_start = seg.flat_start - own0[sg.group][0]
             dst = self.optimizer.grads[sg.group][dst_start : dst_start + seg.numel]
-            src = flat[seg.param_start : seg.param_start + seg.numel]
+            src = flat[seg.param_start - base : seg.param_start - base + seg.numel]
             if first:
                 dst.copy_(src)
             else:  # accumulating: the buffer is fp32
                 dst.add_(src.to(dst.device, dst.dtype))
         self._seen.add(i)
+        self._seen_micro.add(i)
         if self._params is not None:
             self._params.grad_done(p)
-        if self.optimizer.placement is not Tier.DEVICE:
+        if self.optimizer.placement is not Tier.DEVICE and (self._zero.direct or self.layout.per_param):
             self.store.count(Tier.DEVICE, Tier.HOST, flat.numel() * flat.element_size())
         p.grad = None  # the device copy is no longer needed
         if self._overlap and self._last_micro:
@@ -351,8 +416,12 @@ class Engine:
             if self._delayed:
                 self.optimizer.finish()  # the previous step's update, which ran beside this forward/backward
                 self.apply_delayed_update()
-            self._zero_unseen_grads()
-            grad_scale = self.scaler.scale
+            assert self._zero is not None
+            if self._zero.direct or self.layout.per_param:
+                self._zero_unseen_grads()
+            elif self.stage <= 1:  # stage 1: the window's gradients go to their owners now
+                self._zero.reduce(self.optimizer.grads, self._seen, accumulate=False)
+            grad_scale = self.scaler.scale * self.world_size  # the kernel divides: the mean over ranks
             if self.config.fp16.enabled or self.config.gradient_clipping > 0:
                 self.optimizer.wait()
                 norm = self._grad_norm()
@@ -363,7 +432,7 @@ class Engine:
                         return
                     raise FloatingPointError(f"gradient norm is {norm} at step {self.global_steps}: the loss or "
                                              "the model produced inf/NaN")
-                norm /= self.scaler.scale
+                norm /= grad_scale
                 self.last_grad_norm = norm
                 clip = self.config.gradient_clipping
                 if clip > 0:
@@ -376,6 +445,8 @@ class Engine:
                 self._apply_pending = True
             else:
                 self.optimizer.step(grad_scale=grad_scale)
+                if self._param_home == "none":
+                    self._zero.gather_params(self._flats)  # every rank's updated share, to every rank
             if self._params is not None:
                 self._params.updated()
             if self.config.fp16.enabled:
@@ -384,6 +455,13 @@ class Engine:
         finally:
             self._start_window()
             self.phase = Phase.IDLE
+            totals = self._comm_totals()
+            self.last_step_comm = {k: totals[k] - self._comm_mark[k] for k in totals}
+            self._comm_mark = totals
+
+    def _comm_totals(self) -> dict[str, int]:
+        return {"payload_bytes": sum(self.comm.payload_bytes.values()),
+                "wire_bytes": sum(self.comm.wire_bytes.values())}
 
     def apply_delayed_update(self) -> None:
         """Delayed update: copies the parameters of the last finished update to the device (done by ``step``)."""
@@ -415,19 +493,30 @@ class Engine:
                     self.optimizer.grads[sg.group][start : start + seg.numel].zero_()
 
     def _grad_norm(self) -> float:
+        """The global norm: of this rank's share here, summed in squares over ranks (the same on every rank, so
+        all skip an overflowing fp16 step together)."""
         total = 0.0
         for g in self.optimizer.grads:
             n = torch.linalg.vector_norm(g, dtype=torch.float32).item()
             if math.isinf(n) and bool(torch.isfinite(g).all()):  # the squares overflowed, not the gradients
                 n = torch.linalg.vector_norm(g, dtype=torch.float64).item()
             total += n * n
-        return math.sqrt(total)
+        return math.sqrt(self.comm.sum_float(total))
 
     # state ------------------------------------------------------------------------------------------------------
 
     def memory_report(self) -> dict[str, dict[str, int | None]]:
-        """Bytes per tier: current, peak and budget (None: unlimited)."""
-        return self.store.memory_report()
+        """This rank's bytes per tier: current, peak and budget (None: unlimited), and of them the optimizer
+        state (``optimizer_state``: this rank's share; ``optimizer_state_all_ranks``: the whole model's, padding
+        included). With N ranks each holds 1/N of the state, gradients and (stage 3) parameters."""
+        report = self.store.memory_report()
+        mine = sum(12 * sg.numel for sg in self.layout.sub_groups)
+        total = 12 * sum(self.layout.group_numel)
+        for tier, r in report.items():
+            on_tier = tier == self.optimizer.placement.value
+            r["optimizer_state"] = mine if on_tier else 0
+            r["optimizer_state_all_ranks"] = total if on_tier else 0
+        return report
 
     def stats(self) -> dict[str, Any]:
         """Counters: bytes moved per tier pair, time stalled on I/O, time in Adam and the share hidden in backward."""
@@ -445,6 +534,9 @@ class Engine:
             "sub_groups_overlapped": opt.sub_groups_overlapped,
             "nvme": self.store.swap_stats(),
             "params": self._params.stats() if self._params is not None else None,
+            # collectives (none with one rank): totals since initialize, and the last optimizer step's (the
+            # reduce-scatters of its micro-batches included); payload: the ZeRO paper's measure, wire: ring sends
+            "comm": {**self.comm.stats(), "last_step": dict(self.last_step_comm)},
         }
 
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
@@ -490,17 +582,35 @@ class Engine:
             h.remove()
         self._hooks.clear()
         try:
-            if self._params is not None:
-                self.optimizer.wait()
-                self._params.close()  # the model gets its current parameters back as plain tensors
-                self._params = None
-            if hasattr(self, "optimizer"):
-                self.optimizer.close()
-            for f in self._next_flats + getattr(self, "_host_flats", []):
-                self.store.free(Tier.HOST, f)
-            self._next_flats, self._host_flats = [], []
+            try:
+                if self._params is not None:
+                    self.optimizer.wait()
+                    self._params.close()  # the model gets its current parameters back as plain tensors
+                    self._params = None
+                if hasattr(self, "optimizer"):
+                    self.optimizer.close()
+                if self._zero is not None:
+                    self._zero.close()
+                for f in self._next_flats + getattr(self, "_host_flats", []):
+                    self.store.free(Tier.HOST, f)
+                self._next_flats, self._host_flats = [], []
+            finally:
+                self.store.close()
         finally:
-            self.store.close()
+            self._close_comm()
+
+    def _close_comm(self) -> None:
+        """Stops the heartbeat, destroys the process group if the engine created it, and removes the per-rank
+        NVMe folders it made (when empty: the swap engines have removed their files)."""
+        try:
+            self.comm.close()
+        finally:
+            for d in self._rank_dirs:
+                try:
+                    d.rmdir()
+                except OSError:
+                    pass
+            self._rank_dirs = []
 
     def __enter__(self) -> "Engine":
         return self

@@ -29,7 +29,7 @@ import torch
 
 from nvme_swapper._native import cache_dir  # one build cache for the distribution
 
-logger = logging.getLogger("offload")
+logger = logging.getLogger(__name__)
 
 BACKEND_ENV = "OFFLOAD_CPU_ADAM_BACKEND"
 ISA_ENV = "OFFLOAD_CPU_ADAM_ISA"

@@ -6,6 +6,11 @@ the buffer is padded to a multiple of ALIGN * world_size so every rank owns an e
 The owned range is cut into sub-groups of at most ``sub_group_size`` elements. A parameter may straddle sub-groups
 and ranks: a :class:`Segment` is its piece inside one sub-group. Padding elements have zero gradients, zero state
 and stay zero under Adam, so they need no special case.
+
+``per_param=True`` (ZeRO stage 3 on several ranks) partitions each parameter instead of the buffer: a parameter of
+n elements is cut into world_size pieces of ceil(n / world_size) (rounded up to PIECE_ALIGN) elements, and the
+group's buffer is rank-major: rank r's range holds piece r of every parameter, end to end. So gathering one
+parameter is one all-gather of equal pieces, and reducing its gradient one reduce-scatter.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 ALIGN = 256  # elements: 1 KiB of fp32, so sub-group boundaries keep host buffers and I/O page-friendly
+PIECE_ALIGN = 16  # elements: per-parameter pieces (per_param) start on a 64-byte line of fp32
 
 
 def _round_up(n: int, m: int) -> int:
@@ -48,18 +54,21 @@ class FlatLayout:
     """Built once from the trainable parameters; immutable after."""
 
     def __init__(self, groups: list[list[torch.nn.Parameter]], sub_group_size: int, *, world_size: int = 1,
-                 rank: int = 0, whole_params: bool = False) -> None:
+                 rank: int = 0, whole_params: bool = False, per_param: bool = False) -> None:
         """``whole_params``: cut sub-groups only between parameters (a parameter larger than sub_group_size gets a
-        sub-group of its own), so each parameter's new value is complete after one sub-group's update."""
+        sub-group of its own), so each parameter's new value is complete after one sub-group's update.
+        ``per_param``: partition each parameter across ranks (see the module docstring)."""
         if whole_params and world_size > 1:
             raise ValueError("whole-parameter sub-groups need world_size 1")
+        self.per_param = per_param
         if sub_group_size < ALIGN:
             raise ValueError(f"zero_optimization.sub_group_size must be at least {ALIGN} elements, got "
                              f"{sub_group_size}")
         self.world_size, self.rank = world_size, rank
         self.params: list[torch.nn.Parameter] = []
         self.param_group: list[int] = []
-        self.param_offset: list[int] = []  # flat start of each parameter in its group's buffer
+        self.param_offset: list[int] = []  # flat start of each parameter (per_param: of its piece in a rank's range)
+        self.piece: list[int] = []  # per_param: elements of each rank's piece of each parameter (padded)
         self.group_numel: list[int] = []  # padded flat length of each group
         self.owned: list[tuple[int, int]] = []  # this rank's flat range of each group
         self.sub_groups: list[SubGroup] = []
@@ -73,20 +82,26 @@ class FlatLayout:
                 self.param_group.append(g)
                 self.param_offset.append(offset)
                 touching.append([])
-                offset += _round_up(p.numel(), ALIGN)
-            total = _round_up(max(offset, 1), ALIGN * world_size)
+                piece = _round_up(-(-p.numel() // world_size), PIECE_ALIGN) if per_param else p.numel()
+                self.piece.append(piece)
+                offset += piece if per_param else _round_up(p.numel(), ALIGN)
+            if per_param:
+                share = _round_up(max(offset, 1), ALIGN)
+                total = share * world_size
+            else:
+                total = _round_up(max(offset, 1), ALIGN * world_size)
+                share = total // world_size
             self.group_numel.append(total)
-            share = total // world_size
             own = (rank * share, (rank + 1) * share)
             self.owned.append(own)
             for start, end in self._cuts(own, sub, first, whole_params):
                 segs = []
                 for i in range(first, len(self.params)):
-                    p0 = self.param_offset[i]
-                    lo, hi = max(start, p0), min(end, p0 + self.params[i].numel())
-                    if lo < hi:
-                        segs.append(Segment(i, lo - p0, lo, hi - lo))
-                        touching[i].append(len(self.sub_groups))
+                    for p0, numel, base in self.rank_pieces(i, only=rank):
+                        lo, hi = max(start, p0), min(end, p0 + numel)
+                        if lo < hi:
+                            segs.append(Segment(i, base + lo - p0, lo, hi - lo))
+                            touching[i].append(len(self.sub_groups))
                 self.sub_groups.append(SubGroup(len(self.sub_groups), g, start, end, tuple(segs)))
         self.param_sub_groups: list[tuple[int, ...]] = [tuple(t) for t in touching]
 
@@ -102,6 +117,18 @@ class FlatLayout:
         cuts.append((start, own[1]))
         return cuts
 
+    def rank_pieces(self, i: int, only: int | None = None) -> list[tuple[int, int, int]]:
+        """Where parameter ``i`` lies in its group's buffer: (flat start, element count, start in the flattened
+        parameter) per piece; one piece unless per_param (then one per rank, or rank ``only``'s)."""
+        n = self.params[i].numel()
+        if not self.per_param:
+            return [(self.param_offset[i], n, 0)]
+        share = self.group_numel[self.param_group[i]] // self.world_size
+        piece = self.piece[i]
+        ranks = range(self.world_size) if only is None else (only,)
+        return [(r * share + self.param_offset[i], min(piece, n - r * piece), r * piece) for r in ranks
+                if n - r * piece > 0]
+
     def owned_numel(self, group: int) -> int:
         lo, hi = self.owned[group]
         return hi - lo
@@ -112,5 +139,6 @@ class FlatLayout:
 
     def param_view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         """Parameter ``i`` as a view of its group's full flat buffer, in the parameter's shape."""
+        assert not self.per_param, "a partitioned parameter is not contiguous in the flat buffer"
         p, off = self.params[i], self.param_offset[i]
         return flat[off : off + p.numel()].view(p.shape)

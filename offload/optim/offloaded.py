@@ -110,11 +110,13 @@ class OffloadedAdam(torch.optim.Optimizer):
             master[seg.flat_start - sg.start : seg.flat_start - sg.start + seg.numel].copy_(src)
 
     def attach_device(self, flats: list[torch.Tensor], on_updated: Any = None,
-                      dtype: torch.dtype | None = None) -> None:
+                      dtype: torch.dtype | None = None, *, owned_only: bool = False) -> None:
         """Where updates put the new low-precision parameters: ``flats`` (one flat buffer per group: the device's
         own, host buffers copied to the device later, or the parameters' host home), or, with ``on_updated``, a
-        staging buffer handed to ``on_updated(sub_group, values)`` after each update (parameters homed on NVMe)."""
+        staging buffer handed to ``on_updated(sub_group, values)`` after each update (parameters homed on NVMe).
+        ``owned_only``: each flat covers only this rank's range of its group (partitioned parameters, stage 3)."""
         self._device_flats = flats
+        self._flat_base = [self.layout.owned[g][0] if owned_only else 0 for g in range(len(flats))]
         self._on_updated = on_updated
         if on_updated is not None:
             self._staging = self.store.allocate(Tier.HOST, self.layout.max_sub_group_numel, dtype or flats[0].dtype,
@@ -196,7 +198,8 @@ class OffloadedAdam(torch.optim.Optimizer):
         if self._on_updated is not None:
             device_slice = self._staging[: sg.numel]
         else:
-            device_slice = self._device_flats[sg.group][sg.start : sg.end]
+            base = self._flat_base[sg.group]
+            device_slice = self._device_flats[sg.group][sg.start - base : sg.end - base]
         t = time.perf_counter()
         on_cpu = device_slice.device.type == "cpu"
         lowp = device_slice.dtype != torch.float32

@@ -70,6 +70,7 @@ class _Param:
     pending: Any = None  # the fetch in flight (a SwapHandle or a Future), cleared when waited
     users: int = 0  # modules currently running with it (a module may be entered again before it exits)
     stale: bool = False  # persistent: the optimizer has written a newer value to the home
+    sharded: bool = False  # stage 3 on several ranks: the home is this rank's piece; a fetch all-gathers
 
 
 @dataclass
@@ -88,8 +89,13 @@ class ParameterOffload:
 
     def __init__(self, module: torch.nn.Module, params: list[torch.nn.Parameter], homes: list[torch.Tensor | None],
                  store: TieredStore, dtype: torch.dtype, *, persistence_threshold: int, max_live: int,
-                 bucket: int, nvme_path: str | None = None, aio: AioConfig | None = None) -> None:
+                 bucket: int, nvme_path: str | None = None, aio: AioConfig | None = None,
+                 shards: Any = None) -> None:
+        """``shards`` (a :class:`offload.dist.ParamShards`, several ranks): the homes of the parameters it covers
+        are pieces on each rank; fetching one is an all-gather (collective: every rank fetches in the same
+        order, which the same model, trace and window make true)."""
         self.module, self.store, self.dtype = module, store, dtype
+        self.shards = shards
         self.device = store.device
         self.max_live, self.bucket = max_live, bucket
         self.live_numel = 0  # non-persistent parameters AVAILABLE or FETCHING
@@ -128,9 +134,12 @@ class ParameterOffload:
             for i, (p, home) in enumerate(zip(params, homes)):
                 persistent = p.numel() <= persistence_threshold
                 rec = _Param(i, p, p.shape, p.numel(), home, persistent)
+                rec.sharded = shards is not None and shards.covers(i)
                 self.params.append(rec)
                 self._by_param[id(p)] = rec
-                if self._swap is not None and not persistent:
+                if rec.sharded:
+                    pass  # the engine filled this rank's piece; every rank starts from the same full values
+                elif self._swap is not None and not persistent:
                     staged = aligned_tensor(p.numel(), dtype, pin_memory=False)
                     staged.copy_(p.detach().reshape(-1))
                     self._swap.write(self._key(rec), staged).wait()
@@ -141,7 +150,8 @@ class ParameterOffload:
                     rec.home.copy_(p.detach().reshape(-1))
                 if persistent:
                     self._materialize(rec)
-                    rec.device.copy_(rec.home if rec.home is not None else p.detach().reshape(-1))
+                    rec.device.copy_(rec.home if rec.home is not None and not rec.sharded else
+                                     p.detach().reshape(-1))
                     rec.state = ParamState.AVAILABLE
                 p.data = self._placeholder(rec) if not persistent else rec.device.view(rec.shape)
             self._check_window()
@@ -302,7 +312,8 @@ class ParameterOffload:
                 self._trim(self.max_live - self.live_numel - rec.numel)
             rec.device = self.store.allocate(Tier.DEVICE, rec.numel, self.dtype, f"parameter {rec.index} on the "
                                              "device", "raise offload.device_memory_budget or lower "
-                                             "zero_optimization.stage3_max_live_parameters")
+                                             "zero_optimization.stage3_max_live_parameters",
+                                             prefault=False)  # the fetch's worker thread writes it whole
         self._by_storage[rec.device.untyped_storage().data_ptr()] = rec
 
     def _trim(self, keep: int) -> None:
@@ -318,7 +329,9 @@ class ParameterOffload:
         self.in_flight_numel += rec.numel
         if not rec.persistent:
             self.live_numel += rec.numel
-        if rec.home is None:
+        if rec.sharded:
+            rec.pending = self.shards.fetch(rec.index, rec.device)
+        elif rec.home is None:
             assert self._swap is not None
             if self.device.type == "cpu":
                 rec.pending = self._swap.read(self._key(rec), rec.device)
@@ -329,7 +342,7 @@ class ParameterOffload:
         else:
             rec.pending = self._copier.submit(self._copy, rec.device, rec.home)
         rec.state = ParamState.FETCHING
-        self.store.count(Tier.NVME if rec.home is None else Tier.HOST, Tier.DEVICE, rec.numel * 2)
+        self.store.count(Tier.NVME if rec.home is None and not rec.sharded else Tier.HOST, Tier.DEVICE, rec.numel * 2)
 
     @staticmethod
     def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -355,7 +368,9 @@ class ParameterOffload:
 
     def _refresh(self, rec: _Param) -> None:
         """A persistent parameter after an optimizer step: copy its new value from the home."""
-        if rec.home is not None:
+        if rec.sharded:
+            rec.device.copy_(self.shards.read(rec.index).reshape(-1))
+        elif rec.home is not None:
             rec.device.copy_(rec.home)
         rec.stale = False
 
@@ -463,6 +478,8 @@ class ParameterOffload:
         for rec in self.params:
             if rec.persistent:
                 rec.stale = True
+                if rec.sharded:  # a collective: now, in index order on every rank, not at whichever fetch
+                    self._refresh(rec)
             elif rec.state is not ParamState.RELEASED:
                 self.release(rec)  # fetched before the update: holds the old values
         self._phase = "forward"
@@ -473,7 +490,11 @@ class ParameterOffload:
         """Stores a parameter's new low-precision value in its home (the optimizer thread calls this when the
         home is not the flat host buffer it writes into)."""
         rec = self.params[index]
-        if rec.home is not None:
+        if rec.sharded:
+            self.shards.write(index, value)
+            if rec.persistent:
+                rec.device.copy_(value.reshape(-1))
+        elif rec.home is not None:
             rec.home.copy_(value.reshape(-1))
             rec.stale = True
         else:
@@ -483,6 +504,8 @@ class ParameterOffload:
     def read_home(self, index: int) -> torch.Tensor:
         """A parameter's current value from its home, as a new host tensor in its shape."""
         rec = self.params[index]
+        if rec.sharded:
+            return self.shards.read(index)
         if rec.home is not None:
             return rec.home.view(rec.shape).clone()
         assert self._swap is not None

@@ -1,0 +1,281 @@
+"""Training steps of a GPT with parameters and Adam state on NVMe, against the disk's floor measured in the same run.
+
+A GPT-style model (offload/models.py) of ``--params`` parameters (or ``--layers`` x ``--width``) trains on the demo's
+synthetic task (each next token a fixed permutation of the current one) with ZeRO-3-style placement: bf16
+parameters homed on NVMe and fetched through a window of ``--live`` elements, fp32 master weights and Adam moments
+(12 B/param) on NVMe, gradients in host RAM. Per step it reports the time (forward+backward, optimizer step), the
+loss, the bytes the swap engines read and wrote, and where the time went:
+
+  compute   forward+backward minus the time waiting for reads during it
+  adam      CPU Adam inside engine.step() (Adam that ran during backward, overlapped, is reported apart)
+  stalled   time waiting for NVMe reads (parameter fetches, optimizer state)
+  i/o       the rest of engine.step(): write-backs draining, parameters written to their homes, bookkeeping
+
+With the optimizer overlapping backward (the default), its waits during backward happen on the optimizer thread
+and are counted in "stalled" too, so "compute" is then a lower bound; --no-overlap makes the split exact.
+
+The floor: the disk measured in this run (a sequential O_DIRECT write then read of ``--probe-size`` bytes through a
+SwapEngine with the same AioConfig in the same directory, before and after training; the best of each) gives
+floor = bytes read / read GB/s + bytes written / write GB/s per step (this disk does not overlap reads with writes,
+docs/benchmarks.md), and the ratio step time / floor says how close a step comes to the disk's limit.
+
+Memory: the model is built in bf16 (``--init-dtype``) and its parameters move to NVMe at initialize; host RAM then
+holds the gradients (2 B/param), ``--buffers`` staging buffers of ``--sub-group`` x 12 B and the device window.
+The plan (offload.estimate) is printed first, and a plan that does not fit in MemAvailable stops the run. A ~3B
+model: ``python bench/train.py --params 3e9 --nvme-dir /local_nvme`` needs about 44 GiB of disk and 17 GiB of RAM.
+
+    python bench/train.py [--params 1e8 | --layers L --width W] [--steps 4] [--warmup 1] [--tokens 64] [--batch 1]
+                          [--nvme-dir DIR] [--aio FILE] [--sub-group 1e8] [--buffers 4] [--live 2.5e8]
+                          [--probe-size 1GiB] [--no-overlap] [--out results/train.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+import offload  # noqa: E402
+from nvme_swapper import AioConfig, SwapEngine, aligned_tensor  # noqa: E402
+from offload.cli import _batches  # noqa: E402
+from offload.config import parse_bytes  # noqa: E402
+from offload.memory import fmt_bytes  # noqa: E402
+from offload.models import GPT, GPTConfig  # noqa: E402
+
+
+def shape_for(params: float, vocab: int, context: int) -> tuple[int, int]:
+    """(layers, width) of a GPT with about ``params`` parameters; widths as in published models of that size."""
+    width = 512 if params < 5e7 else 768 if params < 2e8 else 1536 if params < 1e9 else 2560 if params < 5e9 else 4096
+    per_block = 12 * width * width + 13 * width
+    layers = max(1, round((params - (vocab + context) * width) / per_block))
+    return layers, width
+
+
+def mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("MemAvailable not found in /proc/meminfo")
+
+
+def probe(directory: Path, aio: AioConfig, nbytes: int) -> tuple[float, float]:
+    """The disk alone: (write, read) GB/s of one sequential pass through a SwapEngine, write as an overwrite."""
+    buf = aligned_tensor(nbytes, pin_memory=False)
+    buf.random_(0, 256)
+    with SwapEngine(directory, aio) as eng:
+        eng.reserve(nbytes)
+        t = time.perf_counter()
+        eng.write("probe", buf).wait()
+        write = nbytes / (time.perf_counter() - t) / 1e9
+        t = time.perf_counter()
+        eng.read("probe", buf).wait()
+        read = nbytes / (time.perf_counter() - t) / 1e9
+    return write, read
+
+
+def swap_bytes(engine: offload.Engine) -> tuple[int, int]:
+    """Bytes read and written so far by the engine's swap engines (optimizer state, and parameter homes)."""
+    total_r = total_w = 0
+    params = getattr(engine, "_params", None)
+    swaps = [engine.stats()["nvme"], params._swap.stats() if params is not None and params._swap else None]
+    for s in swaps:
+        if s:
+            total_r += s["bytes_read"]
+            total_w += s["bytes_written"]
+    return total_r, total_w
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--params", type=float, default=1e8, help="model size (parameters); ignored with --layers")
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--width", type=int, default=None, help="with --layers (default: chosen from --params)")
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--tokens", type=int, default=64, help="sequence length")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=4, help="measured steps")
+    ap.add_argument("--warmup", type=int, default=1, help="steps before the measured ones (traces recorded)")
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--nvme-dir", default=None, help="where the swap files go (default: a temp dir in cwd)")
+    ap.add_argument("--aio", default=None, help="a JSON file with an aio section (python -m offload tune --out)")
+    ap.add_argument("--sub-group", type=float, default=1e8, help="zero_optimization.sub_group_size (elements)")
+    ap.add_argument("--buffers", type=int, default=4, help="offload_optimizer.buffer_count")
+    ap.add_argument("--live", type=float, default=2.5e8, help="stage3_max_live_parameters (elements)")
+    ap.add_argument("--probe-size", default="1GiB", help="bytes of the disk probe before and after training")
+    ap.add_argument("--no-overlap", action="store_true", help="offload_optimizer.overlap_step false")
+    ap.add_argument("--init-dtype", choices=["bf16", "fp32"], default="bf16",
+                    help="dtype the model is built in before initialize (bf16 halves the peak RAM)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="results/train.json")
+    args = ap.parse_args()
+    for name in ("steps", "batch", "tokens", "buffers"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.warmup < 0:
+        ap.error(f"--warmup must be at least 0, got {args.warmup}")
+    if (args.width is not None) and args.layers is None:
+        ap.error("--width needs --layers")
+    probe_bytes = parse_bytes(args.probe_size, "--probe-size")
+    if probe_bytes < 1 << 20 or probe_bytes % 4096:
+        ap.error(f"--probe-size must be at least 1MiB and a multiple of 4KiB, got {args.probe_size}")
+    aio_section: dict[str, Any] = {"block_size": 4 << 20, "queue_depth": 8, "thread_count": 1}
+    if args.aio:
+        aio_section = json.loads(Path(args.aio).read_text()).get("aio", {})
+    aio = AioConfig.from_dict(aio_section)
+
+    if args.layers is not None:
+        layers, width = args.layers, args.width or 768
+    else:
+        layers, width = shape_for(args.params, args.vocab, args.tokens)
+    cfg = GPTConfig(vocab_size=args.vocab, context=args.tokens, layers=layers, heads=max(1, width // 64), width=width)
+    n = cfg.num_parameters
+    sub_group, live = int(args.sub_group), min(int(args.live), n)  # a window larger than the model buys nothing
+    base = Path(args.nvme_dir) if args.nvme_dir else Path.cwd()
+    base.mkdir(parents=True, exist_ok=True)
+    with torch.device("meta"):
+        plan = next(e for e in offload.estimate(model=GPT(cfg), sub_group_size=sub_group, buffer_count=args.buffers,
+                                                max_live_parameters=live)
+                    if e.placement == "optimizer + parameters on nvme")
+    init_bytes = n * (2 if args.init_dtype == "bf16" else 4)
+    avail, free = mem_available(), shutil.disk_usage(base).free
+    print(f"train bench: GPT {layers} layers x {width} wide, {n / 1e9:.3g}B parameters, {args.tokens} tokens x "
+          f"{args.batch}; plan per tier: device {fmt_bytes(plan.device)}, host {fmt_bytes(plan.host)}, nvme "
+          f"{fmt_bytes(plan.nvme)}; the model is built in {args.init_dtype} ({fmt_bytes(init_bytes)}); "
+          f"RAM available {fmt_bytes(avail)}, disk free {fmt_bytes(free)} at {base}", flush=True)
+    need_ram = plan.host + plan.device + init_bytes + probe_bytes
+    if need_ram > avail:
+        sys.exit(f"error: the run needs about {fmt_bytes(need_ram)} of RAM (host plan + device window + the model "
+                 f"before initialize + the probe buffer) but {fmt_bytes(avail)} is available; lower --sub-group, "
+                 f"--buffers, --live or --probe-size, or the model size")
+    if plan.nvme + probe_bytes > free * 0.95:
+        sys.exit(f"error: the run needs about {fmt_bytes(plan.nvme + probe_bytes)} of disk but {base} has "
+                 f"{fmt_bytes(free)} free; pass --nvme-dir on a larger disk or a smaller model")
+
+    work = Path(tempfile.mkdtemp(prefix="bench-train-", dir=base))
+    disk: list[tuple[float, float]] = []
+    rows: list[dict[str, float]] = []
+    try:
+        disk.append(probe(work, aio, probe_bytes))
+        print(f"disk before training: write {disk[0][0]:.2f} GB/s, read {disk[0][1]:.2f} GB/s", flush=True)
+        torch.manual_seed(args.seed)
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16 if args.init_dtype == "bf16" else torch.float32)
+        try:
+            model = GPT(cfg)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        config = {
+            "bf16": {"enabled": True},
+            "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.01, "betas": [0.9, 0.95]}},
+            "zero_optimization": {
+                "stage": 3,
+                "sub_group_size": sub_group,
+                "offload_optimizer": {"device": "nvme", "nvme_path": str(work / "optimizer"),
+                                      "buffer_count": args.buffers, "overlap_step": not args.no_overlap},
+                "offload_param": {"device": "nvme", "nvme_path": str(work / "params")},
+                "stage3_max_live_parameters": live,
+                "stage3_prefetch_bucket_size": live // 2,
+                "stage3_param_persistence_threshold": 100_000,
+            },
+            "aio": aio_section,
+            "offload": {"device_memory_budget": 2 * live + plan.device + (64 << 20)},  # the window, persistent
+        }
+        t = time.perf_counter()
+        engine = offload.initialize(model, config)
+        del model  # the engine holds the module; its parameters now live on NVMe
+        init_s = time.perf_counter() - t
+        print(f"initialize: {init_s:.1f} s (parameters and optimizer state written to {work})", flush=True)
+        try:
+            data = _batches(cfg.vocab_size, args.batch, args.tokens, args.seed)
+            print(f"\n{'step':>5s} {'seconds':>8s} {'fwd+bwd':>8s} {'step()':>8s} {'loss':>8s} {'read GB':>8s} "
+                  f"{'write GB':>9s} {'stalled':>8s} {'adam':>7s}", flush=True)
+            for i in range(args.warmup + args.steps):
+                x, y = next(data)
+                s0, io0 = engine.stats(), swap_bytes(engine)
+                t0 = time.perf_counter()
+                loss = GPT.loss(engine(x), y)
+                engine.backward(loss)
+                t1 = time.perf_counter()
+                s1 = engine.stats()
+                engine.step()
+                t2 = time.perf_counter()
+                s2, io2 = engine.stats(), swap_bytes(engine)
+                row = {
+                    "step": i + 1, "warmup": i < args.warmup, "seconds": t2 - t0, "fwd_bwd": t1 - t0,
+                    "optimizer_step": t2 - t1, "loss": loss.item(),
+                    "bytes_read": io2[0] - io0[0], "bytes_written": io2[1] - io0[1],
+                    "stalled_fwd_bwd": s1["stall_seconds"] - s0["stall_seconds"],
+                    "stalled_step": s2["stall_seconds"] - s1["stall_seconds"],
+                    "adam_step": (s2["adam_seconds"] - s1["adam_seconds"])
+                    - (s2["adam_seconds_overlapped"] - s1["adam_seconds_overlapped"]),
+                    "adam_overlapped": s2["adam_seconds_overlapped"] - s0["adam_seconds_overlapped"],
+                }
+                stalled_fb = min(row["stalled_fwd_bwd"], row["fwd_bwd"])
+                stalled_st = min(row["stalled_step"], row["optimizer_step"])
+                adam = min(row["adam_step"], row["optimizer_step"] - stalled_st)
+                row["breakdown"] = {"compute": row["fwd_bwd"] - stalled_fb, "adam": adam,
+                                    "stalled": stalled_fb + stalled_st,
+                                    "io": row["optimizer_step"] - stalled_st - adam}
+                rows.append(row)
+                print(f"{i + 1:5d} {row['seconds']:8.2f} {row['fwd_bwd']:8.2f} {row['optimizer_step']:8.2f} "
+                      f"{row['loss']:8.4f} {row['bytes_read'] / 1e9:8.2f} {row['bytes_written'] / 1e9:9.2f} "
+                      f"{row['breakdown']['stalled']:8.2f} {row['breakdown']['adam']:7.2f}"
+                      f"{'  (warm-up)' if row['warmup'] else ''}", flush=True)
+            stats, report = engine.stats(), engine.memory_report()
+        finally:
+            engine.close()
+        disk.append(probe(work, aio, probe_bytes))
+        print(f"\ndisk after training: write {disk[1][0]:.2f} GB/s, read {disk[1][1]:.2f} GB/s")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    measured = [r for r in rows if not r["warmup"]]
+    med = {k: statistics.median(r[k] for r in measured)
+           for k in ("seconds", "fwd_bwd", "optimizer_step", "bytes_read", "bytes_written")}
+    write_bw, read_bw = max(w for w, _ in disk), max(r for _, r in disk)
+    floor = med["bytes_read"] / (read_bw * 1e9) + med["bytes_written"] / (write_bw * 1e9)
+    summary = {
+        "step_seconds": med["seconds"], "floor_seconds": floor, "step_over_floor": med["seconds"] / floor,
+        "read_gbps": read_bw, "write_gbps": write_bw,
+        "bytes_read_per_step": med["bytes_read"], "bytes_written_per_step": med["bytes_written"],
+        "read_bytes_per_param": med["bytes_read"] / n, "written_bytes_per_param": med["bytes_written"] / n,
+        "breakdown": {k: statistics.median(r["breakdown"][k] for r in measured)
+                      for k in ("compute", "adam", "stalled", "io")},
+        "loss_first": rows[0]["loss"], "loss_last": rows[-1]["loss"],
+    }
+    print(f"\nmedians over {len(measured)} steps: step {med['seconds']:.2f} s; read {med['bytes_read'] / 1e9:.2f} GB "
+          f"({summary['read_bytes_per_param']:.1f} B/param), written {med['bytes_written'] / 1e9:.2f} GB "
+          f"({summary['written_bytes_per_param']:.1f} B/param)")
+    print(f"disk (best of the probes): read {read_bw:.2f} GB/s, write {write_bw:.2f} GB/s")
+    print(f"floor = read / read bw + written / write bw = {floor:.2f} s;  step / floor = "
+          f"{summary['step_over_floor']:.2f}")
+    b = summary["breakdown"]
+    print(f"where a step went: compute {b['compute']:.2f} s, Adam {b['adam']:.2f} s, stalled {b['stalled']:.2f} s, "
+          f"i/o {b['io']:.2f} s  (Adam overlapped with backward: "
+          f"{statistics.median(r['adam_overlapped'] for r in measured):.2f} s)")
+    print(f"loss {summary['loss_first']:.4f} -> {summary['loss_last']:.4f}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "model": {"layers": layers, "width": width, "vocab": args.vocab, "params": n, "tokens": args.tokens,
+                  "batch": args.batch},
+        "config": config, "init_seconds": init_s, "plan": plan.__dict__,
+        "disk_probes": [{"write_gbps": w, "read_gbps": r} for w, r in disk], "probe_bytes": probe_bytes,
+        "steps": rows, "summary": summary, "engine_stats": stats, "memory_report": report,
+    }, indent=2, default=str))
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,204 @@
+"""PNG plots of the benchmarks' JSON (``python -m offload bench``): one function per benchmark, one place for style.
+
+matplotlib is an optional dependency (the ``plot`` and ``dev`` extras): it is imported only when a plot is drawn,
+with the Agg backend, so the library and the benchmarks run without it and without a display.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+# one colour per kind of time, the same in every breakdown
+COLORS = {"compute": "#4c72b0", "adam": "#dd8452", "io": "#55a868", "stalled": "#c44e52"}
+LABELS = {"compute": "compute (forward+backward)", "adam": "CPU Adam",
+          "io": "I/O (write-backs draining, other)", "stalled": "stalled waiting for reads"}
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+    except ImportError:
+        raise RuntimeError("plots need matplotlib: pip install -e '.[plot]' (the dev extra includes it)") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    _pyplot().close(fig)
+    return path
+
+
+def _count(n: float) -> str:
+    return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
+
+
+def plot_nvme(data: dict[str, Any], out: Path) -> list[Path]:
+    """Swap-engine throughput (the single-tensor workload, kernel AIO) against block size and against queue depth,
+    write and read side by side, with the disk's limit measured in the same run as a dashed line."""
+    plt = _pyplot()
+    pat = re.compile(r"^aio bs=(\d+)K qd=(\d+) 1x(\S+) (write|read)$")
+    points: dict[tuple[str, int, int], float] = {}
+    workload = ""
+    for key, value in data["medians"].items():
+        m = pat.match(key)
+        if m:
+            points[(m.group(4), int(m.group(1)) * 1024, int(m.group(2)))] = value
+            workload = m.group(3)
+    if not points:
+        raise ValueError("nvme_swapper JSON has no 'aio bs=... qd=... 1x... write|read' medians to plot")
+    blocks = sorted({b for _, b, _ in points})
+    depths = sorted({q for _, _, q in points})
+    rounds = data.get("rounds", "?")
+    paths = []
+    for x_name, xs, series, fname in (("block size", blocks, depths, "nvme_block_size.png"),
+                                      ("queue depth", depths, blocks, "nvme_queue_depth.png")):
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+        for ax, direction in zip(axes, ("write", "read")):
+            for s in series:
+                ys = [points.get((direction, x, s) if x_name == "block size" else (direction, s, x)) for x in xs]
+                label = f"queue depth {s}" if x_name == "block size" else f"block {_size(s)}"
+                ax.plot(xs, [float("nan") if y is None else y for y in ys], marker="o", label=label)
+            limit = data.get("limit", {}).get(direction)
+            if limit:
+                ax.axhline(limit, color="gray", linestyle="--", label=f"disk limit (fio / pread loop) {limit:.2f} GB/s")
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(xs)
+            ax.set_xticklabels([_size(x) if x_name == "block size" else str(x) for x in xs])
+            ax.set_xlabel(f"{x_name} ({'bytes per request' if x_name == 'block size' else 'requests in flight'})")
+            ax.set_ylabel("throughput (GB/s)")
+            ax.set_title(direction)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.suptitle(f"Swap engine throughput vs {x_name}: kernel AIO, checksums off, one {workload} tensor, "
+                     f"median of {rounds} round(s)")
+        paths.append(_save(fig, out / fname))
+    return paths
+
+
+def plot_adam(data: dict[str, Any], out: Path) -> list[Path]:
+    """Parameters updated per second by each Adam implementation, per thread count; the streaming bound (in-place
+    ``a *= s`` over the same buffers, 28 bytes per parameter) as a dashed line."""
+    plt = _pyplot()
+    threads = sorted(data["threads"], key=int)
+    variants = [v for v in data["threads"][threads[0]]["rows"]
+                if data["threads"][threads[0]]["rows"][v]["params_per_s"] is not None]
+    fig, ax = plt.subplots(figsize=(11, 4.8))
+    width = 0.8 / len(threads)
+    for i, t in enumerate(threads):
+        rows = data["threads"][t]["rows"]
+        xs = [j + (i - (len(threads) - 1) / 2) * width for j in range(len(variants))]
+        bars = ax.bar(xs, [rows[v]["params_per_s"] / 1e6 for v in variants], width, label=f"{t} thread(s)")
+        ax.bar_label(bars, fmt="%.0f", fontsize=7)
+        stream = rows.get("streaming a *= s")
+        if stream:
+            ax.axhline(stream["gb_per_s"] * 1e9 / 28 / 1e6, color=bars.patches[0].get_facecolor(), linestyle="--",
+                       linewidth=1, label=f"memory-bandwidth bound, {t} thread(s)")
+    ax.set_xticks(range(len(variants)))
+    ax.set_xticklabels(variants, rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel("throughput (million parameters / s)")
+    ax.set_xlabel("implementation")
+    ax.set_title(f"CPU Adam throughput per implementation: {data['params']:,} fp32 parameters, median of "
+                 f"{data['repeats']} rounds ({data.get('backend', '')})")
+    ax.legend(fontsize=8, loc="upper right")
+    ax.grid(axis="y", alpha=0.3)
+    return [_save(fig, out / "adam_throughput.png")]
+
+
+def _stack(ax: Any, x: list[Any], parts: dict[str, list[float]], width: float = 0.6) -> None:
+    bottom = [0.0] * len(x)
+    for kind in ("compute", "adam", "io", "stalled"):
+        if kind in parts:
+            ax.bar(x, parts[kind], width, bottom=bottom, color=COLORS[kind], label=LABELS[kind])
+            bottom = [b + v for b, v in zip(bottom, parts[kind])]
+
+
+def plot_step(data: dict[str, Any], out: Path) -> list[Path]:
+    """The NVMe optimizer step split into Adam, stalled reads and the rest, beside its parts timed alone and run one
+    after another (what the step would take with no overlap)."""
+    plt = _pyplot()
+    med, parts = data["medians"], data["step_breakdown"]
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    _stack(ax, ["optimizer step"], {"adam": [parts["adam"]], "stalled": [parts["stalled"]], "io": [parts["other"]]})
+    bottom = 0.0
+    for name, color, hatch in (("nvme read", COLORS["stalled"], "//"), ("nvme write", COLORS["io"], "//"),
+                               ("nvme adam", COLORS["adam"], "//")):
+        ax.bar(["parts alone, in sequence"], [med[name]], 0.6, bottom=bottom, color=color, hatch=hatch,
+               alpha=0.6, label=f"{name.split()[1]} alone")
+        bottom += med[name]
+    ax.set_ylabel("time per step (s)")
+    ax.set_title(f"Offloaded optimizer step, time breakdown (optimizer only, no compute):\n"
+                 f"{_count(data['params_nvme'])} parameters, Adam state ({12 * data['params_nvme'] / 1e9:.3g} GB) "
+                 f"on NVMe, median of {data.get('rounds', len(data['samples']['nvme step']))} rounds", fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    return [_save(fig, out / "step_breakdown.png")]
+
+
+def plot_params(data: dict[str, Any], out: Path) -> list[Path]:
+    """Forward+backward with parameters on NVMe against the same model in memory and against the reads alone."""
+    plt = _pyplot()
+    med = data["medians"]
+    cfg = data["config"]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    names = {"offload": "parameters on NVMe", "plain": "in memory (compute alone)", "reads": "parameter reads alone"}
+    bars = ax.bar([names[k] for k in med], list(med.values()), 0.6,
+                  color=[COLORS["compute"], COLORS["compute"], COLORS["stalled"]])
+    ax.bar_label(bars, fmt="%.3g s", fontsize=8)
+    ax.set_ylabel("forward+backward time (s)")
+    ax.set_xlabel("run")
+    ax.set_title(f"Parameter offload, forward+backward time: GPT {cfg['layers']}x{cfg['width']},\n"
+                 f"{data['param_bytes'] / 1e6:.3g} MB of bf16 parameters read twice per step; offload / max(others) "
+                 f"= {data['ratio']:.2f}", fontsize=10)
+    ax.grid(axis="y", alpha=0.3)
+    return [_save(fig, out / "params_time.png")]
+
+
+def plot_train(data: dict[str, Any], out: Path) -> list[Path]:
+    """Each training step split into compute, Adam, I/O and stalled, with the disk's floor; and the loss."""
+    plt = _pyplot()
+    steps = data["steps"]
+    m, s = data["model"], data["summary"]
+    fig, ax = plt.subplots(figsize=(max(6, 1 + 0.6 * len(steps)), 4.8))
+    x = [f"{r['step']}{' (warm-up)' if r['warmup'] else ''}" for r in steps]
+    _stack(ax, x, {k: [r["breakdown"][k] for r in steps] for k in ("compute", "adam", "io", "stalled")})
+    ax.axhline(s["floor_seconds"], color="black", linestyle="--",
+               label=f"disk floor {s['floor_seconds']:.3g} s (bytes / measured GB/s)")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("time per step (s)")
+    ax.set_title(f"Training step time breakdown: GPT {m['layers']}x{m['width']} ({_count(m['params'])} parameters),\n"
+                 f"parameters and Adam state on NVMe; median step / floor = {s['step_over_floor']:.2f}", fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    paths = [_save(fig, out / "train_breakdown.png")]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([r["step"] for r in steps], [r["loss"] for r in steps], marker="o")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("loss (cross-entropy, nats/token)")
+    ax.set_title(f"Training loss per step: GPT {_count(m['params'])} parameters on NVMe")
+    ax.grid(alpha=0.3)
+    paths.append(_save(fig, out / "train_loss.png"))
+    return paths
+
+
+PLOTS: dict[str, Callable[[dict[str, Any], Path], list[Path]]] = {
+    "nvme": plot_nvme, "adam": plot_adam, "step": plot_step, "params": plot_params, "train": plot_train,
+}
+
+
+def plot(name: str, data: dict[str, Any], out: Path) -> list[Path]:
+    """Draws benchmark ``name``'s plots from its JSON ``data`` into the folder ``out``; returns the PNG paths."""
+    if name not in PLOTS:
+        raise ValueError(f"no plot for benchmark {name!r}; known: {', '.join(PLOTS)}")
+    out.mkdir(parents=True, exist_ok=True)
+    return PLOTS[name](data, out)

@@ -1,0 +1,83 @@
+"""One rank of a distributed test (tests/test_dist.py starts N of these, with torchrun's environment variables).
+
+``python dist_worker.py SPEC.json``: SPEC holds ``out`` (a folder for results), ``init`` ("self": this script
+initializes torch.distributed, so the engine joins it; "engine": the engine initializes it from the environment)
+and ``runs``, each trained in turn: ``name``, ``config`` (the engine's), ``steps``, ``gas``, and optionally ``load``
+(a checkpoint folder to resume from), ``save`` (a folder to save into after ``save_after`` steps), ``die``
+({"rank": r, "at_step": s, "how": "exit" | "hang"}: that rank stops mid-step, after its backward).
+
+Each rank trains on its 1/N slice of a global batch of 6 sequences (so any N in 1, 2, 3 sees the same global
+batch), writes ``<name>.rank<r>.json`` (memory report, communication counters) and rank 0 writes
+``<name>.pt``, the consolidated state dict.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import offload  # noqa: E402
+from models import batches, lm_loss, make  # noqa: E402
+
+GLOBAL_BATCH = 6
+
+
+def run(spec: dict, r: dict, rank: int, world: int, out: Path) -> None:
+    data = batches(r["steps"] * r["gas"], bsz=GLOBAL_BATCH)
+    per = GLOBAL_BATCH // world
+    model = make()
+    engine = offload.initialize(model, r["config"])
+    try:
+        if r.get("load"):
+            engine.load_checkpoint(r["load"])
+        start = engine.global_steps
+        for step in range(start, r["steps"]):
+            for m in range(r["gas"]):
+                x, y = data[step * r["gas"] + m]
+                loss = lm_loss(engine(x[rank * per : (rank + 1) * per]), y[rank * per : (rank + 1) * per])
+                engine.backward(loss)
+                die = r.get("die")
+                if die and die["rank"] == rank and die["at_step"] == step:
+                    print(f"rank {rank} stopping ({die['how']}) mid-step {step}", flush=True)
+                    if die["how"] == "exit":
+                        os._exit(3)
+                    time.sleep(3600)
+                engine.step()
+            if r.get("save") and step + 1 == r["save_after"]:
+                engine.save_checkpoint(r["save"])
+        state = engine.consolidated_state_dict()
+        if rank == 0:
+            torch.save(state, out / f"{r['name']}.pt")
+        stats = engine.stats()
+        (out / f"{r['name']}.rank{rank}.json").write_text(json.dumps({
+            "report": engine.memory_report(), "comm": stats["comm"], "steps": engine.global_steps,
+            "numel": sum(p.numel() for p in engine.layout.params), "flat_numel": sum(engine.layout.group_numel)}))
+    finally:
+        engine.close()
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    out = Path(spec["out"])
+    if spec["init"] == "self":
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    for r in spec["runs"]:
+        run(spec, r, rank, world, out)
+    if spec["init"] == "self":
+        dist.destroy_process_group()
+    print(f"rank {rank} done", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""python -m offload tune and bench: real measurements on a temporary directory, JSON and PNG plots that open."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from nvme_swapper import AioConfig
+from offload import OffloadConfig
+from offload.cli import main
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def assert_pngs(paths: list[Path]) -> None:
+    image = pytest.importorskip("PIL.Image")
+    assert paths
+    for path in paths:
+        assert path.read_bytes()[:8] == PNG_MAGIC, path
+        with image.open(path) as img:
+            img.load()
+            assert img.size[0] > 100 and img.size[1] > 100, (path, img.size)
+
+
+def test_tune_writes_an_aio_fragment_the_config_parses(tmp_path, capsys):
+    disk, out = tmp_path / "disk", tmp_path / "aio.json"
+    rc = main(["tune", "--nvme-path", str(disk), "--quick", "--size", "8MiB", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert rc == 0
+    assert "score GB/s" in printed and printed.count("*") >= 1
+    fragment = json.loads(out.read_text())
+    assert set(fragment) == {"aio"} and set(fragment["aio"]) == {"block_size", "queue_depth", "thread_count"}
+    cfg = OffloadConfig.load(fragment)
+    assert cfg.aio == AioConfig.from_dict(fragment["aio"])
+    assert fragment["aio"]["block_size"] in (1 << 20, 4 << 20) and fragment["aio"]["queue_depth"] in (1, 8, 32)
+    assert list(disk.iterdir()) == []  # every swap file removed
+
+
+def test_tune_prints_the_fragment_without_out(tmp_path, capsys):
+    rc = main(["tune", "--nvme-path", str(tmp_path), "--size", "4MiB", "--block-sizes", "1MiB",
+               "--queue-depths", "4", "--thread-counts", "1,2", "--repeats", "1"])
+    printed = capsys.readouterr().out
+    assert rc == 0
+    fragment = json.loads(printed[printed.index("{"):])
+    assert fragment["aio"]["block_size"] == 1 << 20 and fragment["aio"]["queue_depth"] == 4
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--block-sizes", "3KiB"], "--block-sizes: aio.block_size must be a power of two"),
+    (["--queue-depths", "1", "--thread-counts", "2"], "--queue-depths [1] are all below --thread-counts [2]"),
+    (["--size", "lots"], "--size must be a byte count"),
+    (["--queue-depths", "a,b"], "--queue-depths must be comma-separated integers"),
+], ids=["block-size", "depth-below-threads", "size", "depths-not-integers"])
+def test_tune_names_the_bad_flag(tmp_path, capsys, flags, message):
+    assert main(["tune", "--nvme-path", str(tmp_path), "--quick", *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bench_train_writes_json_and_plots(tmp_path, capsys):
+    results, nvme = tmp_path / "results", tmp_path / "nvme"
+    rc = main(["bench", "train", "--out", str(results), "--layers", "2", "--width", "128", "--vocab", "512",
+               "--tokens", "16", "--live", "2e5", "--sub-group", "2e5", "--steps", "2", "--probe-size", "8MiB",
+               "--nvme-dir", str(nvme)])
+    assert rc == 0
+    data = json.loads((results / "train.json").read_text())
+    s = data["summary"]
+    assert len(data["steps"]) == 3 and all(r["bytes_read"] > 0 and r["bytes_written"] > 0 for r in data["steps"])
+    assert s["floor_seconds"] > 0 and s["step_over_floor"] == pytest.approx(s["step_seconds"] / s["floor_seconds"])
+    # per step: 12 B/param of Adam state read and written, plus the bf16 parameters
+    assert s["written_bytes_per_param"] >= 12 and s["read_bytes_per_param"] >= 12
+    assert_pngs([results / "train_breakdown.png", results / "train_loss.png"])
+    assert list(nvme.iterdir()) == []
+    assert "plots:" in capsys.readouterr().out
+
+
+def test_bench_reports_a_failing_script(tmp_path):
+    assert main(["bench", "train", "--out", str(tmp_path), "--steps", "0", "--no-plot"]) == 2  # argparse error
+    assert not (tmp_path / "train.json").exists()
+
+
+@pytest.mark.parametrize("name, flags, json_name, pngs", [
+    ("adam", ["--params", "200000", "--repeats", "2", "--threads", "1,2"], "cpu_adam", ["adam_throughput"]),
+    ("step", ["--params", "4e6", "--host-params", "2e6", "--sub-group", "1e6", "--rounds", "1", "--nvme-dir", "{tmp}"],
+     "offload_step", ["step_breakdown"]),
+    pytest.param("nvme", ["--size", "16MiB", "--rounds", "1", "--no-fio", "--dir", "{tmp}"], "nvme_swapper",
+                 ["nvme_block_size", "nvme_queue_depth"], marks=pytest.mark.slow),
+    pytest.param("params", ["--layers", "2", "--width", "128", "--vocab", "512", "--tokens", "16", "--live", "2e5",
+                            "--rounds", "2", "--nvme-dir", "{tmp}"], "param_offload", ["params_time"],
+                 marks=pytest.mark.slow),
+], ids=["adam", "step", "nvme", "params"])
+def test_bench_writes_json_and_plots(tmp_path, name, flags, json_name, pngs):
+    results, scratch = tmp_path / "results", tmp_path / "scratch"
+    scratch.mkdir()
+    rc = main(["bench", name, *[f.format(tmp=scratch) for f in flags], "--out", str(results)])  # --out after NAME
+    assert rc == 0
+    assert json.loads((results / f"{json_name}.json").read_text())
+    assert_pngs([results / f"{p}.png" for p in pngs])
+    assert list(scratch.iterdir()) == []

@@ -1,0 +1,324 @@
+"""The partitioned engine on 2 and 3 gloo ranks of this machine, against single-process references.
+
+Ranks are real processes (tests/dist_worker.py) started with torchrun's environment variables, or by torchrun
+itself; each trains on its slice of the same global batch. References: torch's AdamW on an un-offloaded model with
+the whole batch (fp32, so equal within rounding), and the engine in this process (world size 1) for resuming.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import offload
+from models import batches, lm_loss, make
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+LR, WD = 3e-3, 0.01
+STEPS = 4
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env_for(rank: int, world: int, port: int) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
+    return env
+
+
+class Ranks:
+    """N worker processes; every one is killed and reaped on exit, whatever happened."""
+
+    def __init__(self, tmp: Path, world: int, spec: dict) -> None:
+        tmp.mkdir(parents=True, exist_ok=True)
+        spec_path = tmp / "spec.json"
+        spec_path.write_text(json.dumps(spec))
+        port = free_port()
+        self.logs = [open(tmp / f"rank{r}.log", "w+") for r in range(world)]
+        self.procs = [subprocess.Popen([sys.executable, str(TESTS / "dist_worker.py"), str(spec_path)],
+                                       env=env_for(r, world, port), stdout=self.logs[r], stderr=subprocess.STDOUT)
+                      for r in range(world)]
+        self.exit_times: dict[int, float] = {}
+
+    def wait(self, timeout: float, ranks: list[int] | None = None) -> list[int | None]:
+        """Exit codes of ``ranks`` (None: still running at the deadline)."""
+        ranks = list(range(len(self.procs))) if ranks is None else ranks
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and any(self.procs[r].poll() is None for r in ranks):
+            for r in ranks:
+                if r not in self.exit_times and self.procs[r].poll() is not None:
+                    self.exit_times[r] = time.monotonic()
+            time.sleep(0.05)
+        for r in ranks:
+            if r not in self.exit_times and self.procs[r].poll() is not None:
+                self.exit_times[r] = time.monotonic()
+        return [self.procs[r].poll() for r in ranks]
+
+    def output(self, r: int) -> str:
+        self.logs[r].flush()
+        self.logs[r].seek(0)
+        return self.logs[r].read()
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        for f in self.logs:
+            f.close()
+
+    def __enter__(self) -> "Ranks":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def config(stage: int, device: str, nvme: Path, persist: int = 0, **extra) -> dict:
+    """Stage 3 partitions the parameters too (host homes); a window of 8192 elements makes backward fetch
+    parameters again, and ``persist`` keeps parameters of at most that many elements on every rank."""
+    cfg = {
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD, "betas": [0.9, 0.99], "eps": 1e-8}},
+        "zero_optimization": {"stage": stage, "sub_group_size": 4096,
+                              "offload_optimizer": {"device": device, "nvme_path": str(nvme)}},
+        "aio": {"block_size": 1 << 16},
+        "offload": {"comm_timeout": 60},
+    }
+    if stage == 3:
+        cfg["zero_optimization"].update(offload_param={"device": "cpu"}, stage3_max_live_parameters=8192,
+                                        stage3_prefetch_bucket_size=4096, stage3_param_persistence_threshold=persist)
+    cfg.update(extra)
+    return cfg
+
+
+def reference(steps: int, gas: int = 1, clip: float = 0.0) -> dict[str, torch.Tensor]:
+    """torch's AdamW, one process, the whole global batch of 6."""
+    data = batches(steps * gas, bsz=6)
+    model = make()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, betas=(0.9, 0.99), eps=1e-8)
+    for s in range(steps):
+        opt.zero_grad()
+        for x, y in data[s * gas : (s + 1) * gas]:
+            (lm_loss(model(x), y) / gas).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], rel: float = 1e-5) -> None:
+    assert set(got) == set(want)
+    for k in want:
+        err = ((got[k].double() - want[k].double()).abs() / want[k].double().abs().clamp(min=1.0)).max().item()
+        assert err <= rel, (k, err)
+
+
+RUNS = [  # name, stage, optimizer state, accumulation, clipping
+    ("s1-host", 1, "cpu", 1, 0.0),
+    ("s1-nvme", 1, "nvme", 1, 0.0),
+    ("s2-host", 2, "cpu", 1, 0.0),
+    ("s2-nvme", 2, "nvme", 1, 0.0),
+    ("s1-host-gas2-clip", 1, "cpu", 2, 0.05),
+    ("s2-nvme-gas2-clip", 2, "nvme", 2, 0.05),
+    ("s3-host", 3, "cpu", 1, 0.0),
+    ("s3-nvme", 3, "nvme", 1, 0.0),
+    ("s3-host-gas2-clip-persist", 3, "cpu", 2, 0.05),
+]
+
+
+def spec_runs(tmp: Path) -> list[dict]:
+    return [{"name": name, "steps": STEPS, "gas": gas,
+             "config": config(stage, device, tmp / "nvme", persist=100 if "persist" in name else 0,
+                              gradient_accumulation_steps=gas, gradient_clipping=clip)}
+            for name, stage, device, gas, clip in RUNS]
+
+
+def launch(tmp: Path, world: int, runs: list[dict], init: str = "self", timeout: float = 240) -> Path:
+    out = tmp / "out"
+    out.mkdir(parents=True, exist_ok=True)
+    with Ranks(tmp, world, {"out": str(out), "init": init, "runs": runs}) as ranks:
+        codes = ranks.wait(timeout)
+        assert codes == [0] * world, "\n".join(f"--- rank {r} ({c}):\n{ranks.output(r)[-3000:]}"
+                                                for r, c in enumerate(codes))
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """2 ranks: every run of RUNS, and a 6-step stage-2 run on NVMe that checkpoints after 3 steps."""
+    tmp = tmp_path_factory.mktemp("two")
+    runs = spec_runs(tmp) + [{"name": "straight", "steps": 6, "gas": 1, "save": str(tmp / "ckpt"), "save_after": 3,
+                              "config": config(2, "nvme", tmp / "nvme")}]
+    return launch(tmp, 2, runs), tmp / "ckpt"
+
+
+@pytest.fixture(scope="module")
+def three_ranks(tmp_path_factory, two_ranks):
+    """3 ranks: every run of RUNS, and the resumption of the 2-rank checkpoint (stage 3, host: another layout)."""
+    tmp = tmp_path_factory.mktemp("three")
+    runs = spec_runs(tmp) + [{"name": "resumed", "steps": 6, "gas": 1, "load": str(two_ranks[1]),
+                              "config": config(3, "cpu", tmp / "nvme")}]
+    return launch(tmp, 3, runs)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_match_single_process(world, two_ranks, three_ranks):
+    out = two_ranks[0] if world == 2 else three_ranks
+    refs: dict[tuple[int, float], dict[str, torch.Tensor]] = {}
+    for name, stage, device, gas, clip in RUNS:
+        want = refs.setdefault((gas, clip), reference(STEPS, gas, clip))
+        assert_close(torch.load(out / f"{name}.pt", weights_only=True), want)
+        info = [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in range(world)]
+        assert all(i["steps"] == STEPS for i in info)
+        assert all(i["comm"]["world_size"] == world and i["comm"]["rank"] == r for r, i in enumerate(info))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_optimizer_state_per_rank_is_one_nth(world, two_ranks, three_ranks, tmp_path):
+    out = two_ranks[0] if world == 2 else three_ranks
+    """Within 5% above the single process's state / N (its layout pads each parameter to 256 elements, stage 3's
+    pieces to 16), and never below the unpadded 12 bytes per parameter / N."""
+    with offload.initialize(make(), config(1, "cpu", tmp_path)) as single:
+        whole = single.memory_report()["host"]["optimizer_state"]
+    for name, stage, device, gas, clip in RUNS:
+        tier = "host" if device == "cpu" else "nvme"
+        for r in range(world):
+            info = json.loads((out / f"{name}.rank{r}.json").read_text())
+            mine = info["report"][tier]["optimizer_state"]
+            assert 12 * info["numel"] / world <= mine <= 1.05 * whole / world, (name, r, mine, whole / world)
+            assert info["report"][tier]["current"] >= mine  # the state is really held on that tier
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_bytes_communicated_per_step(world, two_ranks, three_ranks):
+    """Payload per step: the ZeRO paper's 2 x Psi for stage 1 (reduce-scatter + all-gather); stage 2 reduces each
+    micro-batch, so accumulating 2 costs 3 x Psi; clipping adds one 8-byte all-reduce."""
+    out = two_ranks[0] if world == 2 else three_ranks
+    for name, stage, device, gas, clip in RUNS:
+        info = json.loads((out / f"{name}.rank0.json").read_text())
+        comm, psi = info["comm"], 4 * info["flat_numel"]  # fp32 bytes of the padded flat parameters
+        last = comm["last_step"]["payload_bytes"] - (8 if clip else 0)
+        if stage < 3:
+            assert last == ((gas if stage == 2 else 1) + 1) * psi, (name, comm["last_step"], psi)
+        else:  # per micro-batch: gathers in forward and (what the window dropped) in backward, gradients reduced
+            assert 2.5 * psi * gas <= last <= 3 * psi * gas + 4 * 100 * 20, (name, last / psi)
+        assert comm["last_step"]["wire_bytes"] <= comm["last_step"]["payload_bytes"] * (world - 1) / world + 16
+
+
+def test_checkpoint_from_two_ranks_resumes_on_three_and_one(two_ranks, three_ranks, tmp_path):
+    out, ckpt = two_ranks
+    straight = torch.load(out / "straight.pt", weights_only=True)
+    assert sorted(p.name for p in (ckpt / "step3").iterdir()) == ["index.0.json", "index.1.json", "meta.json",
+                                                                   "tensors.1.bin", "tensors.bin"]
+    assert_close(torch.load(three_ranks / "resumed.pt", weights_only=True), straight)
+    data = batches(6, bsz=6)
+    model = make(seed=9)
+    with offload.initialize(model, config(2, "nvme", tmp_path / "nvme")) as engine:  # one rank
+        assert engine.load_checkpoint(ckpt) == "step3"
+        at_save = engine.consolidated_state_dict()
+        for x, y in data[3:]:
+            engine.backward(lm_loss(engine(x), y))
+            engine.step()
+        assert_close(engine.consolidated_state_dict(), straight)
+    exported = tmp_path / "model.pt"
+    done = subprocess.run([sys.executable, "-m", "offload", "export", str(ckpt), str(exported)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    plain = make(seed=5)
+    plain.load_state_dict(torch.load(exported, weights_only=True))  # plain torch, every key present
+    for k, v in plain.state_dict().items():
+        assert torch.equal(v, at_save[k]), k
+
+
+TRAIN_SCRIPT = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+import offload
+from models import batches, lm_loss, make
+model = make()
+engine = offload.initialize(model, {cfg!r})
+for x, y in batches(4, bsz=6):
+    engine.backward(lm_loss(engine(x), y))
+    engine.step()
+state = engine.consolidated_state_dict()
+if engine.rank == 0:
+    torch.save(state, {out!r})
+print("world", engine.world_size, "comm", engine.stats()["comm"]["last_step"], flush=True)
+engine.close()
+"""
+
+
+def test_torchrun_runs_an_unchanged_training_script(tmp_path):
+    """The same script, one process and `torchrun --nproc-per-node 2`: every rank sees the same batch, so the
+    mean over ranks is the single-process gradient."""
+    cfg = config(2, "nvme", tmp_path / "nvme")
+    results = {}
+    for launcher in ("python", "torchrun"):
+        script = tmp_path / f"train_{launcher}.py"
+        script.write_text(TRAIN_SCRIPT.format(tests=str(TESTS), cfg=cfg, out=str(tmp_path / f"{launcher}.pt")))
+        cmd = [sys.executable, str(script)] if launcher == "python" else \
+            [shutil.which("torchrun") or "torchrun", "--nproc-per-node", "2", "--master-port", str(free_port()),
+             str(script)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+        assert f"world {1 if launcher == 'python' else 2}" in done.stdout
+        results[launcher] = torch.load(tmp_path / f"{launcher}.pt", weights_only=True)
+    assert_close(results["torchrun"], results["python"])
+    assert not list((tmp_path / "nvme").iterdir())  # per-rank folders and swap files removed
+
+
+@pytest.mark.parametrize("how", ["exit", "hang"])
+def test_a_dead_or_hung_rank_fails_the_others_naming_it(tmp_path, how):
+    """Rank 1 of 3 stops after its backward of step 2 (the engine initializes torch.distributed itself here):
+    the others raise within the timeout, naming rank 1."""
+    timeout = 4.0
+    cfg = config(2, "cpu", tmp_path / "nvme", offload={"comm_timeout": timeout})
+    run = {"name": "doomed", "steps": 6, "gas": 1, "config": cfg, "die": {"rank": 1, "at_step": 2, "how": how}}
+    out = tmp_path / "out"
+    out.mkdir()
+    with Ranks(tmp_path, 3, {"out": str(out), "init": "engine", "runs": [run]}) as ranks:
+        deadline = time.monotonic() + 120
+        while f"stopping ({how})" not in ranks.output(1):
+            assert time.monotonic() < deadline and ranks.procs[0].poll() is None, ranks.output(0)
+            time.sleep(0.05)
+        stopped = time.monotonic()
+        codes = ranks.wait(timeout + 10, [0, 2])
+        assert codes[0] not in (None, 0) and codes[1] not in (None, 0), (codes, ranks.output(0), ranks.output(2))
+        for r in (0, 2):
+            assert ranks.exit_times[r] - stopped < timeout + 8  # timeout, diagnosis, interpreter exit
+            log = ranks.output(r)
+            assert "CommError" in log, log[-3000:]
+            expect = "rank 1 stopped responding" if how == "exit" else "rank 1 is alive but has not reached"
+            assert expect in log, log[-3000:]
+
+
+def test_comm_timeout_is_validated_and_one_rank_communicates_nothing(tmp_path):
+    for bad in (0, -1, "10s", True):
+        with pytest.raises(ValueError, match="offload.comm_timeout"):
+            offload.OffloadConfig.load({"offload": {"comm_timeout": bad}})
+    with offload.initialize(make(), config(2, "nvme", tmp_path / "nvme")) as engine:  # no torchrun variables
+        for x, y in batches(2):
+            engine.backward(lm_loss(engine(x), y))
+            engine.step()
+        comm = engine.stats()["comm"]
+        assert (engine.world_size, engine.rank) == (1, 0)
+        assert comm["payload_bytes"] == {} and comm["last_step"] == {"payload_bytes": 0, "wire_bytes": 0}
+        assert list((tmp_path / "nvme").iterdir()) != []  # one rank: nvme_path itself, no rank folder
+        assert not (tmp_path / "nvme" / "rank0").exists()
