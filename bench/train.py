@@ -26,12 +26,13 @@ model: ``python bench/train.py --params 3e9 --nvme-dir /local_nvme`` needs about
 
     python bench/train.py [--params 1e8 | --layers L --width W] [--steps 4] [--warmup 1] [--tokens 64] [--batch 1]
                           [--nvme-dir DIR] [--aio FILE] [--sub-group 1e8] [--buffers 4] [--live 2.5e8]
-                          [--probe-size 1GiB] [--no-overlap] [--out results/train.json]
+                          [--probe-size 1GiB] [--no-overlap] [--one-batch] [--out results/train.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import shutil
 import statistics
@@ -46,11 +47,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 import offload  # noqa: E402
-from nvme_swapper import AioConfig, SwapEngine, aligned_tensor  # noqa: E402
-from offload.cli import _batches  # noqa: E402
+from nvme_swapper import AioConfig, aligned_tensor  # noqa: E402
+from nvme_swapper._tune import measure  # noqa: E402
 from offload.config import parse_bytes  # noqa: E402
 from offload.memory import fmt_bytes  # noqa: E402
-from offload.models import GPT, GPTConfig  # noqa: E402
+from offload.models import GPT, GPTConfig, synthetic_batches  # noqa: E402
 
 
 def shape_for(params: float, vocab: int, context: int) -> tuple[int, int]:
@@ -73,27 +74,15 @@ def probe(directory: Path, aio: AioConfig, nbytes: int) -> tuple[float, float]:
     """The disk alone: (write, read) GB/s of one sequential pass through a SwapEngine, write as an overwrite."""
     buf = aligned_tensor(nbytes, pin_memory=False)
     buf.random_(0, 256)
-    with SwapEngine(directory, aio) as eng:
-        eng.reserve(nbytes)
-        t = time.perf_counter()
-        eng.write("probe", buf).wait()
-        write = nbytes / (time.perf_counter() - t) / 1e9
-        t = time.perf_counter()
-        eng.read("probe", buf).wait()
-        read = nbytes / (time.perf_counter() - t) / 1e9
+    write, read, _ = measure(directory, aio, buf)
     return write, read
 
 
 def swap_bytes(engine: offload.Engine) -> tuple[int, int]:
     """Bytes read and written so far by the engine's swap engines (optimizer state, and parameter homes)."""
-    total_r = total_w = 0
-    params = getattr(engine, "_params", None)
-    swaps = [engine.stats()["nvme"], params._swap.stats() if params is not None and params._swap else None]
-    for s in swaps:
-        if s:
-            total_r += s["bytes_read"]
-            total_w += s["bytes_written"]
-    return total_r, total_w
+    stats = engine.stats()
+    swaps = [stats["nvme"], stats["params"]["nvme"] if stats["params"] else None]
+    return (sum(s["bytes_read"] for s in swaps if s), sum(s["bytes_written"] for s in swaps if s))
 
 
 def main() -> None:
@@ -117,6 +106,9 @@ def main() -> None:
     ap.add_argument("--init-dtype", choices=["bf16", "fp32"], default="bf16",
                     help="dtype the model is built in before initialize (bf16 halves the peak RAM)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--one-batch", action="store_true",
+                    help="train on one batch throughout (the overfit check): its loss falls within a few steps, where "
+                         "fresh batches of the synthetic task need dozens of steps to show learning")
     ap.add_argument("--out", default="results/train.json")
     args = ap.parse_args()
     for name in ("steps", "batch", "tokens", "buffers"):
@@ -197,7 +189,9 @@ def main() -> None:
         init_s = time.perf_counter() - t
         print(f"initialize: {init_s:.1f} s (parameters and optimizer state written to {work})", flush=True)
         try:
-            data = _batches(cfg.vocab_size, args.batch, args.tokens, args.seed)
+            data = synthetic_batches(cfg.vocab_size, args.batch, args.tokens, args.seed)
+            if args.one_batch:
+                data = itertools.repeat(next(data))
             print(f"\n{'step':>5s} {'seconds':>8s} {'fwd+bwd':>8s} {'step()':>8s} {'loss':>8s} {'read GB':>8s} "
                   f"{'write GB':>9s} {'stalled':>8s} {'adam':>7s}", flush=True)
             for i in range(args.warmup + args.steps):

@@ -131,7 +131,9 @@ def _drop_cache(path: Path) -> None:
         os.close(fd)
 
 
-def _measure(directory: Path, cfg: AioConfig, buf: Any) -> tuple[float, float, dict[str, Any]]:
+def measure(directory: Path, cfg: AioConfig, buf: Any) -> tuple[float, float, dict[str, Any]]:
+    """One measurement: (write GB/s, read GB/s, the engine's stats) of ``buf`` written into reserved space (an
+    overwrite) and read back through a SwapEngine with ``cfg`` in ``directory``."""
     nbytes = buf.numel() * buf.element_size()
     with SwapEngine(directory, cfg) as eng:
         eng.reserve(nbytes)
@@ -186,7 +188,7 @@ def tune_aio(directory: str | os.PathLike[str], *, size: int = 1 << 30, block_si
         order = list(configs)
         random.Random(r).shuffle(order)
         for cfg in order:
-            w, rd, stats = _measure(root, cfg, buf)
+            w, rd, stats = measure(root, cfg, buf)
             writes[cfg].append(w)
             reads[cfg].append(rd)
             done += 1

@@ -72,6 +72,9 @@ def plot_nvme(data: dict[str, Any], out: Path) -> list[Path]:
             limit = data.get("limit", {}).get(direction)
             if limit:
                 ax.axhline(limit, color="gray", linestyle="--", label=f"disk limit (fio / pread loop) {limit:.2f} GB/s")
+            ref = data.get("summary", {}).get(direction, {}).get("tensor_sized_loop_gbps")
+            if ref:
+                ax.axhline(ref, color="gray", linestyle=":", label=f"the same loop into the tensor {ref:.2f} GB/s")
             ax.set_xscale("log", base=2)
             ax.set_xticks(xs)
             ax.set_xticklabels([_size(x) if x_name == "block size" else str(x) for x in xs])

@@ -53,21 +53,9 @@ def _demo_config(args: argparse.Namespace, swap: Path, n_params: int) -> dict[st
     }
 
 
-def _batches(vocab: int, batch: int, tokens: int, seed: int = 0):
-    """Sequences where each next token is a fixed random permutation of the current one: learnable, not trivial."""
-    g = torch.Generator().manual_seed(seed)
-    rule = torch.randperm(vocab, generator=g)
-    while True:
-        seq = torch.empty(batch, tokens + 1, dtype=torch.long)
-        seq[:, 0] = torch.randint(0, vocab, (batch,), generator=g)
-        for t in range(tokens):
-            seq[:, t + 1] = rule[seq[:, t]]
-        yield seq[:, :-1], seq[:, 1:]
-
-
 def demo(args: argparse.Namespace) -> int:
     import offload
-    from offload.models import GPT, GPTConfig
+    from offload.models import GPT, GPTConfig, synthetic_batches
 
     torch.manual_seed(args.seed)
     cfg = GPTConfig(vocab_size=args.vocab, context=max(args.tokens, 16), layers=args.layers,
@@ -90,7 +78,7 @@ def demo(args: argparse.Namespace) -> int:
                   f"parameters + Adam state = {fmt_bytes(14 * n)}, device budget {fmt_bytes(budget)}"
                   + (f" ({14 * n / budget:.1f}x smaller)" if budget else "")
                   + f"; placement: {args.placement}; swap under {swap}")
-            data = _batches(cfg.vocab_size, args.batch, args.tokens, args.seed)
+            data = synthetic_batches(cfg.vocab_size, args.batch, args.tokens, args.seed)
             first = last = None
             t_start = time.perf_counter()
             compute = stepping = 0.0

@@ -84,6 +84,7 @@ class Engine:
         self._zero: GradPartition | None = None
         self._seen_micro: set[int] = set()  # parameters with a gradient in this micro-batch
         self._params: ParameterOffload | None = None
+        self._shards: ParamShards | None = None  # stage 3 on several ranks: this rank's pieces of the parameters
         self._apply_pending = False
         self._next_flats: list[torch.Tensor] = []
         self._rank_dirs: list[Path] = []
@@ -95,10 +96,11 @@ class Engine:
             if self.world_size > 1 and self._delayed:
                 raise ValueError(f"offload_optimizer.delayed_update is not supported with several ranks (world size "
                                  f"{self.world_size}) yet; turn it off")
-            if self.world_size > 1 and self.stage == 3 and self._param_home != "cpu":
+            if self.world_size > 1 and self.stage == 3 and self._param_home == "none":
                 raise ValueError(f"zero_optimization.stage 3 with several ranks (world size {self.world_size}) "
-                                 "partitions parameters into host homes: set zero_optimization.offload_param.device "
-                                 f"to \"cpu\" (got {self._param_home!r}), or use stage 2")
+                                 "partitions parameters into host or NVMe homes: set "
+                                 "zero_optimization.offload_param.device to \"cpu\" or \"nvme\" (got \"none\"), "
+                                 "or use stage 2")
             self._nvme_paths = {name: self._prepare_nvme(name) for name in ("offload_optimizer", "offload_param")}
             groups, options = self._param_groups(param_groups)
         except BaseException:
@@ -118,7 +120,7 @@ class Engine:
         }, pin_memory=zero.offload_optimizer.pin_memory, file_io=_file_io)
         try:
             self.layout = FlatLayout(groups, zero.sub_group_size, world_size=self.world_size, rank=self.rank,
-                                     whole_params=self._param_home == "nvme",
+                                     whole_params=self._param_home == "nvme" and self.world_size == 1,
                                      per_param=self.stage == 3 and self.world_size > 1)
             if self._param_home == "none":
                 self._reserve_device()
@@ -244,19 +246,27 @@ class Engine:
 
     def _offload_parameters(self) -> None:
         """Parameter offload: homes on HOST (the flat host buffers the optimizer updates in place) or NVMe (a key
-        per parameter, rewritten after each sub-group's update); the device holds a window (params/_offload.py)."""
+        per parameter, rewritten after each sub-group's update; with several ranks in stage 3, keys of this rank's
+        pieces in its own folder); the device holds a window (params/_offload.py)."""
         zero = self.config.zero_optimization
         layout = self.layout
         trainable = {id(p) for p in layout.params}
         frozen = [p for p in self.module.parameters() if id(p) not in trainable]
         homes: list[torch.Tensor | None] = [None] * len(layout.params)
         shards = None
-        if layout.per_param:  # several ranks: each home holds this rank's piece of every parameter
+        if layout.per_param and self._param_home == "nvme":  # pieces in this rank's NVMe folder
+            shards = self._shards = ParamShards(self.comm, layout, self.device, store=self.store, dtype=self.dtype,
+                                                nvme_path=self._nvme_paths["offload_param"], aio=self.config.aio)
+            with torch.no_grad():
+                for i, p in enumerate(layout.params):
+                    shards.write(i, p.detach())
+            self.optimizer.attach_device([], on_updated=shards.write_updated, dtype=self.dtype)
+        elif layout.per_param:  # several ranks: each home holds this rank's piece of every parameter
             self._host_flats = [self.store.allocate(Tier.HOST, layout.owned_numel(g), self.dtype,
                                                     f"this rank's share of the parameters of param group {g}",
                                                     "raise offload.host_memory_budget or use more ranks")
                                 for g in range(len(layout.group_numel))]
-            shards = ParamShards(self.comm, layout, self._host_flats, self.device)
+            shards = self._shards = ParamShards(self.comm, layout, self.device, flats=self._host_flats)
             with torch.no_grad():
                 for i, p in enumerate(layout.params):
                     shards.write(i, p.detach())
@@ -587,6 +597,9 @@ class Engine:
                     self.optimizer.wait()
                     self._params.close()  # the model gets its current parameters back as plain tensors
                     self._params = None
+                if self._shards is not None:
+                    self._shards.close()
+                    self._shards = None
                 if hasattr(self, "optimizer"):
                     self.optimizer.close()
                 if self._zero is not None:

@@ -6,6 +6,7 @@ no biases on the attention projections, and an output head tied to the token emb
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -76,3 +77,17 @@ class GPT(nn.Module):
     @staticmethod
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def synthetic_batches(vocab: int, batch: int, tokens: int,
+                      seed: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Endless (inputs, targets) batches where each next token is a fixed random permutation of the current one:
+    learnable, not trivial, and no download (the demo's and the benchmarks' task)."""
+    g = torch.Generator().manual_seed(seed)
+    rule = torch.randperm(vocab, generator=g)
+    while True:
+        seq = torch.empty(batch, tokens + 1, dtype=torch.long)
+        seq[:, 0] = torch.randint(0, vocab, (batch,), generator=g)
+        for t in range(tokens):
+            seq[:, t + 1] = rule[seq[:, t]]
+        yield seq[:, :-1], seq[:, 1:]

@@ -7,7 +7,8 @@ and ``runs``, each trained in turn: ``name``, ``config`` (the engine's), ``steps
 ({"rank": r, "at_step": s, "how": "exit" | "hang"}: that rank stops mid-step, after its backward).
 
 Each rank trains on its 1/N slice of a global batch of 6 sequences (so any N in 1, 2, 3 sees the same global
-batch), writes ``<name>.rank<r>.json`` (memory report, communication counters) and rank 0 writes
+batch), writes ``<name>.rank<r>.json`` (memory report, communication counters, the swap counters of stage 3's
+parameter pieces on NVMe) and rank 0 writes
 ``<name>.pt``, the consolidated state dict.
 """
 
@@ -61,6 +62,7 @@ def run(spec: dict, r: dict, rank: int, world: int, out: Path) -> None:
         stats = engine.stats()
         (out / f"{r['name']}.rank{rank}.json").write_text(json.dumps({
             "report": engine.memory_report(), "comm": stats["comm"], "steps": engine.global_steps,
+            "pieces_nvme": stats["params"]["pieces_nvme"] if stats["params"] else None,
             "numel": sum(p.numel() for p in engine.layout.params), "flat_numel": sum(engine.layout.group_numel)}))
     finally:
         engine.close()

@@ -90,9 +90,10 @@ class Ranks:
         self.close()
 
 
-def config(stage: int, device: str, nvme: Path, persist: int = 0, **extra) -> dict:
-    """Stage 3 partitions the parameters too (host homes); a window of 8192 elements makes backward fetch
-    parameters again, and ``persist`` keeps parameters of at most that many elements on every rank."""
+def config(stage: int, device: str, nvme: Path, persist: int = 0, param: str = "cpu", **extra) -> dict:
+    """Stage 3 partitions the parameters too (homes on ``param``: "cpu" or "nvme"); a window of 8192 elements
+    makes backward fetch parameters again, and ``persist`` keeps parameters of at most that many elements on
+    every rank."""
     cfg = {
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD, "betas": [0.9, 0.99], "eps": 1e-8}},
         "zero_optimization": {"stage": stage, "sub_group_size": 4096,
@@ -101,7 +102,8 @@ def config(stage: int, device: str, nvme: Path, persist: int = 0, **extra) -> di
         "offload": {"comm_timeout": 60},
     }
     if stage == 3:
-        cfg["zero_optimization"].update(offload_param={"device": "cpu"}, stage3_max_live_parameters=8192,
+        cfg["zero_optimization"].update(offload_param={"device": param, "nvme_path": str(nvme)},
+                                        stage3_max_live_parameters=8192,
                                         stage3_prefetch_bucket_size=4096, stage3_param_persistence_threshold=persist)
     cfg.update(extra)
     return cfg
@@ -139,13 +141,16 @@ RUNS = [  # name, stage, optimizer state, accumulation, clipping
     ("s3-host", 3, "cpu", 1, 0.0),
     ("s3-nvme", 3, "nvme", 1, 0.0),
     ("s3-host-gas2-clip-persist", 3, "cpu", 2, 0.05),
+    ("s3-pnvme-host", 3, "cpu", 1, 0.0),  # pnvme: each rank's pieces of the parameters on its NVMe folder
+    ("s3-pnvme-nvme-gas2-clip-persist", 3, "nvme", 2, 0.05),
 ]
 
 
 def spec_runs(tmp: Path) -> list[dict]:
     return [{"name": name, "steps": STEPS, "gas": gas,
              "config": config(stage, device, tmp / "nvme", persist=100 if "persist" in name else 0,
-                              gradient_accumulation_steps=gas, gradient_clipping=clip)}
+                              param="nvme" if "pnvme" in name else "cpu", gradient_accumulation_steps=gas,
+                              gradient_clipping=clip)}
             for name, stage, device, gas, clip in RUNS]
 
 
@@ -161,19 +166,26 @@ def launch(tmp: Path, world: int, runs: list[dict], init: str = "self", timeout:
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    """2 ranks: every run of RUNS, and a 6-step stage-2 run on NVMe that checkpoints after 3 steps."""
+    """2 ranks: every run of RUNS, and 6-step runs that checkpoint after 3 steps: stage 2 on NVMe, and stage 3
+    with the parameters' pieces on NVMe."""
     tmp = tmp_path_factory.mktemp("two")
     runs = spec_runs(tmp) + [{"name": "straight", "steps": 6, "gas": 1, "save": str(tmp / "ckpt"), "save_after": 3,
-                              "config": config(2, "nvme", tmp / "nvme")}]
+                              "config": config(2, "nvme", tmp / "nvme")},
+                             {"name": "straight-pnvme", "steps": 6, "gas": 1, "save": str(tmp / "ckpt-pnvme"),
+                              "save_after": 3, "config": config(3, "cpu", tmp / "nvme", param="nvme")}]
     return launch(tmp, 2, runs), tmp / "ckpt"
 
 
 @pytest.fixture(scope="module")
 def three_ranks(tmp_path_factory, two_ranks):
-    """3 ranks: every run of RUNS, and the resumption of the 2-rank checkpoint (stage 3, host: another layout)."""
+    """3 ranks: every run of RUNS, and the resumptions of the 2-rank checkpoints (stage 3: another layout; the
+    second with its pieces on NVMe again)."""
     tmp = tmp_path_factory.mktemp("three")
     runs = spec_runs(tmp) + [{"name": "resumed", "steps": 6, "gas": 1, "load": str(two_ranks[1]),
-                              "config": config(3, "cpu", tmp / "nvme")}]
+                              "config": config(3, "cpu", tmp / "nvme")},
+                             {"name": "resumed-pnvme", "steps": 6, "gas": 1,
+                              "load": str(two_ranks[1].parent / "ckpt-pnvme"),
+                              "config": config(3, "nvme", tmp / "nvme", param="nvme")}]
     return launch(tmp, 3, runs)
 
 
@@ -244,6 +256,44 @@ def test_checkpoint_from_two_ranks_resumes_on_three_and_one(two_ranks, three_ran
     plain.load_state_dict(torch.load(exported, weights_only=True))  # plain torch, every key present
     for k, v in plain.state_dict().items():
         assert torch.equal(v, at_save[k]), k
+
+
+def test_checkpoint_of_nvme_pieces_from_two_ranks_resumes_on_three_and_one(two_ranks, three_ranks, tmp_path):
+    """Saved by 2 ranks whose parameter pieces live on NVMe: 3 ranks (pieces on NVMe again) and one process
+    continue to the parameters of the uninterrupted run."""
+    out, ckpt = two_ranks[0], two_ranks[1].parent / "ckpt-pnvme"
+    straight = torch.load(out / "straight-pnvme.pt", weights_only=True)
+    assert_close(torch.load(three_ranks / "resumed-pnvme.pt", weights_only=True), straight)
+    with offload.initialize(make(seed=9), config(3, "cpu", tmp_path / "nvme", param="nvme")) as engine:
+        assert engine.load_checkpoint(ckpt) == "step3"
+        for x, y in batches(6, bsz=6)[3:]:
+            engine.backward(lm_loss(engine(x), y))
+            engine.step()
+        assert_close(engine.consolidated_state_dict(), straight)
+
+
+def piece_of(n: int, world: int) -> int:
+    """Elements of each rank's piece of an n-element parameter (stage 3: ceil(n / world), rounded up to 16)."""
+    return ((n + world - 1) // world + 15) // 16 * 16
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_nvme_pieces_hold_one_nth_of_the_parameters(world, two_ranks, three_ranks):
+    """Each rank's NVMe tier holds its pieces (the real elements of piece r of every parameter, fp32) plus one
+    spare extent of at most a sub-group; its host tier holds no pieces, only a bounded staging area."""
+    out = two_ranks[0] if world == 2 else three_ranks
+    sizes = [p.numel() for p in make().parameters()]
+    for r in range(world):
+        mine = sum(max(0, min(piece_of(n, world), n - r * piece_of(n, world))) for n in sizes)
+        info = json.loads((out / f"s3-pnvme-host.rank{r}.json").read_text())
+        nvme = info["report"]["nvme"]["current"]
+        assert 4 * mine <= nvme <= 4 * (mine + 4096), (r, nvme, mine)
+        assert mine <= 1.05 * info["numel"] / world + 16 * len(sizes)
+        # the host pieces' run less this rank's pieces, plus the staging: a sub-group's update and the largest piece
+        host = json.loads((out / f"s3-host.rank{r}.json").read_text())["report"]["host"]["current"]
+        largest = piece_of(max(sizes), world)
+        assert info["report"]["host"]["current"] <= host - 4 * mine + 4 * (4096 + largest), (r, host)
+        assert info["pieces_nvme"]["bytes_read"] > 0 and info["pieces_nvme"]["bytes_written"] >= 4 * mine * STEPS
 
 
 TRAIN_SCRIPT = """

@@ -1,7 +1,8 @@
 """ParameterOffload: low-precision parameters live on HOST or NVME; only a bounded window is on the device.
 
 Each managed parameter has a home (a view of the flat host buffer the optimizer writes new parameters into, or a
-swap key per parameter on NVMe) and a device state, explicit in :class:`ParamState`:
+swap key per parameter on NVMe; stage 3 on several ranks: this rank's piece, on the host or on NVMe, held by
+:class:`offload.dist.ParamShards`) and a device state, explicit in :class:`ParamState`:
 
     RELEASED --fetch--> FETCHING --(copy/read done)--> AVAILABLE --release (no user left)--> RELEASED
 
@@ -118,11 +119,13 @@ class ParameterOffload:
         self._frozen_in_backward: set[int] = set()
         self._nvme_bytes = 0
         self._private: list[torch.Tensor] = []  # host copies this object allocated (and frees at close)
-        if nvme_path is not None:
+        # NVMe keys of this object's own: the pieces of sharded parameters are ParamShards' (frozen ones are not)
+        homed = [p.numel() for i, p in enumerate(params) if p.numel() > persistence_threshold
+                 and not (shards is not None and shards.covers(i))]
+        if nvme_path is not None and (homed or shards is None):
             root = Path(nvme_path)
             root.mkdir(mode=0o700, parents=True, exist_ok=True)
             size = torch.empty((), dtype=dtype).element_size()
-            homed = [p.numel() for p in params if p.numel() > persistence_threshold]
             account = store.accounts[Tier.NVME]
             if account.budget is None:
                 account.budget = shutil.disk_usage(root).free * 95 // 100
@@ -524,8 +527,12 @@ class ParameterOffload:
 
     def stats(self) -> dict[str, Any]:
         """Fetches that found their parameter resident, in flight or had to wait (since the start or the last
-        reset, and in the last optimizer step), releases, trace invalidations."""
-        return {**self._rates(self.counters), "last_step": self.last_step}
+        reset, and in the last optimizer step), releases, trace invalidations; ``nvme``: the swap engine of the
+        parameters' NVMe homes (bytes read and written, ...), None when they live on the host; ``pieces_nvme``:
+        likewise for this rank's pieces (stage 3 on several ranks with NVMe homes), else None."""
+        return {**self._rates(self.counters), "last_step": self.last_step,
+                "nvme": self._swap.stats() if self._swap is not None else None,
+                "pieces_nvme": self.shards.swap_stats() if self.shards is not None else None}
 
     def reset_counters(self) -> None:
         for k in self.counters:

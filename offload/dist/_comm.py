@@ -1,0 +1,247 @@
+"""Collectives of the partitioned engine: byte counting, and failures that name the rank at fault.
+
+:class:`Comm` wraps the few collectives the engine needs (reduce-scatter, all-gather, all-reduce, barrier) over a :class:`~._group.ProcessGroup`. With world size 1 they are copies or nothing, so the engine has
+one code path. Each call counts its payload (the size of the full buffer the collective is about: what the ZeRO
+paper counts, Psi for a reduce-scatter of Psi elements) and its ring wire bytes (what each rank sends with a ring
+algorithm: (N-1)/N of the payload; twice that for an all-reduce).
+
+A rank that dies makes its peers' collectives fail at once (gloo sees the socket close); one that hangs makes
+them fail when the group's timeout (``offload.comm_timeout``) expires. Either way the error alone does not say
+who is at fault, so every rank runs a heartbeat thread that bumps a counter in the rendezvous store (the TCP
+store behind MASTER_ADDR:MASTER_PORT; no shared files), next to the number of the collective it last entered.
+On a failure, a rank marks itself failed in the store, watches the others' heartbeats for a few intervals, and
+raises :class:`CommError` naming each rank whose heartbeat stopped (died or frozen), or that is alive but has not
+reached this collective (stuck in its own code, or running a different number of steps).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+import time
+from enum import Enum
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from ._group import ProcessGroup
+
+_generation = itertools.count()  # engines made in this process, in the same order on every rank
+
+
+class CommError(RuntimeError):
+    """A collective failed; the message names the rank(s) that stopped responding or fell behind."""
+
+
+class CommState(Enum):
+    OPEN = "open"
+    FAILED = "failed"  # a collective failed: the group is unusable, later calls re-raise
+    CLOSED = "closed"
+
+
+class Comm:
+    """Collectives over ``pg`` (see the module docstring). ``close()`` stops the heartbeat and tears down what
+    the process group's owner created."""
+
+    def __init__(self, pg: ProcessGroup) -> None:
+        self.pg = pg
+        self.rank, self.world_size = pg.rank, pg.world_size
+        self.state = CommState.OPEN
+        self.payload_bytes: collections.Counter[str] = collections.Counter()
+        self.wire_bytes: collections.Counter[str] = collections.Counter()
+        self.calls: collections.Counter[str] = collections.Counter()
+        self.seq = 0  # collectives entered, the same sequence on every rank
+        self._error: CommError | None = None
+        self._beat: _Heartbeat | None = None
+        self.interval = min(1.0, max(0.05, pg.timeout / 10))
+        if pg.distributed and pg.store is not None:
+            store = dist.PrefixStore(f"offload/{next(_generation)}", pg.store)
+            self._beat = _Heartbeat(store, self, self.interval)
+
+    # collectives ------------------------------------------------------------------------------------------------
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        """``out`` = this rank's 1/N chunk of the sum of every rank's ``inp``."""
+        if self.world_size == 1:
+            if out.data_ptr() != inp.data_ptr():
+                out.copy_(inp)
+            return
+        self._run("reduce_scatter", inp, 1.0,
+                  lambda: dist.reduce_scatter_tensor(out, inp, group=self.pg.group))
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, *, async_op: bool = False) -> Any:
+        """``out`` = every rank's ``inp`` end to end (``inp`` may be this rank's chunk of ``out``). With
+        ``async_op`` returns a handle whose ``wait()`` completes it."""
+        if self.world_size == 1:
+            if out.data_ptr() != inp.data_ptr():
+                out.copy_(inp)
+            return _Done() if async_op else None
+        if async_op:
+            seq, t = self._enter("all_gather", out, 1.0)
+            work = self._call("all_gather", seq, t,
+                              lambda: dist.all_gather_into_tensor(out, inp, group=self.pg.group, async_op=True))
+            return _Pending(self, work, "all_gather", seq, t)
+        self._run("all_gather", out, 1.0, lambda: dist.all_gather_into_tensor(out, inp, group=self.pg.group))
+        return None
+
+    def all_reduce(self, t: torch.Tensor, op: Any = None) -> None:
+        """In place: the sum (or ``op``) over ranks."""
+        if self.world_size == 1:
+            return
+        op = op if op is not None else dist.ReduceOp.SUM
+        self._run("all_reduce", t, 2.0, lambda: dist.all_reduce(t, op=op, group=self.pg.group))
+
+    def barrier(self) -> None:
+        if self.world_size == 1:
+            return
+        flag = torch.zeros(1, device="cuda" if self.pg.backend == "nccl" else "cpu")
+        self._run("barrier", flag, 2.0, lambda: dist.all_reduce(flag, group=self.pg.group))
+
+    def sum_float(self, value: float) -> float:
+        """The sum over ranks of one float64 number (gradient norms)."""
+        if self.world_size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device="cuda" if self.pg.backend == "nccl" else "cpu")
+        self.all_reduce(t)
+        return float(t.item())
+
+    # accounting and failure ----------------------------------------------------------------------------------------
+
+    def _enter(self, op: str, t: torch.Tensor, wire_factor: float) -> tuple[int, float]:
+        if self.state is not CommState.OPEN:
+            raise self._error or RuntimeError("the engine's process group is closed")
+        nbytes = t.numel() * t.element_size()
+        self.seq += 1
+        self.calls[op] += 1
+        self.payload_bytes[op] += nbytes
+        self.wire_bytes[op] += int(nbytes * wire_factor * (self.world_size - 1) / self.world_size)
+        return self.seq, time.monotonic()
+
+    def _call(self, op: str, seq: int, t0: float, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except RuntimeError as exc:  # gloo/NCCL errors (DistBackendError is one)
+            raise self._fail(op, seq, t0, exc) from exc
+
+    def _run(self, op: str, t: torch.Tensor, wire_factor: float, fn: Callable[[], Any]) -> None:
+        seq, t0 = self._enter(op, t, wire_factor)
+        self._call(op, seq, t0, fn)
+
+    def _fail(self, op: str, seq: int, t0: float, exc: BaseException) -> CommError:
+        elapsed = time.monotonic() - t0
+        self.state = CommState.FAILED
+        culprits = self._beat.diagnose(seq) if self._beat is not None else \
+            "no heartbeat store to tell which rank is at fault"
+        self._error = CommError(
+            f"{culprits}: {op} (collective #{seq}) failed on rank {self.rank} of {self.world_size} after "
+            f"{elapsed:.1f} s (offload.comm_timeout is {self.pg.timeout:g} s). Underlying error: "
+            f"{str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}")
+        return self._error
+
+    def stats(self) -> dict[str, Any]:
+        return {"rank": self.rank, "world_size": self.world_size, "state": self.state.value,
+                "calls": dict(self.calls), "payload_bytes": dict(self.payload_bytes),
+                "wire_bytes": dict(self.wire_bytes)}
+
+    def close(self) -> None:
+        if self.state is CommState.CLOSED:
+            return
+        failed = self.state is CommState.FAILED
+        self.state = CommState.CLOSED
+        try:
+            if self._beat is not None:
+                self._beat.close(failed)
+        finally:
+            self._beat = None
+            self.pg.close()
+
+
+class _Done:
+    def wait(self) -> None:
+        pass
+
+    def done(self) -> bool:
+        return True
+
+
+class _Pending:
+    """An asynchronous collective; ``wait()`` completes it, or raises the diagnosed error."""
+
+    def __init__(self, comm: Comm, work: Any, op: str, seq: int, t0: float) -> None:
+        self.comm, self.work, self.op, self.seq, self.t0 = comm, work, op, seq, t0
+
+    def wait(self) -> None:
+        self.comm._call(self.op, self.seq, self.t0, self.work.wait)
+
+    def done(self) -> bool:
+        return bool(self.work.is_completed())
+
+
+class _Heartbeat:
+    """A thread that publishes ``"<beat> <collective seq>"`` under key ``beat/<rank>`` every ``interval`` seconds;
+    ``status/<rank>`` says "failed ..." or "closed" once a rank is done. Clocks are never compared across hosts:
+    a rank is alive when its beat counter moves."""
+
+    def __init__(self, store: Any, comm: Comm, interval: float) -> None:
+        self.store, self.comm, self.interval = store, comm, interval
+        self._stop = threading.Event()
+        self._beats = 0
+        self._publish()
+        self._thread = threading.Thread(target=self._run, name="offload-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _publish(self) -> None:
+        self._beats += 1
+        self.store.set(f"beat/{self.comm.rank}", f"{self._beats} {self.comm.seq}")
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self._publish()
+            except Exception:  # the store is gone (its host died): diagnose() reports it
+                return
+
+    def _read(self, key: str) -> str | None:
+        return self.store.get(key).decode() if self.store.check([key]) else None
+
+    def diagnose(self, seq: int) -> str:
+        """Who is at fault for collective ``seq`` failing here: watches the others for 3 heartbeat intervals."""
+        me, world = self.comm.rank, self.comm.world_size
+        others = [r for r in range(world) if r != me]
+        try:
+            self.store.set(f"status/{me}", f"failed at collective #{seq}")
+            before = {r: self._read(f"beat/{r}") for r in others}
+            time.sleep(3 * self.interval)
+            after = {r: self._read(f"beat/{r}") for r in others}
+            status = {r: self._read(f"status/{r}") for r in others}
+        except Exception as exc:  # noqa: BLE001 - any store failure means its host is unreachable
+            return (f"rank 0 (or the torchrun agent hosting the rendezvous store) is unreachable, so it most likely "
+                    f"died ({type(exc).__name__}: {exc})")
+        dead, behind, failed = [], [], []
+        for r in others:
+            if status[r] == "closed":
+                behind.append(f"rank {r} has closed its engine")
+            elif status[r] is not None:
+                failed.append(r)
+            elif before[r] is None or before[r] == after[r]:
+                dead.append(f"rank {r} stopped responding (no heartbeat for {3 * self.interval:.1f} s: its process "
+                            "died or is frozen)")
+            elif after[r] is not None and int(after[r].split()[1]) < seq:
+                behind.append(f"rank {r} is alive but has not reached collective #{seq} (it is at "
+                              f"#{after[r].split()[1]}: stuck in its own code, or running a different number of "
+                              "steps)")
+        found = dead + behind
+        if not found and failed:
+            return f"rank(s) {', '.join(map(str, failed))} failed too; no rank was found dead or behind"
+        return "; ".join(found) if found else "no other rank was found dead or behind"
+
+    def close(self, failed: bool) -> None:
+        self._stop.set()
+        self._thread.join()
+        if not failed:
+            try:
+                self.store.set(f"status/{self.comm.rank}", "closed")
+            except Exception:  # noqa: BLE001 - closing after the store's host exited
+                pass

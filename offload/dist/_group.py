@@ -1,0 +1,122 @@
+"""Process-group discovery: who am I among how many ranks, and who owns the torch.distributed group.
+
+``join(timeout, device)`` returns a :class:`ProcessGroup`:
+
+* torch.distributed already initialized (by the user, or a launcher library): JOINED. The engine uses a group of
+  its own made with ``new_group(timeout=...)`` (so the configured timeout applies to its collectives) and never
+  destroys the user's default group;
+* not initialized, and torchrun's variables (``WORLD_SIZE`` > 1, ``RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) in the
+  environment: CREATED. The engine rendezvouses through ``env://`` (the TCP store at MASTER_ADDR:MASTER_PORT, which
+  is all a multi-node run needs: no shared files), initializes gloo on CPU or NCCL on CUDA with the timeout, and
+  destroys the group at ``close``;
+* otherwise: SINGLE, world size 1, no group at all. The engine runs the same code; collectives become copies or
+  nothing (:mod:`._comm`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import os
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+_store: Any = None  # the rendezvous store of torchrun's environment, kept for the process's life
+_created = itertools.count()  # groups this process created, in the same order on every rank
+
+
+class Origin(Enum):
+    """Who initialized torch.distributed, which decides who tears it down."""
+
+    SINGLE = "single"  # one process, no torch.distributed group
+    JOINED = "joined"  # the user's (left alone at close)
+    CREATED = "created"  # ours, from torchrun's environment (destroyed at close)
+
+
+@dataclass
+class ProcessGroup:
+    """The ranks one engine trains with. ``group`` is None for SINGLE; ``store`` is the rendezvous key-value store
+    (used for heartbeats; None when it cannot be had)."""
+
+    origin: Origin
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    timeout: float = 1800.0
+    backend: str = ""
+    group: Any = None
+    store: Any = None
+    _closed: bool = field(default=False, repr=False)
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def close(self) -> None:
+        """Destroys what this object created: our subgroup (JOINED) or the whole group (CREATED)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.origin is Origin.CREATED and dist.is_initialized():
+            dist.destroy_process_group()
+        elif self.origin is Origin.JOINED and self.group is not None and dist.is_initialized():
+            dist.destroy_process_group(self.group)
+        self.group = self.store = None
+
+
+def _env_int(name: str, default: int | None = None) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        if default is None:
+            raise ValueError(f"environment variable {name} is not set, but WORLD_SIZE={os.environ['WORLD_SIZE']} "
+                             "says this is one of several ranks; launch with torchrun (which sets RANK, "
+                             "LOCAL_RANK, MASTER_ADDR, MASTER_PORT) or call torch.distributed.init_process_group "
+                             "before offload.initialize")
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def join(timeout: float, device: torch.device) -> ProcessGroup:
+    """The ranks to train with (see the module docstring). ``timeout``: seconds any collective may wait."""
+    delta = datetime.timedelta(seconds=timeout)
+    if dist.is_available() and dist.is_initialized():
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if world == 1:
+            return ProcessGroup(Origin.SINGLE, timeout=timeout)
+        group = dist.new_group(timeout=delta)
+        store = None
+        try:  # private, but the only handle on the user's store; without it failures cannot name the rank
+            store = dist.distributed_c10d._get_default_store()
+        except (AttributeError, RuntimeError, ValueError):
+            pass
+        return ProcessGroup(Origin.JOINED, rank, world, _env_int("LOCAL_RANK", rank),
+                            _env_int("LOCAL_WORLD_SIZE", world), timeout, dist.get_backend(), group, store)
+    if _env_int("WORLD_SIZE", 1) <= 1:
+        return ProcessGroup(Origin.SINGLE, timeout=timeout)
+    if not dist.is_available():
+        raise RuntimeError("WORLD_SIZE > 1 but this torch build has no torch.distributed")
+    world, rank = _env_int("WORLD_SIZE"), _env_int("RANK")
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        if not os.environ.get(name):
+            _env_int(name)  # raises, saying how to launch
+    local_rank = _env_int("LOCAL_RANK", 0)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(local_rank)
+    global _store
+    if _store is None:  # once per process: rendezvous again on MASTER_PORT would race the old store's server
+        _store, rank, world = next(dist.rendezvous("env://", rank, world, timeout=delta))
+    # a fresh namespace per group: a later engine must not read the addresses an earlier group published
+    store = dist.PrefixStore(f"offload/pg{next(_created)}", _store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=delta)
+    return ProcessGroup(Origin.CREATED, rank, world, local_rank, _env_int("LOCAL_WORLD_SIZE", world), timeout, backend,
+                        dist.group.WORLD, store)
