@@ -8,7 +8,8 @@ reads alone, in the same run.
 
 Target: offload <= 1.2 x max(plain, reads). Rounds interleave the three; medians.
 
-    python bench/param_offload.py [--layers 8] [--width 1024] [--tokens 64] [--rounds 5] [--nvme-dir DIR]
+    python bench/param_offload.py [--layers 8] [--width 1024] [--tokens 64] [--live 6e7] [--bucket 6e7] [--rounds 5]
+                                  [--nvme-dir DIR]
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--tokens", type=int, default=64, help="tokens per step (batch 1)")
     ap.add_argument("--live", type=float, default=6e7, help="stage3_max_live_parameters")
+    ap.add_argument("--bucket", type=float, default=None,
+                    help="stage3_prefetch_bucket_size: elements in flight (default: --live, the whole window)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--nvme-dir", default=None)
     ap.add_argument("--out", default="results/param_offload.json")
@@ -60,7 +63,8 @@ def main() -> None:
                 "stage": 3, "sub_group_size": 50_000_000,
                 "offload_optimizer": {"device": "cpu", "overlap_step": False},
                 "offload_param": {"device": "nvme", "nvme_path": str(nvme)},
-                "stage3_max_live_parameters": int(args.live), "stage3_prefetch_bucket_size": int(args.live // 2),
+                "stage3_max_live_parameters": int(args.live),
+                "stage3_prefetch_bucket_size": int(args.bucket or args.live),
                 "stage3_param_persistence_threshold": 100_000},
             "aio": {"block_size": 1 << 20, "queue_depth": 8}})
         po = engine._params
