@@ -107,6 +107,36 @@ def test_prefetch_keeps_up_in_steady_state(tmp_path):
     assert s["last_step"]["fetches"] * 4 == s["fetches"]  # four identical steps since the reset
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
+def test_cuda_allocations_stay_within_the_window(tmp_path):
+    """On a GPU, torch's own allocator counts what the store's accounting claims: the peak of everything allocated
+    while training stays within the DEVICE tier's peak (window plus persistent parameters) plus what one
+    un-offloaded forward+backward needs besides its parameters (activations and gradients), and under the whole
+    model's parameters plus that."""
+    data = [(x.cuda(), y.cuda()) for x, y in batches(4)]
+    ref = make().cuda()
+    param_bytes = sum(p.numel() * p.element_size() for p in ref.parameters())
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    gpt_loss(ref, data[0]).backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before  # activations and every gradient
+    del ref
+    torch.cuda.empty_cache()
+    with offload.initialize(make(), config(tmp_path, "nvme")) as engine:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()  # the persistent parameters are in here already
+        run(engine, data, gpt_loss)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - start
+        window = engine.memory_report()["device"]["peak"]
+    assert window < param_bytes  # the test means something only if the model does not fit the window
+    assert peak <= window + extra, (peak, window, extra)
+    assert peak < param_bytes + extra
+
+
 class Branchy(nn.Module):
     """A module called twice per forward, and a branch that depends on the data."""
 
