@@ -218,8 +218,13 @@ class BF16Config(_Section):
 _DEVICES = ("none", "cpu", "nvme")
 
 
+@dataclass(frozen=True)
 class _OffloadTarget(_Section):
-    """What the two offload sections share: ``device`` and ``nvme_path`` (required for nvme)."""
+    """What the two offload sections share: ``device``, ``nvme_path`` (required for nvme) and ``pin_memory``."""
+
+    device: str = "none"
+    nvme_path: str | None = None
+    pin_memory: bool = True
 
     @classmethod
     def _convert(cls, name: str, value: Any, full: str) -> Any:
@@ -230,6 +235,8 @@ class _OffloadTarget(_Section):
             if "\x00" in value:
                 raise ValueError(f"{full} must be a directory path without NUL characters, got {value!r}")
             return value
+        if name == "pin_memory":
+            return _bool(full, value)
         return cls._convert_own(name, value, full)
 
     @classmethod
@@ -237,7 +244,7 @@ class _OffloadTarget(_Section):
         raise NotImplementedError
 
     def __post_init__(self) -> None:
-        if self.device == "nvme" and not self.nvme_path:  # type: ignore[attr-defined]
+        if self.device == "nvme" and not self.nvme_path:
             raise ValueError(f"{self._path}.nvme_path is required when {self._path}.device is \"nvme\"")
 
 
@@ -246,9 +253,6 @@ class OffloadOptimizerConfig(_OffloadTarget):
     """``zero_optimization.offload_optimizer``: where fp32 master weights and Adam moments live."""
 
     _path = "zero_optimization.offload_optimizer"
-    device: str = "none"
-    nvme_path: str | None = None
-    pin_memory: bool = True
     buffer_count: int = 4
     fast_init: bool = False
     delayed_update: bool = False
@@ -266,17 +270,12 @@ class OffloadParamConfig(_OffloadTarget):
     """``zero_optimization.offload_param``: where low-precision parameters live between uses (stage 3)."""
 
     _path = "zero_optimization.offload_param"
-    device: str = "none"
-    nvme_path: str | None = None
-    pin_memory: bool = True
     buffer_count: int = 5
     buffer_size: int = 100_000_000
     max_in_cpu: int = 1_000_000_000
 
     @classmethod
     def _convert_own(cls, name: str, value: Any, full: str) -> Any:
-        if name == "pin_memory":
-            return _bool(full, value)
         if name == "buffer_count":
             return _int(full, value, 1, 1024)
         return _int(full, value, 1)
