@@ -27,7 +27,6 @@ loss scale and the clipping coefficient), and all-reduces the squared norm for c
 from __future__ import annotations
 
 import contextlib
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -92,13 +91,10 @@ class ParamShards:
         size = torch.empty((), dtype=dtype).element_size()
         held = [n for parts in self._parts for _, n in parts]
         root = Path(nvme_path)  # type: ignore[arg-type]
-        account = store.accounts[Tier.NVME]
-        if account.budget is None:
-            account.budget = shutil.disk_usage(root).free * 95 // 100
         # every key, plus one spare extent: a rewrite goes beside the bytes it replaces
         nvme_bytes = (sum(held) + max(held, default=0)) * size
-        account.reserve(nvme_bytes, f"this rank's pieces of the parameters on {root}",
-                        f"free disk space at {root} or raise offload.nvme_memory_budget")
+        store.claim_nvme(root, nvme_bytes, f"this rank's pieces of the parameters on {root}",
+                         f"free disk space at {root} or raise offload.nvme_memory_budget")
         self._nvme_bytes = nvme_bytes
         try:
             self._staging = store.allocate(Tier.HOST, max(layout.piece, default=0), dtype,

@@ -181,18 +181,24 @@ class TieredStore:
 
     # NVMe-homed tensors ----------------------------------------------------------------------------------------
 
+    def claim_nvme(self, root: Path, nbytes: int, what: str, fix: str) -> None:
+        """Creates the swap directory ``root`` (0700) and charges ``nbytes`` of it to the NVME tier, whose budget
+        defaults to 95% of the free space of the first filesystem claimed on; give the bytes back with
+        ``accounts[Tier.NVME].release``."""
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        account = self.accounts[Tier.NVME]
+        if account.budget is None:
+            account.budget = shutil.disk_usage(root).free * 95 // 100
+        account.reserve(nbytes, what, fix)
+
     def open_nvme(self, path: str | os.PathLike[str], aio: AioConfig, *, slot_bytes: int, buffer_count: int,
                   total_bytes: int, what: str, file_io: FileIO | None = None) -> None:
         """Creates the swap engine and the staging pool, and claims NVME space for ``total_bytes`` of tensors plus
         one spare extent per buffer (copy-on-write writes need room beside the data they replace)."""
         assert self._swap is None, "open_nvme called twice"
         root = Path(path)
-        root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        account = self.accounts[Tier.NVME]
-        if account.budget is None:
-            account.budget = shutil.disk_usage(root).free * 95 // 100
         spare = buffer_count * (-(-slot_bytes // 4096) * 4096)
-        account.reserve(total_bytes + spare, f"{what} on {root}",
+        self.claim_nvme(root, total_bytes + spare, f"{what} on {root}",
                         f"free disk space at {root}, point zero_optimization.offload_optimizer.nvme_path at a larger "
                         "filesystem, or lower the state offloaded there")
         self._pool = BufferPool(buffer_count, slot_bytes, self.accounts[Tier.HOST], pin_memory=self.pin_memory,

@@ -38,7 +38,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import functools
-import shutil
 import time
 from dataclasses import dataclass, field
 from enum import Enum
@@ -124,14 +123,11 @@ class ParameterOffload:
                  and not (shards is not None and shards.covers(i))]
         if nvme_path is not None and (homed or shards is None):
             root = Path(nvme_path)
-            root.mkdir(mode=0o700, parents=True, exist_ok=True)
             size = torch.empty((), dtype=dtype).element_size()
-            account = store.accounts[Tier.NVME]
-            if account.budget is None:
-                account.budget = shutil.disk_usage(root).free * 95 // 100
             # every parameter's key, plus one spare extent: a rewrite goes beside the bytes it replaces
-            self._nvme_bytes = (sum(homed) + max(homed, default=0)) * size
-            account.reserve(self._nvme_bytes, f"parameters homed on {root}", f"free disk space at {root}")
+            nvme_bytes = (sum(homed) + max(homed, default=0)) * size
+            store.claim_nvme(root, nvme_bytes, f"parameters homed on {root}", f"free disk space at {root}")
+            self._nvme_bytes = nvme_bytes
             self._swap = SwapEngine(root, aio or AioConfig())
         try:
             for i, (p, home) in enumerate(zip(params, homes)):
