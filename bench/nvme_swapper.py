@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from nvme_swapper import AioConfig, SwapEngine, aligned_tensor  # noqa: E402
 from nvme_swapper._native import memory_at  # noqa: E402
+from nvme_swapper._tune import _drop_cache as drop_cache  # noqa: E402
 from offload.config import parse_bytes  # noqa: E402
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -122,16 +123,6 @@ def pread_loop(path: Path, size: int, is_write: bool, buffer, block: int = MiB) 
 # the engine --------------------------------------------------------------------------------------------------------
 
 
-def drop_cache(engine: SwapEngine) -> None:
-    """Buffered backends must read from the disk, not from pages the previous pass left in memory."""
-    fd = os.open(engine.directory / "swap.0", os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def run_engine(directory: Path, backend: str, block: int, depth: int, big, smalls, outs_big, outs_small,
                threads: int, checksum: bool = False) -> dict[str, float]:
     cfg = AioConfig(backend=backend, block_size=block, queue_depth=depth, thread_count=min(threads, depth),
@@ -148,7 +139,7 @@ def run_engine(directory: Path, backend: str, block: int, depth: int, big, small
             for h in [eng.write(k, s) for k, s in zip(keys, srcs)]:
                 h.wait()
             result[f"{workload} write"] = gbps(nbytes, time.perf_counter() - t)
-            drop_cache(eng)
+            drop_cache(eng.directory / "swap.0")  # buffered backends must read from the disk
             t = time.perf_counter()
             for h in [eng.read(k, o) for k, o in zip(keys, outs)]:
                 h.wait()
