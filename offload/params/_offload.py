@@ -368,7 +368,7 @@ class ParameterOffload:
     def _refresh(self, rec: _Param) -> None:
         """A persistent parameter after an optimizer step: copy its new value from the home."""
         if rec.sharded:
-            rec.device.copy_(self.shards.read(rec.index).reshape(-1))
+            self.shards.fetch(rec.index, rec.device).wait()  # gathered straight into the device buffer
         elif rec.home is not None:
             rec.device.copy_(rec.home)
         rec.stale = False
