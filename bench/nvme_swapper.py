@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from nvme_swapper import AioConfig, SwapEngine, aligned_tensor  # noqa: E402
 from nvme_swapper._native import memory_at  # noqa: E402
-from nvme_swapper._tune import _drop_cache as drop_cache  # noqa: E402
+from nvme_swapper._tune import drop_cache  # noqa: E402
 from offload.config import parse_bytes  # noqa: E402
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30

@@ -107,10 +107,11 @@ static void hash_done(uint64_t *sums, const uint64_t *bufs, const uint64_t *lens
 
 /* Runs n transfers. When sums is not NULL, sums[i] receives swp_hash of transfer i's buffer: for a write, while
  * the write is in flight (the caller leaves the buffer alone); for a read, once it completed in full. Hashing is
- * spread over the loop, one block between two looks at the completion queue, so it overlaps the I/O in flight. Only the sums
- * of transfers before *bad_index are meaningful after a failure. Returns 0 when every transfer moved its full length. Otherwise returns -1, stores the index of
- * the first failed transfer in *bad_index and its result (negative errno, or the short byte count) in *bad_result;
- * transfers already in flight are drained first, and no new ones are submitted after a failure.
+ * spread over the loop, one block between two looks at the completion queue, so it overlaps the I/O in flight.
+ * Only the sums of transfers before *bad_index are meaningful after a failure. Returns 0 when every transfer moved
+ * its full length. Otherwise returns -1, stores the index of the first failed transfer in *bad_index and its result
+ * (negative errno, or the short byte count) in *bad_result; transfers already in flight are drained first, and no
+ * new ones are submitted after a failure.
  * single_submit: one iocb per io_submit call. overlap: refill as soon as one completes (else wait for all in flight).
  */
 long swp_run(uint64_t ctx_id, long depth, int fd, int is_write, long n, const uint64_t *bufs, const uint64_t *lens,

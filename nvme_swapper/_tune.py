@@ -112,17 +112,17 @@ class TuneResult:
 
 
 def grid(block_sizes: Sequence[int] = BLOCK_SIZES, queue_depths: Sequence[int] = QUEUE_DEPTHS,
-         thread_counts: Sequence[int] = THREAD_COUNTS) -> list[AioConfig]:
+         thread_counts: Sequence[int] = THREAD_COUNTS, checksum: bool = True) -> list[AioConfig]:
     """Every valid combination (a thread needs at least one request slot, so queue_depth >= thread_count)."""
     if not block_sizes or not queue_depths or not thread_counts:
         raise ValueError("tune_aio: block_sizes, queue_depths and thread_counts must each list at least one value")
-    return [AioConfig(block_size=b, queue_depth=q, thread_count=t)
+    return [AioConfig(block_size=b, queue_depth=q, thread_count=t, checksum=checksum)
             for t in sorted(set(thread_counts)) for q in sorted(set(queue_depths)) for b in sorted(set(block_sizes))
             if q >= t]
 
 
-def _drop_cache(path: Path) -> None:
-    """Buffered fallback only: the read must come from the disk, not from the pages the write left in memory."""
+def drop_cache(path: Path) -> None:
+    """For buffered I/O: makes the next read come from the disk, not from the pages a write left in memory."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -142,7 +142,7 @@ def measure(directory: Path, cfg: AioConfig, buf: Any) -> tuple[float, float, di
         write = nbytes / (time.perf_counter() - t) / 1e9
         stats = eng.stats()
         if not stats["o_direct"]:
-            _drop_cache(eng.directory / "swap.0")
+            drop_cache(eng.directory / "swap.0")
         t = time.perf_counter()
         eng.read("tune", buf).wait()
         read = nbytes / (time.perf_counter() - t) / 1e9
@@ -167,8 +167,7 @@ def tune_aio(directory: str | os.PathLike[str], *, size: int = 1 << 30, block_si
         raise ValueError(f"tune_aio: repeats must be at least 1, got {repeats!r}")
     if not 0 <= tolerance < 1:
         raise ValueError(f"tune_aio: tolerance must be in [0, 1), got {tolerance!r}")
-    configs = [AioConfig(block_size=c.block_size, queue_depth=c.queue_depth, thread_count=c.thread_count,
-                         checksum=checksum) for c in grid(block_sizes, queue_depths, thread_counts)]
+    configs = grid(block_sizes, queue_depths, thread_counts, checksum)
     if not configs:
         raise ValueError(f"tune_aio: no valid setting: every queue depth in {list(queue_depths)} is below every "
                          f"thread count in {list(thread_counts)}")

@@ -177,6 +177,7 @@ def _int_list(text: str, flag: str) -> list[int]:
 
 def tune_command(args: argparse.Namespace) -> int:
     from nvme_swapper import AioConfig, tune_aio
+    from nvme_swapper._tune import grid
 
     size = parse_bytes(args.size, "--size") if args.size else (64 << 20 if args.quick else 1 << 30)
     if size < 1 << 20 or size % 4096:
@@ -200,7 +201,7 @@ def tune_command(args: argparse.Namespace) -> int:
         raise ValueError(f"--repeats must be at least 1, got {repeats}")
     if not 0 <= args.tolerance < 1:
         raise ValueError(f"--tolerance must be in [0, 1) (a fraction: 0.03 is 3%), got {args.tolerance}")
-    n_settings = sum(1 for t in threads for q in depths if q >= t) * len(blocks)
+    n_settings = len(grid(blocks, depths, threads))
     if not n_settings:
         raise ValueError(f"--queue-depths {depths} are all below --thread-counts {threads}: each thread needs at "
                          "least one request slot")
