@@ -20,7 +20,6 @@ import os
 import socket
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -30,7 +29,7 @@ import torch  # noqa: E402
 PAPER = {1: 2.0, 2: 2.0, 3: 3.0}
 
 
-def config(stage: int, swap: str, width: int) -> dict:
+def config(stage: int, width: int) -> dict:
     zero = {"stage": stage, "sub_group_size": 1 << 20,
             "offload_optimizer": {"device": "cpu"}}
     if stage == 3:  # every parameter partitioned; a window too small to keep forward's parameters for backward
@@ -53,7 +52,7 @@ def worker(args: argparse.Namespace) -> None:
         model = GPT(cfg)
         psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
         x = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(rank))
-        with offload.initialize(model, config(stage, args.swap, args.width)) as engine:
+        with offload.initialize(model, config(stage, args.width)) as engine:
             for _ in range(args.steps):
                 engine.backward(GPT.loss(engine(x), x))
                 engine.step()
@@ -82,7 +81,6 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", default="results/dist_comm.json")
-    ap.add_argument("--swap", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--worker", action="store_true", help="be one rank (set by the launcher, or use torchrun)")
     args = ap.parse_args()
     if args.worker or "RANK" in os.environ:
@@ -91,22 +89,21 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as swap:
-        procs = []
-        for r in range(args.ranks):
-            env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(args.ranks), "LOCAL_RANK": str(r),
-                   "LOCAL_WORLD_SIZE": str(args.ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                   "OMP_NUM_THREADS": "1"}
-            procs.append(subprocess.Popen([sys.executable, __file__, "--worker", "--swap", swap, "--ranks",
-                                           str(args.ranks), "--layers", str(args.layers), "--width", str(args.width),
-                                           "--steps", str(args.steps), "--out", args.out], env=env))
-        try:
-            codes = [p.wait() for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+    procs = []
+    for r in range(args.ranks):
+        env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(args.ranks), "LOCAL_RANK": str(r),
+               "LOCAL_WORLD_SIZE": str(args.ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, __file__, "--worker", "--ranks", str(args.ranks), "--layers",
+                                       str(args.layers), "--width", str(args.width), "--steps", str(args.steps),
+                                       "--out", args.out], env=env))
+    try:
+        codes = [p.wait() for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     if any(codes):
         sys.exit(f"a rank failed: exit codes {codes}")
 
