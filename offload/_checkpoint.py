@@ -199,7 +199,7 @@ def save(engine: "Engine", root: Path, tag: str) -> Path:
         names = _names(engine)
         opt = engine.optimizer
         shapes = {f"{k}/{n}": list(p.shape) for n, p in zip(names, engine.layout.params) for k in _KINDS}
-        shapes.update({n: e["shape"] for n, e in index.items() if not n.split("/")[0] in _KINDS})
+        shapes.update({n: e["shape"] for n, e in index.items() if n.split("/")[0] not in _KINDS})
         meta = {
             "format": FORMAT,
             "world_size": engine.world_size,

@@ -369,7 +369,7 @@ class Engine:
         self._seen_micro.clear()
         try:
             (loss.float() * (self.scaler.scale / gas)).backward()
-            if self._zero is not None and not self._zero.direct and self.stage == 2:
+            if self._zero is not None and self._zero.buffered and self.stage == 2:
                 # stage 2: this micro-batch's gradients go to their owners now, accumulating there
                 self._zero.reduce(self.optimizer.grads, self._seen_micro, accumulate=self.micro_steps % gas != 0)
         finally:
@@ -389,9 +389,9 @@ class Engine:
         base = 0
         if self.layout.per_param:  # stage 3: summed over ranks now, this rank's piece kept
             flat, base = self._zero.reduce_param(i, flat), self.rank * self.layout.piece[i]
-        elif not self._zero.direct:  # several ranks: into the full buffer, reduced to the owners later
+        elif self._zero.buffered:  # several ranks: into the full buffer, reduced to the owners later
             self._zero.add(i, flat, first if self.stage <= 1 else i not in self._seen_micro)
-        for sg_index, seg in self._segments[i] if self._zero.direct or self.layout.per_param else ():
+        for sg_index, seg in self._segments[i] if not self._zero.buffered else ():
             sg = self.layout.sub_groups[sg_index]
             dst_start = seg.flat_start - own0[sg.group][0]
             dst = self.optimizer.grads[sg.group][dst_start : dst_start + seg.numel]
@@ -404,7 +404,7 @@ class Engine:
         self._seen_micro.add(i)
         if self._params is not None:
             self._params.grad_done(p)
-        if self.optimizer.placement is not Tier.DEVICE and (self._zero.direct or self.layout.per_param):
+        if self.optimizer.placement is not Tier.DEVICE and not self._zero.buffered:
             self.store.count(Tier.DEVICE, Tier.HOST, flat.numel() * flat.element_size())
         p.grad = None  # the device copy is no longer needed
         if self._overlap and self._last_micro:
@@ -427,7 +427,7 @@ class Engine:
                 self.optimizer.finish()  # the previous step's update, which ran beside this forward/backward
                 self.apply_delayed_update()
             assert self._zero is not None
-            if self._zero.direct or self.layout.per_param:
+            if not self._zero.buffered:
                 self._zero_unseen_grads()
             elif self.stage <= 1:  # stage 1: the window's gradients go to their owners now
                 self._zero.reduce(self.optimizer.grads, self._seen, accumulate=False)

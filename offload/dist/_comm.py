@@ -57,6 +57,7 @@ class Comm:
         self._error: CommError | None = None
         self._beat: _Heartbeat | None = None
         self.interval = min(1.0, max(0.05, pg.timeout / 10))
+        self._scalar_device = "cuda" if pg.backend == "nccl" else "cpu"  # where NCCL or gloo takes a small tensor
         if pg.distributed and pg.store is not None:
             store = dist.PrefixStore(f"offload/{next(_generation)}", pg.store)
             self._beat = _Heartbeat(store, self, self.interval)
@@ -97,14 +98,14 @@ class Comm:
     def barrier(self) -> None:
         if self.world_size == 1:
             return
-        flag = torch.zeros(1, device="cuda" if self.pg.backend == "nccl" else "cpu")
+        flag = torch.zeros(1, device=self._scalar_device)
         self._run("barrier", flag, 2.0, lambda: dist.all_reduce(flag, group=self.pg.group))
 
     def sum_float(self, value: float) -> float:
         """The sum over ranks of one float64 number (gradient norms)."""
         if self.world_size == 1:
             return value
-        t = torch.tensor([value], dtype=torch.float64, device="cuda" if self.pg.backend == "nccl" else "cpu")
+        t = torch.tensor([value], dtype=torch.float64, device=self._scalar_device)
         self.all_reduce(t)
         return float(t.item())
 

@@ -70,14 +70,17 @@ class ProcessGroup:
         self.group = self.store = None
 
 
+def _missing(name: str) -> ValueError:
+    return ValueError(f"environment variable {name} is not set, but WORLD_SIZE={os.environ['WORLD_SIZE']} says this "
+                      "is one of several ranks; launch with torchrun (which sets RANK, LOCAL_RANK, MASTER_ADDR, "
+                      "MASTER_PORT) or call torch.distributed.init_process_group before offload.initialize")
+
+
 def _env_int(name: str, default: int | None = None) -> int:
     value = os.environ.get(name)
     if value is None:
         if default is None:
-            raise ValueError(f"environment variable {name} is not set, but WORLD_SIZE={os.environ['WORLD_SIZE']} "
-                             "says this is one of several ranks; launch with torchrun (which sets RANK, "
-                             "LOCAL_RANK, MASTER_ADDR, MASTER_PORT) or call torch.distributed.init_process_group "
-                             "before offload.initialize")
+            raise _missing(name)
         return default
     try:
         return int(value)
@@ -107,7 +110,7 @@ def join(timeout: float, device: torch.device) -> ProcessGroup:
     world, rank = _env_int("WORLD_SIZE"), _env_int("RANK")
     for name in ("MASTER_ADDR", "MASTER_PORT"):
         if not os.environ.get(name):
-            _env_int(name)  # raises, saying how to launch
+            raise _missing(name)
     local_rank = _env_int("LOCAL_RANK", 0)
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":

@@ -199,10 +199,12 @@ class GradPartition:
     def __init__(self, comm: Comm, layout: FlatLayout, store: TieredStore, *, stage: int, dtype: torch.dtype,
                  accumulate: bool) -> None:
         self.comm, self.layout, self.store, self.stage = comm, layout, store, stage
-        self.direct = comm.world_size == 1
+        # stages 1-2 on several ranks: gradients gather in full-size buffers and are reduced to their owners later;
+        # otherwise each goes straight to this rank's buffer in its hook (stage 3 reduces it there: reduce_param)
+        self.buffered = comm.world_size > 1 and not layout.per_param
         self.full: list[torch.Tensor] = []
         self._scratch: list[torch.Tensor] = []
-        if self.direct or layout.per_param:  # stage 3 reduces each gradient in its hook (reduce_param)
+        if not self.buffered:
             return
         # stage 1 accumulates micro-batches in the full buffer, stage 2 in the host buffer
         self.dtype = torch.float32 if accumulate and stage <= 1 else dtype
@@ -260,7 +262,7 @@ class GradPartition:
 
     def gather_params(self, flats: list[torch.Tensor]) -> None:
         """Every rank's updated range of the flat parameters, to every rank (in place)."""
-        if self.direct:
+        if self.comm.world_size == 1:
             return
         for g, flat in enumerate(flats):
             lo, hi = self.layout.owned[g]
