@@ -67,7 +67,7 @@ def main() -> None:
                 "stage3_prefetch_bucket_size": int(args.bucket or args.live),
                 "stage3_param_persistence_threshold": 100_000},
             "aio": {"block_size": 1 << 20, "queue_depth": 8}})
-        po = engine._params
+        po = engine.weights.params
         managed = [r for r in po.params if not r.persistent]
         param_bytes = sum(r.numel for r in managed) * 2
         bufs = [aligned_tensor(r.numel, torch.bfloat16, pin_memory=False) for r in managed]

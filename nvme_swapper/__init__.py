@@ -6,7 +6,7 @@ handles to wait on. Start at :class:`SwapEngine`; docs/architecture.md explains 
 measures a directory over block sizes, queue depths and thread counts and picks the fastest :class:`AioConfig`.
 """
 
-from ._buffers import PAGE, aligned_tensor, is_aligned
+from ._buffers import PAGE, aligned_tensor, is_aligned, pinned_bytes
 from ._config import AioConfig
 from ._engine import SwapEngine
 from ._handle import SwapHandle
@@ -14,4 +14,4 @@ from ._native import FileIO, ShortTransfer
 from ._tune import TuneResult, tune_aio
 
 __all__ = ["AioConfig", "FileIO", "PAGE", "ShortTransfer", "SwapEngine", "SwapHandle", "TuneResult", "aligned_tensor",
-           "is_aligned", "tune_aio"]
+           "is_aligned", "pinned_bytes", "tune_aio"]

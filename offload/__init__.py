@@ -1,13 +1,18 @@
 """offload: train models larger than device memory with tiered GPU / host / NVMe storage for optimizer state.
 
-``offload.initialize(model, config)`` returns an :class:`Engine` (see offload/engine.py for the data flow);
-``offload.CPUAdam`` is the fast CPU Adam as a plain torch optimizer. docs/architecture.md maps the folders.
+``offload.initialize(model, config)`` returns an :class:`Engine` (see offload/engine/ for the data flow), which
+runs the :class:`Plan` it resolved once from the config, the model and the machine (``engine.plan()``);
+``offload.CPUAdam`` is the fast CPU Adam as a plain torch optimizer; ``offload.default_device()`` is the device
+``offload.device: "auto"`` trains on. docs/architecture.md maps the folders.
 """
 
+from ._device import default_device
 from .config import OffloadConfig
 from .engine import Engine, Phase, initialize
 from .memory import BudgetExceeded, Tier
 from .optim import CPUAdam
+from .plan import Plan
 from .planner import estimate
 
-__all__ = ["BudgetExceeded", "CPUAdam", "Engine", "OffloadConfig", "Phase", "Tier", "estimate", "initialize"]
+__all__ = ["BudgetExceeded", "CPUAdam", "Engine", "OffloadConfig", "Phase", "Plan", "Tier", "default_device",
+           "estimate", "initialize"]

@@ -14,7 +14,13 @@ Trainable parameters are stored per parameter name (``param/``, ``exp_avg/``, ``
 each rank writes the part of each parameter that falls in the range of the flat buffer it owns, so a parameter may
 be split between shards. ``frozen/`` and ``buffer/`` (replicated on every rank) are written by rank 0 whole.
 Nothing depends on sub_group_size, placement or world size: loading re-cuts the pieces for the loading engine's
-layout (N ranks save, M ranks load). With several ranks, ``root`` must be one filesystem that every rank sees (a
+layout (N ranks save, M ranks load).
+
+What this module reads of an engine is its state contract: ``module``, ``layout``, ``optimizer`` (``read_state``,
+``stage_state``, ``done_state``, ``param_groups``), ``comm``, ``rank``, ``world_size``, ``dtype``,
+``training_state()`` / ``load_training_state()`` (counters, loss scaler, hyperparameters, a pending delayed
+update), ``read_parameter`` / ``write_parameter``, ``weights.write_pending`` and ``copies.download``; it writes
+nothing else. With several ranks, ``root`` must be one filesystem that every rank sees (a
 shared mount on multi-node runs): each rank writes its own shard, and a loading rank reads whichever shards hold
 its range.
 
@@ -61,7 +67,7 @@ def _others(engine: "Engine") -> dict[str, torch.Tensor]:
     trainable = {id(p) for p in engine.layout.params}
     out = {f"frozen/{n}": engine.read_parameter(p) for n, p in engine.module.named_parameters()
            if id(p) not in trainable}
-    out.update({f"buffer/{n}": b for n, b in engine.module.named_buffers()})
+    out.update({f"buffer/{n}": engine.copies.download(b) for n, b in engine.module.named_buffers()})
     return out
 
 
@@ -104,7 +110,8 @@ class _TensorFile:
 
     def _io(self, name: str, t: torch.Tensor, elem_offset: int, write: bool) -> None:
         entry = self.index[name]
-        t = t if t.device.type == "cpu" else t.cpu()
+        if t.device.type != "cpu":
+            raise ValueError(f"checkpoint entry {name}: a {t.device} tensor; bring it to the host first")
         if not t.is_contiguous():
             t = t.contiguous()
         size = t.element_size()
@@ -197,20 +204,20 @@ def save(engine: "Engine", root: Path, tag: str) -> Path:
                            "errors); nothing was committed and the previous checkpoint stays the latest")
     if rank == 0:
         names = _names(engine)
-        opt = engine.optimizer
+        state = engine.training_state()
         shapes = {f"{k}/{n}": list(p.shape) for n, p in zip(names, engine.layout.params) for k in _KINDS}
         shapes.update({n: e["shape"] for n, e in index.items() if n.split("/")[0] not in _KINDS})
         meta = {
             "format": FORMAT,
             "world_size": engine.world_size,
             "shards": [dict(zip(("tensors", "index"), _shard_names(r))) for r in range(engine.world_size)],
-            "global_steps": engine.global_steps,
-            "micro_steps": engine.micro_steps,
-            "optimizer_steps": opt.step_count,
-            "loss_scaler": engine.scaler.state_dict(),
-            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
-            "dtype": str(engine.dtype),
-            "pending_update": engine._apply_pending,
+            "global_steps": state.global_steps,
+            "micro_steps": state.micro_steps,
+            "optimizer_steps": state.optimizer_steps,
+            "loss_scaler": state.loss_scaler,
+            "param_groups": state.param_groups,
+            "dtype": state.dtype,
+            "pending_update": state.pending_update,
             "shapes": shapes,
             "state_dict": _state_dict_entries(engine, names),
         }
@@ -238,7 +245,8 @@ def _write_shard(engine: "Engine", tmp: Path) -> dict[str, dict[str, Any]]:
                 starts[f"{k}/{n}"] = piece[0]
     others = _others(engine) if rank == 0 else {}
     entries += [(n, t.dtype, tuple(t.shape)) for n, t in others.items()]
-    pending = engine._apply_pending and rank == 0  # delayed update: the device still holds the previous parameters
+    # delayed update: the device still holds the previous parameters
+    pending = engine.training_state().pending_update and rank == 0
     if pending:
         entries += [(f"device/{n}", engine.dtype, tuple(p.shape)) for n, p in zip(names, layout.params)]
     index = _TensorFile.plan(entries)
@@ -255,7 +263,7 @@ def _write_shard(engine: "Engine", tmp: Path) -> dict[str, dict[str, Any]]:
             f.write(name, t)
         if pending:
             for name, p in zip(names, layout.params):
-                f.write(f"device/{name}", p.detach())
+                f.write(f"device/{name}", engine.copies.download(p))
     finally:
         f.close(sync=True)
     _write_file(tmp / index_name, json.dumps(index).encode())
@@ -386,13 +394,17 @@ def load(engine: "Engine", root: Path, tag: str | None) -> str:
                 ck.read_range(name, view, offset)
             opt.done_state(sg, dirty=True)
         opt.wait()
-        pending = bool(meta.get("pending_update")) and engine._delayed
+        state = engine.training_state()
+        state.global_steps, state.micro_steps = meta["global_steps"], meta["micro_steps"]
+        state.optimizer_steps, state.loss_scaler = meta["optimizer_steps"], meta["loss_scaler"]
+        state.param_groups, state.pending_update = meta["param_groups"], bool(meta.get("pending_update"))
+        engine.load_training_state(state)
+        pending = engine.training_state().pending_update  # only where this engine runs the delayed update too
         with torch.no_grad():
             for i, (name, p) in enumerate(zip(names, layout.params)):
                 master = ck.read(f"param/{name}")
                 if pending:  # resume mid-pipeline: the device keeps the previous parameters one more step
-                    p.copy_(ck.read(f"device/{name}"))
-                    layout.param_view(engine._next_flats[layout.param_group[i]], i).copy_(master)
+                    engine.weights.write_pending(i, ck.read(f"device/{name}"), master)
                 else:
                     engine.write_parameter(p, master)  # the working copy: master rounded to the training dtype
             trainable = {id(p) for p in layout.params}
@@ -400,16 +412,9 @@ def load(engine: "Engine", root: Path, tag: str | None) -> str:
                 if id(p) not in trainable:
                     engine.write_parameter(p, ck.read(f"frozen/{n}"))
             for n, b in engine.module.named_buffers():
-                b.copy_(ck.read(f"buffer/{n}"))
-        engine._apply_pending = pending
+                b.copy_(engine.copies.upload(ck.read(f"buffer/{n}")))
     finally:
         ck.close()
-    engine.global_steps = meta["global_steps"]
-    engine.micro_steps = meta["micro_steps"]
-    opt.step_count = meta["optimizer_steps"]
-    engine.scaler.load_state_dict(meta["loss_scaler"])
-    for group, saved in zip(opt.param_groups, meta["param_groups"]):
-        group.update({k: tuple(v) if k == "betas" else v for k, v in saved.items()})
     return ck.tag
 
 
@@ -444,7 +449,7 @@ def consolidated_state_dict(engine: "Engine") -> dict[str, torch.Tensor]:
     by_id = {id(p): m for p, m in zip(layout.params, masters)}
     out: dict[str, torch.Tensor] = {}
     for name, t in engine.module.state_dict(keep_vars=True).items():
-        out[name] = by_id[id(t)] if id(t) in by_id else t.detach().cpu().clone()
+        out[name] = by_id[id(t)] if id(t) in by_id else engine.copies.download(t)
     return out
 
 

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from nvme_swapper import AioConfig
 
+from ._device import check_spec
+
 if TYPE_CHECKING:
     import torch
 
@@ -299,7 +301,7 @@ class ZeroConfig(_Section):
     contiguous_gradients: bool = True
     overlap_comm: bool = True
     reduce_scatter: bool = True
-    reduce_bucket_size: int = 500_000_000
+    reduce_bucket_size: int | None = None  # elements per gradient copy to the host; None: the plan's (offload/plan.py)
     allgather_bucket_size: int = 500_000_000
     allgather_partitions: bool = True
     round_robin_gradients: bool = False
@@ -331,6 +333,7 @@ class BudgetConfig(_Section):
     tier is CPU memory held to device_memory_budget, so a CPU-only run behaves like a small GPU."""
 
     _path = "offload"
+    device: str = "auto"  # "auto" (cuda:LOCAL_RANK when CUDA is there, else cpu), "cpu", "cuda" or "cuda:N"
     device_memory_budget: int | None = None  # None: the CUDA device's total memory; unlimited on CPU
     host_memory_budget: int | None = None  # None: 90% of the memory available at initialize
     nvme_memory_budget: int | None = None  # None: the free space of the nvme_path filesystem, less 5%
@@ -340,6 +343,8 @@ class BudgetConfig(_Section):
     def _convert(cls, name: str, value: Any, full: str) -> Any:
         if name == "comm_timeout":
             return _float(full, value, 0.0, open_lo=True)
+        if name == "device":
+            return check_spec(value, full)
         return None if value is None else parse_bytes(value, full)
 
 

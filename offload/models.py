@@ -76,7 +76,8 @@ class GPT(nn.Module):
 
     @staticmethod
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        """Next-token cross-entropy in fp32; the targets follow the logits to their device."""
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.to(logits.device).reshape(-1))
 
 
 def synthetic_batches(vocab: int, batch: int, tokens: int,

@@ -4,7 +4,8 @@
 initializes torch.distributed, so the engine joins it; "engine": the engine initializes it from the environment)
 and ``runs``, each trained in turn: ``name``, ``config`` (the engine's), ``steps``, ``gas``, and optionally ``load``
 (a checkpoint folder to resume from), ``save`` (a folder to save into after ``save_after`` steps), ``die``
-({"rank": r, "at_step": s, "how": "exit" | "hang"}: that rank stops mid-step, after its backward).
+({"rank": r, "at_step": s, "how": "exit" | "hang"}: that rank stops mid-step, after its backward), ``staged``
+(gradients through the CUDA path's device buckets, on the CPU: offload.plan.STAGE_ON_CPU).
 
 Each rank trains on its 1/N slice of a global batch of 6 sequences (so any N in 1, 2, 3 sees the same global
 batch), writes ``<name>.rank<r>.json`` (memory report, communication counters, the swap counters of stage 3's
@@ -28,15 +29,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import offload  # noqa: E402
+import offload.plan  # noqa: E402
 from models import batches, lm_loss, make  # noqa: E402
 
 GLOBAL_BATCH = 6
+GRAD_BUCKET = offload.plan.GRAD_BUCKET
 
 
 def run(spec: dict, r: dict, rank: int, world: int, out: Path) -> None:
     data = batches(r["steps"] * r["gas"], bsz=GLOBAL_BATCH)
     per = GLOBAL_BATCH // world
     model = make()
+    offload.plan.STAGE_ON_CPU = bool(r.get("staged"))
+    offload.plan.GRAD_BUCKET = 1000 if r.get("staged") else GRAD_BUCKET
     engine = offload.initialize(model, r["config"])
     try:
         if r.get("load"):

@@ -1,5 +1,11 @@
 """Small models for tests: a GPT-style transformer with tied embeddings and a position *parameter* (not a module),
-deterministic (no dropout). Its blocks are the package's (offload/models.py)."""
+deterministic (no dropout). Its blocks are the package's (offload/models.py).
+
+``DEVICE`` is where the library trains on this machine (``offload.default_device()``: CUDA when present): engines
+run there, and so do the references they are checked against (``reference_model``, ``on_device``), so the two
+share kernels; results are compared on the CPU. On CUDA the attention runs its deterministic (math) kernel, so
+runs that must agree bit for bit do, in this process and in the subprocesses that import this module.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import offload
 from offload.models import Block, GPTConfig
+
+DEVICE = offload.default_device()
+if DEVICE.type == "cuda":
+    torch.backends.cuda.enable_flash_sdp(False)  # flash and memory-efficient attention backward use atomics
+    torch.backends.cuda.enable_mem_efficient_sdp(False)
 
 
 class TinyGPT(nn.Module):
@@ -32,6 +44,18 @@ def make(seed: int = 0, **kw) -> TinyGPT:
     return TinyGPT(**kw)
 
 
+def reference_model(seed: int = 0, **kw) -> TinyGPT:
+    """``make(seed, **kw)`` on DEVICE: the un-offloaded model the engine is compared with."""
+    return make(seed, **kw).to(DEVICE)
+
+
+def on_device(batch):
+    """A batch (tensors, or tuples/lists of them) on DEVICE, for references (the engine moves its own inputs)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(DEVICE)
+    return type(batch)(on_device(t) for t in batch)
+
+
 def batches(n: int, vocab: int = 96, bsz: int = 4, t: int = 16, seed: int = 1) -> list[tuple[torch.Tensor, ...]]:
     g = torch.Generator().manual_seed(seed)
     return [(torch.randint(0, vocab, (bsz, t), generator=g), torch.randint(0, vocab, (bsz, t), generator=g))
@@ -39,4 +63,13 @@ def batches(n: int, vocab: int = 96, bsz: int = 4, t: int = 16, seed: int = 1) -
 
 
 def lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+    """Cross-entropy of next-token logits; the targets follow the logits to their device."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.to(logits.device).reshape(-1))
+
+
+def close_enough(a: torch.Tensor, b: torch.Tensor, rel: float) -> float:
+    """Largest |a - b| / max(1, |b|), compared on the CPU in float64; asserts it is within ``rel``."""
+    a, b = a.detach().cpu().double(), b.detach().cpu().double()
+    err = ((a - b).abs() / b.abs().clamp(min=1.0)).max().item()
+    assert err <= rel, err
+    return err

@@ -1,5 +1,6 @@
 """The engine with offloaded optimizer state, against independent references: torch.optim.AdamW on an un-offloaded
-copy (fp32), and mixed-precision loops written here with fp32 master weights (bf16, fp16)."""
+copy (fp32), and mixed-precision loops written here with fp32 master weights (bf16, fp16). Engines train on the
+machine's device (CUDA when present), and the references run there too (tests/models.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ import pytest
 import torch
 
 import offload
-from models import batches, lm_loss, make
+import offload.plan
+from models import DEVICE, batches, close_enough, lm_loss, make, on_device, reference_model
 
 LR, WD = 3e-3, 0.01
 
@@ -38,6 +40,17 @@ def config(tmp_path: Path, device: str, **extra) -> dict:
     return cfg
 
 
+@pytest.fixture(params=["direct", "staged"])
+def gradients(request, monkeypatch) -> str:
+    """How gradients reach the host: "staged" runs the CUDA path's buckets (device staging buffers of 1000
+    elements, landing buffers and accumulation on the optimizer thread) on any machine; "direct" is the CPU's
+    own path (on CUDA both are staged)."""
+    if request.param == "staged":
+        monkeypatch.setattr(offload.plan, "STAGE_ON_CPU", True)
+        monkeypatch.setattr(offload.plan, "GRAD_BUCKET", 1000)
+    return request.param
+
+
 def train(engine, data, gas: int = 1) -> list[float]:
     losses = []
     for i in range(0, len(data), gas):
@@ -49,20 +62,13 @@ def train(engine, data, gas: int = 1) -> list[float]:
     return losses
 
 
-def close_enough(a: torch.Tensor, b: torch.Tensor, rel: float) -> float:
-    """Largest |a - b| / max(1, |b|); asserts it is within ``rel``."""
-    err = ((a.double() - b.double()).abs() / b.double().abs().clamp(min=1.0)).max().item()
-    assert err <= rel, err
-    return err
-
-
 def reference_fp32(steps: int, data, gas: int = 1, clip: float = 0.0):
-    model = make()
+    model = reference_model()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, betas=(0.9, 0.99), eps=1e-8)
     for i in range(0, steps * gas, gas):
         opt.zero_grad()
         for x, y in data[i : i + gas]:
-            (lm_loss(model(x), y) / gas).backward()
+            (lm_loss(model(on_device(x)), y) / gas).backward()
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
@@ -70,13 +76,16 @@ def reference_fp32(steps: int, data, gas: int = 1, clip: float = 0.0):
 
 
 @pytest.mark.parametrize("device", ["none", "cpu", "nvme"])
-def test_fp32_matches_torch_adamw(tmp_path, device):
+def test_fp32_matches_torch_adamw(tmp_path, device, gradients):
     data = batches(20)
     model = make()
     with offload.initialize(model, config(tmp_path, device)) as engine:
         assert len(engine.layout.sub_groups) > 3  # parameters straddle sub-groups
         train(engine, data)
         state = engine.consolidated_state_dict()
+        staged = engine.plan().grad_staging
+        assert staged == (device != "none" and (gradients == "staged" or DEVICE.type == "cuda"))
+        assert (engine.stats()["gradient_copies"]["buckets"] > 0) == staged
     ref = reference_fp32(20, data)
     for (name, p), (rname, r) in zip(model.named_parameters(), ref.named_parameters()):
         close_enough(p.detach(), r.detach(), 1e-5)
@@ -86,7 +95,7 @@ def test_fp32_matches_torch_adamw(tmp_path, device):
 
 
 @pytest.mark.parametrize("gas, clip", [(4, 0.0), (1, 0.05), (2, 0.05)])
-def test_accumulation_and_clipping_match_torch(tmp_path, gas, clip):
+def test_accumulation_and_clipping_match_torch(tmp_path, gas, clip, gradients):
     data = batches(6 * gas)
     model = make()
     cfg = config(tmp_path, "nvme", gradient_accumulation_steps=gas, gradient_clipping=clip)
@@ -103,12 +112,12 @@ def test_accumulation_and_clipping_match_torch(tmp_path, gas, clip):
 def reference_mixed(dtype: torch.dtype, steps: int, data, scale: float = 1.0):
     """Mixed precision by hand: the model in ``dtype``, fp32 master weights updated by torch's AdamW, gradients
     unscaled in fp32, the model's weights re-rounded from the masters after each step."""
-    model = make()
+    model = reference_model()
     masters = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
     model.to(dtype)
     opt = torch.optim.AdamW(masters, lr=LR, weight_decay=WD, betas=(0.9, 0.99), eps=1e-8)
     for x, y in data[:steps]:
-        (lm_loss(model(x), y) * scale).backward()
+        (lm_loss(model(on_device(x)), y) * scale).backward()
         for m, p in zip(masters, model.parameters()):
             m.grad = p.grad.float() / scale
             p.grad = None
@@ -121,7 +130,7 @@ def reference_mixed(dtype: torch.dtype, steps: int, data, scale: float = 1.0):
 
 @pytest.mark.parametrize("dtype, device", [(torch.bfloat16, "cpu"), (torch.bfloat16, "nvme"),
                                            (torch.float16, "cpu"), (torch.float16, "nvme")])
-def test_mixed_precision_matches_reference_loop(tmp_path, dtype, device):
+def test_mixed_precision_matches_reference_loop(tmp_path, dtype, device, gradients):
     data = batches(20)
     model = make()
     extra = {"bf16": {"enabled": True}} if dtype == torch.bfloat16 else \
@@ -158,7 +167,7 @@ def test_fp16_dynamic_loss_scale_skips_overflow(tmp_path):
 
 
 @pytest.mark.parametrize("device", ["cpu", "nvme"])
-def test_overlapped_and_serial_steps_are_identical(tmp_path, device):
+def test_overlapped_and_serial_steps_are_identical(tmp_path, device, gradients):
     data = batches(5)
     results, overlapped = [], []
     for overlap in (True, False):
@@ -326,7 +335,7 @@ def test_param_groups_and_lr_scheduler(tmp_path):
             engine.backward(lm_loss(engine(x), y))
             engine.step()
             sched.step()
-    ref = make()
+    ref = reference_model()
     rd = [p for n, p in ref.named_parameters() if p.dim() >= 2]
     rn = [p for n, p in ref.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": rd, "weight_decay": 0.1}, {"params": rn, "weight_decay": 0.0, "lr": 1e-3}],
@@ -334,7 +343,7 @@ def test_param_groups_and_lr_scheduler(tmp_path):
     rsched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     for x, y in data:
         opt.zero_grad()
-        lm_loss(ref(x), y).backward()
+        lm_loss(ref(on_device(x)), y).backward()
         opt.step()
         rsched.step()
     for p, r in zip(model.parameters(), ref.parameters()):
@@ -350,11 +359,11 @@ def test_param_groups_and_lr_scheduler(tmp_path):
 def reference_delayed(steps: int, data):
     """ZeRO-Offload's delayed parameter update by hand: the gradient of step t is taken at the parameters of
     update t-1 (the first two at the initial ones), while update t runs on the fp32 masters."""
-    model = make()
+    model = reference_model()
     masters = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
     opt = torch.optim.AdamW(masters, lr=LR, weight_decay=WD, betas=(0.9, 0.99), eps=1e-8)
     for x, y in data[:steps]:
-        lm_loss(model(x), y).backward()
+        lm_loss(model(on_device(x)), y).backward()
         grads = [p.grad for p in model.parameters()]
         model.zero_grad(set_to_none=True)
         with torch.no_grad():
@@ -367,7 +376,7 @@ def reference_delayed(steps: int, data):
 
 
 @pytest.mark.parametrize("device", ["cpu", "nvme"])
-def test_delayed_update_matches_stale_reference(tmp_path, device):
+def test_delayed_update_matches_stale_reference(tmp_path, device, gradients):
     data = batches(10)
     model = make()
     cfg = config(tmp_path, device, zero_optimization={

@@ -57,7 +57,7 @@ class Comm:
         self._error: CommError | None = None
         self._beat: _Heartbeat | None = None
         self.interval = min(1.0, max(0.05, pg.timeout / 10))
-        self._scalar_device = "cuda" if pg.backend == "nccl" else "cpu"  # where NCCL or gloo takes a small tensor
+        self._scalar_device = pg.device  # the backend follows the device (NCCL: CUDA tensors, gloo: CPU ones)
         if pg.distributed and pg.store is not None:
             store = dist.PrefixStore(f"offload/{next(_generation)}", pg.store)
             self._beat = _Heartbeat(store, self, self.interval)

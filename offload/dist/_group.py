@@ -1,14 +1,17 @@
 """Process-group discovery: who am I among how many ranks, and who owns the torch.distributed group.
 
-``join(timeout, device)`` returns a :class:`ProcessGroup`:
+``join(timeout, device_spec)`` returns a :class:`ProcessGroup`, which carries the device this rank trains on: the
+join is where the device is decided (:func:`offload._device.resolve_device`, from ``offload.device`` and this
+process's local rank), made current (CUDA), and where the backend follows from it (NCCL for CUDA, gloo for the CPU):
 
 * torch.distributed already initialized (by the user, or a launcher library): JOINED. The engine uses a group of
-  its own made with ``new_group(timeout=...)`` (so the configured timeout applies to its collectives) and never
-  destroys the user's default group;
+  its own made with ``new_group(timeout=..., backend=...)`` (so the configured timeout applies to its collectives,
+  and its backend matches the device whatever the user's default group runs on) and never destroys the user's
+  default group;
 * not initialized, and torchrun's variables (``WORLD_SIZE`` > 1, ``RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) in the
   environment: CREATED. The engine rendezvouses through ``env://`` (the TCP store at MASTER_ADDR:MASTER_PORT, which
-  is all a multi-node run needs: no shared files), initializes gloo on CPU or NCCL on CUDA with the timeout, and
-  destroys the group at ``close``;
+  is all a multi-node run needs: no shared files), initializes the backend with the timeout, and destroys the
+  group at ``close``;
 * otherwise: SINGLE, world size 1, no group at all. The engine runs the same code; collectives become copies or
   nothing (:mod:`._comm`).
 """
@@ -25,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .._device import resolve_device
 
 _store: Any = None  # the rendezvous store of torchrun's environment, kept for the process's life
 _created = itertools.count()  # groups this process created, in the same order on every rank
@@ -44,6 +48,7 @@ class ProcessGroup:
     (used for heartbeats; None when it cannot be had)."""
 
     origin: Origin
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
@@ -88,38 +93,49 @@ def _env_int(name: str, default: int | None = None) -> int:
         raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
 
 
-def join(timeout: float, device: torch.device) -> ProcessGroup:
-    """The ranks to train with (see the module docstring). ``timeout``: seconds any collective may wait."""
+def _device_for(spec: str, local_rank: int, local_world_size: int) -> tuple[torch.device, str]:
+    """This rank's device (made current when CUDA) and the backend that moves its tensors."""
+    device = resolve_device(spec, local_rank=local_rank, local_world_size=local_world_size)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device, "nccl" if device.type == "cuda" else "gloo"
+
+
+def join(timeout: float, device_spec: str = "auto") -> ProcessGroup:
+    """The ranks to train with and this rank's device (see the module docstring). ``timeout``: seconds any
+    collective may wait; ``device_spec``: the ``offload.device`` value."""
     delta = datetime.timedelta(seconds=timeout)
     if dist.is_available() and dist.is_initialized():
         world, rank = dist.get_world_size(), dist.get_rank()
+        local_rank, local_world = _env_int("LOCAL_RANK", rank), _env_int("LOCAL_WORLD_SIZE", world)
         if world == 1:
-            return ProcessGroup(Origin.SINGLE, timeout=timeout)
-        group = dist.new_group(timeout=delta)
+            device, _ = _device_for(device_spec, local_rank, 1)
+            return ProcessGroup(Origin.SINGLE, device, timeout=timeout)
+        device, backend = _device_for(device_spec, local_rank, local_world)
+        group = dist.new_group(timeout=delta, backend=backend)
         store = None
         try:  # private, but the only handle on the user's store; without it failures cannot name the rank
             store = dist.distributed_c10d._get_default_store()
         except (AttributeError, RuntimeError, ValueError):
             pass
-        return ProcessGroup(Origin.JOINED, rank, world, _env_int("LOCAL_RANK", rank),
-                            _env_int("LOCAL_WORLD_SIZE", world), timeout, dist.get_backend(), group, store)
+        return ProcessGroup(Origin.JOINED, device, rank, world, local_rank, local_world, timeout, backend, group,
+                            store)
     if _env_int("WORLD_SIZE", 1) <= 1:
-        return ProcessGroup(Origin.SINGLE, timeout=timeout)
+        device, _ = _device_for(device_spec, _env_int("LOCAL_RANK", 0), 1)
+        return ProcessGroup(Origin.SINGLE, device, timeout=timeout)
     if not dist.is_available():
         raise RuntimeError("WORLD_SIZE > 1 but this torch build has no torch.distributed")
     world, rank = _env_int("WORLD_SIZE"), _env_int("RANK")
     for name in ("MASTER_ADDR", "MASTER_PORT"):
         if not os.environ.get(name):
             raise _missing(name)
-    local_rank = _env_int("LOCAL_RANK", 0)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if device.type == "cuda":
-        torch.cuda.set_device(local_rank)
+    local_rank, local_world = _env_int("LOCAL_RANK", 0), _env_int("LOCAL_WORLD_SIZE", world)
+    device, backend = _device_for(device_spec, local_rank, local_world)
     global _store
     if _store is None:  # once per process: rendezvous again on MASTER_PORT would race the old store's server
         _store, rank, world = next(dist.rendezvous("env://", rank, world, timeout=delta))
     # a fresh namespace per group: a later engine must not read the addresses an earlier group published
     store = dist.PrefixStore(f"offload/pg{next(_created)}", _store)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=delta)
-    return ProcessGroup(Origin.CREATED, rank, world, local_rank, _env_int("LOCAL_WORLD_SIZE", world), timeout, backend,
+    return ProcessGroup(Origin.CREATED, device, rank, world, local_rank, local_world, timeout, backend,
                         dist.group.WORLD, store)

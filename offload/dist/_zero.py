@@ -26,7 +26,6 @@ loss scale and the clipping coefficient), and all-reduces the squared norm for c
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +33,7 @@ import torch
 
 from nvme_swapper import AioConfig, SwapEngine, SwapHandle
 
-from ..memory import Tier, TieredStore
+from ..memory import CopyStreams, Tier, TieredStore, wait_all
 from ..optim._layout import FlatLayout, SubGroup
 from ._comm import Comm
 
@@ -63,12 +62,13 @@ class ParamShards:
       the same on every rank.
     """
 
-    def __init__(self, comm: Comm, layout: FlatLayout, device: torch.device, *,
+    def __init__(self, comm: Comm, layout: FlatLayout, copies: CopyStreams, *,
                  flats: list[torch.Tensor] | None = None, store: TieredStore | None = None,
                  dtype: torch.dtype | None = None, nvme_path: str | None = None,
                  aio: AioConfig | None = None) -> None:
         assert layout.per_param and (flats is None) != (nvme_path is None)
-        self.comm, self.layout, self.device, self.store = comm, layout, device, store
+        self.comm, self.layout, self.copies, self.store = comm, layout, copies, store
+        self.device = copies.device
         self.pieces: list[torch.Tensor] = []
         self._swap: SwapEngine | None = None
         self._staging: torch.Tensor | None = None
@@ -117,10 +117,12 @@ class ParamShards:
         r, piece = self.comm.rank, self.layout.piece[i]
         flat = value.reshape(-1)
         mine = flat[r * piece : (r + 1) * piece]
+        if mine.device.type != "cpu":
+            mine = self.copies.download(mine)
         if self._swap is None:
             self.pieces[i][: mine.numel()].copy_(mine)
             return
-        staged = mine.to("cpu", self.dtype).contiguous()
+        staged = mine.to(self.dtype).contiguous()
         handles = [self._swap.write(self._key(i, start), staged[start : start + n]) for start, n in self._parts[i]]
         self._wait(handles, Tier.HOST, Tier.NVME)
 
@@ -139,31 +141,30 @@ class ParamShards:
     def _wait(self, handles: list[SwapHandle], src: Tier, dst: Tier) -> None:
         """Waits for every handle (all of them, even after a failure, so no I/O is left on reused memory)."""
         assert self.store is not None
-        pending = list(reversed(handles))
-        try:
-            while pending:
-                pending.pop().wait()
-        finally:
-            for h in pending:  # after a failure: the first error propagates, the rest only finish
-                with contextlib.suppress(OSError):
-                    h.wait()
+        wait_all(handles)
         self.store.count(src, dst, sum(h.nbytes for h in handles))
 
     def fetch(self, i: int, dst: torch.Tensor) -> _Gathered:
         """Starts gathering parameter ``i`` into ``dst`` (its device buffer)."""
         piece, r = self.layout.piece[i], self.comm.rank
         out = torch.empty(piece * self.comm.world_size, dtype=self.dtype, device=self.device)
+        inp = out[r * piece : (r + 1) * piece]  # the all-gather takes this rank's chunk of out in place
         if self._swap is None:
-            inp = self.pieces[i].to(self.device) if self.device.type != "cpu" else self.pieces[i]
+            source = self.pieces[i]
         else:
             assert self._staging is not None
-            staged = self._staging[:piece]
-            handles = [self._swap.read(self._key(i, start), staged[start : start + n]) for start, n in self._parts[i]]
+            source = self._staging[:piece]
+            handles = [self._swap.read(self._key(i, start), source[start : start + n]) for start, n in self._parts[i]]
             filled = sum(n for _, n in self._parts[i])
-            staged[filled:].zero_()
+            source[filled:].zero_()
             self._wait(handles, Tier.NVME, Tier.HOST)
-            inp = out[r * piece : (r + 1) * piece]  # the all-gather takes this rank's chunk of out in place
-            inp.copy_(staged)
+        if self.device.type == "cpu":
+            inp.copy_(source)
+        else:
+            copy = self.copies.to_device(inp, source, after=None)  # out is new: nothing reads it yet
+            self.copies.use(copy)  # the collective, issued behind the current stream, sees it
+            if self._swap is not None:
+                copy.wait()  # the staging piece is refilled by the next fetch
         return _Gathered(self.comm.all_gather(out, inp, async_op=True), out, dst)
 
     def read(self, i: int) -> torch.Tensor:
@@ -171,7 +172,7 @@ class ParamShards:
         p = self.layout.params[i]
         dst = torch.empty(p.numel(), dtype=self.dtype, device=self.device)
         self.fetch(i, dst).wait()
-        return dst.cpu().view(p.shape)
+        return self.copies.download(dst).view(p.shape)
 
     def swap_stats(self) -> dict[str, Any] | None:
         """The NVMe pieces' swap engine (bytes read and written, ...); None for host pieces."""
@@ -196,14 +197,15 @@ class GradPartition:
     """Owns the full-size gradient buffers of stages 1-2 (world size > 1) and the gradient and parameter
     collectives."""
 
-    def __init__(self, comm: Comm, layout: FlatLayout, store: TieredStore, *, stage: int, dtype: torch.dtype,
-                 accumulate: bool) -> None:
-        self.comm, self.layout, self.store, self.stage = comm, layout, store, stage
+    def __init__(self, comm: Comm, layout: FlatLayout, store: TieredStore, copies: CopyStreams, *, stage: int,
+                 dtype: torch.dtype, accumulate: bool) -> None:
+        self.comm, self.layout, self.store, self.copies, self.stage = comm, layout, store, copies, stage
         # stages 1-2 on several ranks: gradients gather in full-size buffers and are reduced to their owners later;
         # otherwise each goes straight to this rank's buffer in its hook (stage 3 reduces it there: reduce_param)
         self.buffered = comm.world_size > 1 and not layout.per_param
         self.full: list[torch.Tensor] = []
         self._scratch: list[torch.Tensor] = []
+        self._landing: list[torch.Tensor] = []
         if not self.buffered:
             return
         # stage 1 accumulates micro-batches in the full buffer, stage 2 in the host buffer
@@ -236,13 +238,23 @@ class GradPartition:
             direct = not accumulate and dst.dtype == full.dtype and dst.device == full.device
             out = dst if direct else self._scratch_for(g, full)
             self.comm.reduce_scatter(out, full)
-            if not direct:
-                if accumulate:
-                    dst.add_(out.to(dst.device, dst.dtype))
-                else:
-                    dst.copy_(out)
-            if dst.device != full.device:
-                self.store.count(Tier.DEVICE, Tier.HOST, out.numel() * out.element_size())
+            if direct:
+                continue
+            src = out
+            if dst.device != out.device:  # to the host, through the copy streams
+                src = dst if not accumulate and dst.dtype == out.dtype else self._landing_for(g, out)
+                self.copies.to_host(src, out).wait()
+            if accumulate:
+                dst.add_(src)
+            elif src is not dst:
+                dst.copy_(src)
+
+    def _landing_for(self, g: int, out: torch.Tensor) -> torch.Tensor:
+        while len(self._landing) <= g:
+            n = self.layout.owned_numel(len(self._landing))
+            self._landing.append(self.store.allocate(Tier.HOST, n, out.dtype, "a reduced gradient partition on "
+                                                     "the host", "raise offload.host_memory_budget"))
+        return self._landing[g]
 
     def _scratch_for(self, g: int, full: torch.Tensor) -> torch.Tensor:
         while len(self._scratch) <= g:
@@ -271,4 +283,6 @@ class GradPartition:
     def close(self) -> None:
         for t in self.full + self._scratch:
             self.store.free(Tier.DEVICE, t)
-        self.full, self._scratch = [], []
+        for t in self._landing:
+            self.store.free(Tier.HOST, t)
+        self.full, self._scratch, self._landing = [], [], []

@@ -1,9 +1,12 @@
-"""The tiers: budgets and accounting (``_tiers``), the staging-buffer pool (``_pool``), and the tiered store that
-places and moves bytes across DEVICE, HOST and NVME (``_store``)."""
+"""The tiers: budgets and accounting (``_tiers``), the staging-buffer pool (``_pool``), the tiered store that
+places and moves bytes across DEVICE, HOST and NVME (``_store``), and the device<->host copies with their streams,
+events and pinned staging (``_copies``)."""
 
 from ._pool import BufferPool
 from ._store import Residency, TieredStore, Transfer, default_host_budget, prepare_nvme_path
 from ._tiers import BUDGET_KEYS, BudgetExceeded, Tier, TierAccount, fmt_bytes
+from ._copies import DONE, Copy, StagingRing, CopyStreams, wait_all
 
-__all__ = ["BUDGET_KEYS", "BudgetExceeded", "BufferPool", "Residency", "Tier", "TierAccount", "TieredStore", "Transfer",
-           "default_host_budget", "fmt_bytes", "prepare_nvme_path"]
+__all__ = ["BUDGET_KEYS", "DONE", "BudgetExceeded", "BufferPool", "Copy", "CopyStreams", "Residency", "StagingRing",
+           "Tier", "TierAccount", "TieredStore", "Transfer", "default_host_budget", "fmt_bytes", "prepare_nvme_path",
+           "wait_all"]

@@ -150,12 +150,12 @@ class TieredStore:
         filled by a swap read, whose I/O thread faults its pages in (see ``aligned_tensor``)."""
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         cpu = tier is Tier.HOST or self.device.type == "cpu"
-        stagger = stagger if cpu and not self.pin_memory and nbytes >= (64 << 20) else 0  # padding <= 3%
+        stagger = stagger if cpu and nbytes >= (64 << 20) else 0  # padding <= 3%
         charged = nbytes + (HUGE_PAGE if stagger else 0)
         self.accounts[tier].reserve(charged, what, fix)
         try:
             if stagger:
-                t = host_stream_buffer(numel, dtype, slot=stagger)
+                t = host_stream_buffer(numel, dtype, slot=stagger, pin_memory=tier is Tier.HOST and self.pin_memory)
             elif tier is Tier.DEVICE:
                 t = aligned_tensor(numel, dtype, pin_memory=False, prefault=prefault) if self.device.type == "cpu" \
                     else torch.zeros(numel, dtype=dtype, device=self.device)

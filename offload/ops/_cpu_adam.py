@@ -287,7 +287,8 @@ _STREAM_STAGGER = 705 << 10
 
 
 def host_stream_buffer(
-    numel: int, dtype: torch.dtype = torch.float32, *, slot: int, anchor: torch.Tensor | None = None
+    numel: int, dtype: torch.dtype = torch.float32, *, slot: int, anchor: torch.Tensor | None = None,
+    pin_memory: bool = False,
 ) -> torch.Tensor:
     """A zero-filled huge-page host buffer for one stream of the Adam update (param, grad, exp_avg, ...).
 
@@ -296,7 +297,7 @@ def host_stream_buffer(
     the streams then hit the same DRAM banks in lockstep and the update runs up to twice as slow. Each ``slot`` starts
     ``705 KiB * slot`` further into its page (relative to ``anchor``'s offset when given, e.g. the parameter the
     state belongs to), which keeps streams apart in both the bank bits and the 4 KiB page offset. Costs up to
-    2 MiB of padding per buffer.
+    2 MiB of padding per buffer. ``pin_memory``: page-locked for CUDA copies (see ``aligned_tensor``).
     """
     from nvme_swapper import aligned_tensor
     from nvme_swapper._buffers import HUGE_PAGE
@@ -305,7 +306,7 @@ def host_stream_buffer(
     base = 0 if anchor is None else anchor.data_ptr() % HUGE_PAGE
     offset_bytes = (base + slot * _STREAM_STAGGER) % HUGE_PAGE
     offset_bytes -= offset_bytes % itemsize
-    region = aligned_tensor(numel * itemsize + HUGE_PAGE, torch.uint8)
+    region = aligned_tensor(numel * itemsize + HUGE_PAGE, torch.uint8, pin_memory=pin_memory)
     # A tensor with its own storage of exactly ``numel`` elements (a plain slice would make torch.save write the
     # padding too); the numpy base chain keeps ``region`` and its mapping alive.
     body = torch.from_numpy(region.numpy()[offset_bytes : offset_bytes + numel * itemsize])

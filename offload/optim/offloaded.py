@@ -1,14 +1,18 @@
 """OffloadedAdam: Adam/AdamW whose fp32 master weights and moments live on HOST or NVME, one sub-group at a time.
 
 Per sub-group (see :mod:`._layout`) the state is one flat fp32 block ``[master | exp_avg | exp_avg_sq]``: one
-allocation on HOST, or one NVMe key read and written in a single request. Gradients arrive (from the engine's hooks)
-in one host buffer per param group: fp32 when micro-batches accumulate into it, else the training dtype (a bf16
-gradient widened to fp32 carries no more information, and the kernel reads bf16/fp16 directly). Updating a sub-group
-is one pass of the CPU Adam kernel, which also writes the new low-precision parameters straight into the device's
-flat parameter buffer (on CUDA, into a pinned staging buffer copied to the device on a side stream).
+allocation on HOST, or one NVMe key read and written in a single request. Gradients arrive (from the engine's
+:class:`~offload.engine._grads.GradientStream`) in one host buffer per param group: fp32 when micro-batches
+accumulate into it, else the training dtype (a bf16 gradient widened to fp32 carries no more information, and the
+kernel reads bf16/fp16 directly). An update first waits for the handles of the copies that bring its sub-group's
+gradients (``grad_handles``). Updating a sub-group is one pass of the CPU Adam kernel, which also writes the new
+low-precision parameters: straight into their target when it is host memory (the CPU device tier, host homes, the
+delayed update's buffer), else into a pinned staging buffer whose copy to the device then runs on the
+host-to-device stream (:class:`~offload.memory.CopyStreams`) behind the point where backward stopped reading them.
 
-All state access runs on one worker thread, the stepper, which takes sub-group indices from a queue: the engine
-queues a sub-group as soon as its gradients are final (overlap with backward) or all remaining ones at ``step``.
+All state access runs on one worker thread, the stepper, which runs jobs in submission order: the engine queues a
+sub-group as soon as its gradients are final (overlap with backward) or all remaining ones at ``step``, and the
+gradient stream queues its accumulation adds there too, so an update always follows the adds into its range.
 With state on NVMe the stepper is a pipeline through the store's staging buffers: while it updates sub-group k,
 the reads of the next sub-groups (in the order the last step processed them) are in flight, and k-1's write-back
 drains behind. An error on the stepper surfaces at the engine's next wait.
@@ -24,7 +28,7 @@ from typing import Any
 import torch
 
 from ..config import OptimizerConfig
-from ..memory import Tier, TieredStore, fmt_bytes
+from ..memory import CopyStreams, StagingRing, Tier, TieredStore, fmt_bytes, wait_all
 from ..ops import adam_step
 from ._layout import FlatLayout, SubGroup
 
@@ -36,8 +40,8 @@ class OffloadedAdam(torch.optim.Optimizer):
     """A torch Optimizer over the layout's parameters (so LR schedulers and per-group hyperparameters work), whose
     state is held by a :class:`TieredStore` on ``placement`` (DEVICE means no offload)."""
 
-    def __init__(self, layout: FlatLayout, store: TieredStore, cfg: OptimizerConfig, placement: Tier, *,
-                 group_options: list[dict[str, Any]] | None = None, nvme_path: str | None = None,
+    def __init__(self, layout: FlatLayout, store: TieredStore, copies: CopyStreams, cfg: OptimizerConfig,
+                 placement: Tier, *, group_options: list[dict[str, Any]] | None = None, nvme_path: str | None = None,
                  buffer_count: int = 4, aio: Any = None, grad_dtype: torch.dtype = torch.float32,
                  grad_buffers: int = 1) -> None:
         n_groups = len(layout.group_numel)
@@ -47,7 +51,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         defaults = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
                         bias_correction=cfg.bias_correction, adamw_mode=cfg.adamw_mode)
         super().__init__(groups, defaults)
-        self.layout, self.store, self.placement = layout, store, placement
+        self.layout, self.store, self.copies, self.placement = layout, store, copies, placement
         self.step_count = 0  # completed steps; the update in progress uses step_count + 1
         self.adam_seconds = 0.0
         self.adam_seconds_overlapped = 0.0
@@ -55,8 +59,11 @@ class OffloadedAdam(torch.optim.Optimizer):
         self._device_flats: list[torch.Tensor] = []
         self._on_updated: Any = None
         self._staging: torch.Tensor | None = None
+        self._uploads: StagingRing | None = None  # pinned staging of new parameters bound for a CUDA device
+        self.grad_handles: Any = lambda k: ()  # what an update waits for: the copies of its gradients (engine-set)
         self._order = [sg.index for sg in reversed(layout.sub_groups)]  # backward makes gradients final in reverse
         self._done: set[int] = set()
+        self._ran: list[int] = []  # sub-groups in the order the stepper updated them (the next step reads ahead so)
         self._launched = False
         self._in_backward = False
         grad_tier = Tier.DEVICE if placement is Tier.DEVICE else Tier.HOST
@@ -85,7 +92,7 @@ class OffloadedAdam(torch.optim.Optimizer):
                                        f"optimizer state of sub-group {sg.index}", _FIX_HOST)
                 self._init_state(sg, block)
                 self._state.append(block)
-        self._stepper = _Stepper(self._update)
+        self._stepper = Worker("offload-stepper")
         self._warm_kernel()
 
     @staticmethod
@@ -121,6 +128,9 @@ class OffloadedAdam(torch.optim.Optimizer):
         if on_updated is not None:
             self._staging = self.store.allocate(Tier.HOST, self.layout.max_sub_group_numel, dtype or flats[0].dtype,
                                                 "the staging buffer of updated parameters", _FIX_HOST)
+        elif flats and flats[0].device.type == "cuda" and self.placement is not Tier.DEVICE:
+            self._uploads = StagingRing(self.store, 2, self.layout.max_sub_group_numel, flats[0].dtype,
+                                        "pinned staging of updated parameters for the device", _FIX_HOST)
 
     def swap_grads(self) -> None:
         """Hooks write the other gradient set from now on (delayed update: backward t+1 beside update t)."""
@@ -139,12 +149,18 @@ class OffloadedAdam(torch.optim.Optimizer):
     def end_backward(self) -> None:
         self._in_backward = False
 
-    def submit(self, sg: int, grad_scale: float = 1.0) -> None:
-        """Queues one sub-group's update for the step in progress (its gradients are final)."""
+    def submit(self, sg: int, grad_scale: float = 1.0, *, wait_first: tuple[Any, ...] = ()) -> None:
+        """Queues one sub-group's update for the step in progress (its gradients are final, or on their way:
+        the update waits for ``grad_handles(sg)``, and for ``wait_first``). Called from the training thread."""
         self._done.add(sg)
         if self._in_backward:
             self.sub_groups_overlapped += 1
-        self._stepper.submit((sg, grad_scale, self.grads, self.step_count + 1))
+        waits = (*wait_first, *self.grad_handles(sg))
+        self._stepper.submit(self._update, sg, grad_scale, self.grads, self.step_count + 1, waits, self.copies.mark())
+
+    def run(self, fn: Any, *args: Any) -> "Job":
+        """Runs ``fn(*args)`` on the optimizer thread after everything queued there (gradient accumulation)."""
+        return self._stepper.submit(fn, *args)
 
     def step(self, closure: Any = None, *, grad_scale: float = 1.0) -> None:  # type: ignore[override]
         """Updates every sub-group not already updated during backward; returns when all are done.
@@ -154,11 +170,12 @@ class OffloadedAdam(torch.optim.Optimizer):
         self.launch(grad_scale)
         self.finish()
 
-    def launch(self, grad_scale: float = 1.0) -> None:
-        """Queues the rest of the step and returns at once; ``finish`` waits for it."""
+    def launch(self, grad_scale: float = 1.0, *, wait_first: tuple[Any, ...] = ()) -> None:
+        """Queues the rest of the step and returns at once; ``finish`` waits for it. Every update waits for
+        ``wait_first`` (copies still reading a buffer the updates write) before writing."""
         for sg in self._order:
             if sg not in self._done:
-                self.submit(sg, grad_scale)
+                self.submit(sg, grad_scale, wait_first=wait_first)
         self.step_count += 1
         self._launched = True
 
@@ -170,7 +187,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         try:
             self._wait_idle()
         finally:
-            order = self._stepper.take_order()
+            order, self._ran = self._ran, []
             seen = set(order)
             self._order = order + [k for k in self._order if k not in seen]
             self._done.clear()
@@ -185,7 +202,12 @@ class OffloadedAdam(torch.optim.Optimizer):
         if self.placement is Tier.NVME:
             self.store.drain()
 
-    def _update(self, k: int, grad_scale: float, grads: list[torch.Tensor], step: int) -> None:
+    def _update(self, k: int, grad_scale: float, grads: list[torch.Tensor], step: int, waits: tuple[Any, ...],
+                after: Any) -> None:
+        """On the stepper: one sub-group's Adam update once its gradients have landed; ``after``: the point of the
+        compute stream after which the device no longer reads this sub-group's parameters."""
+        wait_all(waits)
+        self._ran.append(k)
         sg = self.layout.sub_groups[k]
         if self.placement is Tier.NVME:
             block = self.store.acquire(self._key(sg))
@@ -195,30 +217,40 @@ class OffloadedAdam(torch.optim.Optimizer):
         n = sg.numel
         master, exp_avg, exp_avg_sq = block[:n], block[n : 2 * n], block[2 * n :]
         group = self.param_groups[sg.group]
-        if self._on_updated is not None:
-            device_slice = self._staging[: sg.numel]
-        else:
+        target = None
+        if self._on_updated is None:
             base = self._flat_base[sg.group]
-            device_slice = self._device_flats[sg.group][sg.start - base : sg.end - base]
+            target = self._device_flats[sg.group][sg.start - base : sg.end - base]
         t = time.perf_counter()
-        on_cpu = device_slice.device.type == "cpu"
-        lowp = device_slice.dtype != torch.float32
-        if master.device.type == "cuda":
+        slot = None
+        if master.device.type == "cuda":  # state on the device (no offload): torch's fused kernel, same arithmetic
             self._fused_torch(master, exp_avg, exp_avg_sq, self.grad_slice(sg, grads), group, grad_scale, step)
+            out = None
         else:
+            if self._on_updated is not None:
+                out = self._staging[:n]
+            elif target.device.type == "cpu":
+                out = target
+            else:
+                slot, staged = self._uploads.take()
+                out = staged[:n]
+            lowp = out.dtype != torch.float32
             adam_step(master, self.grad_slice(sg, grads), exp_avg, exp_avg_sq, step=step, lr=group["lr"],
                       beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],
                       weight_decay=group["weight_decay"], adamw_mode=group["adamw_mode"],
-                      bias_correction=group["bias_correction"], grad_scale=grad_scale,
-                      out=device_slice if on_cpu and lowp else None)
+                      bias_correction=group["bias_correction"], grad_scale=grad_scale, out=out if lowp else None)
+            if not lowp:
+                out.copy_(master)  # fp32 training: the new parameters are the masters
         elapsed = time.perf_counter() - t
         self.adam_seconds += elapsed
         if self._in_backward:
             self.adam_seconds_overlapped += elapsed
-        if not (on_cpu and lowp):
-            self._to_device(device_slice, master)
+        if out is None:
+            target.copy_(master)
+        elif slot is not None:
+            self._uploads.used(slot, self.copies.to_device(target, out, after=after))
         if self._on_updated is not None:
-            self._on_updated(sg, device_slice)
+            self._on_updated(sg, out)
         if self.placement is Tier.NVME:
             self.store.evict(self._key(sg))
 
@@ -229,15 +261,6 @@ class OffloadedAdam(torch.optim.Optimizer):
         for k in order[pos + 1 :]:
             if self.store.fetch(self._key(self.layout.sub_groups[k])) is None:
                 break
-
-    def _to_device(self, dst: torch.Tensor, master: torch.Tensor) -> None:
-        if dst.device.type == "cuda":
-            staging = master.to(dst.dtype) if dst.dtype != master.dtype else master
-            dst.copy_(staging, non_blocking=True)
-            torch.cuda.current_stream(dst.device).synchronize()  # the staging memory is reused right after
-            self.store.count(Tier.HOST, Tier.DEVICE, dst.numel() * dst.element_size())
-        else:
-            dst.copy_(master)
 
     def _fused_torch(self, master: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor,
                      group: dict[str, Any], grad_scale: float, step_number: int) -> None:
@@ -275,6 +298,9 @@ class OffloadedAdam(torch.optim.Optimizer):
 
     def close(self) -> None:
         self._stepper.close()
+        if self._uploads is not None:
+            self._uploads.close()
+            self._uploads = None
         for grads in self._grad_sets:
             for g in grads:
                 self.store.free(Tier.DEVICE if self.placement is Tier.DEVICE else Tier.HOST, g)
@@ -297,36 +323,48 @@ class OffloadedAdam(torch.optim.Optimizer):
         raise RuntimeError("OffloadedAdam state can be larger than memory: use engine.load_checkpoint(dir)")
 
 
-class _Stepper:
-    """The one thread that touches optimizer state during steps: a FIFO of sub-group updates."""
+class Job:
+    """One job of a :class:`Worker`; ``wait()`` returns once it has run (or was skipped after an earlier failure,
+    which the worker's ``wait_idle`` re-raises)."""
 
-    def __init__(self, update: Any) -> None:
-        self._update = update
-        self._queue: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+    __slots__ = ("_done",)
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self) -> None:
+        self._done.wait()
+
+
+class Worker:
+    """One thread that runs submitted jobs in order (the stepper: all access to optimizer state during steps)."""
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue[tuple[Any, tuple[Any, ...], Job] | None] = queue.SimpleQueue()
         self._idle = threading.Condition()
         self._pending = 0
         self._error: BaseException | None = None
-        self._order: list[int] = []
-        self._thread = threading.Thread(target=self._run, name="offload-stepper", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, item: tuple[Any, ...]) -> None:
-        """``item`` = (sub-group index, *arguments of the update)."""
+    def submit(self, fn: Any, *args: Any) -> Job:
+        job = Job()
         with self._idle:
             self._pending += 1
-        self._queue.put(item)
+        self._queue.put((fn, args, job))
+        return job
 
     def wait_idle(self) -> None:
+        """Waits for every job submitted so far; re-raises the first error since the last wait."""
         with self._idle:
             while self._pending:
                 self._idle.wait()
             error, self._error = self._error, None
         if error is not None:
             raise error
-
-    def take_order(self) -> list[int]:
-        order, self._order = self._order, []
-        return order
 
     def close(self) -> None:
         if self._thread.is_alive():
@@ -335,13 +373,14 @@ class _Stepper:
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
+            fn, args, job = item
             try:
-                if self._error is None:  # after a failure, later updates are skipped until someone waits
-                    self._update(*item)
-                    self._order.append(item[0])
+                if self._error is None:  # after a failure, later jobs are skipped until someone waits
+                    fn(*args)
             except BaseException as exc:
                 self._error = exc
             finally:
+                job._done.set()
                 with self._idle:
                     self._pending -= 1
                     if not self._pending:

@@ -25,6 +25,12 @@ When parameters are needed:
   trainable parameter is released once its gradient has been accumulated (its last use in this backward), frozen
   ones when backward ends.
 
+Copies to the device go through the engine's :class:`~offload.memory.CopyStreams`: with CUDA, a host home is copied
+on the host-to-device stream and the compute stream waits for that copy on the GPU only when it uses the parameter;
+an NVMe home is read into a pinned staging buffer (a pool counted on the HOST tier) and copied on by the fetch
+thread. A device buffer handed to a new fetch is written only after the compute stream has passed the point where
+its previous parameter was released. On the CPU the same calls copy on the fetch thread.
+
 Prefetch: the first step records the order parameters are fetched in (forward and backward separately); later
 steps, at each fetch, start the fetches of the next parameters in that order as long as the live parameters stay
 within ``stage3_max_live_parameters`` and the fetches in flight within ``stage3_prefetch_bucket_size``; in forward
@@ -38,6 +44,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import functools
+import threading
 import time
 from dataclasses import dataclass, field
 from enum import Enum
@@ -48,7 +55,8 @@ import torch
 
 from nvme_swapper import AioConfig, SwapEngine, aligned_tensor
 
-from ..memory import BudgetExceeded, Tier, TieredStore
+from .._cleanup import close_after_failure
+from ..memory import BudgetExceeded, Copy, CopyStreams, Tier, TieredStore
 
 
 class ParamState(Enum):
@@ -67,7 +75,8 @@ class _Param:
     persistent: bool
     state: ParamState = ParamState.RELEASED
     device: torch.Tensor | None = None
-    pending: Any = None  # the fetch in flight (a SwapHandle or a Future), cleared when waited
+    after: Any = None  # a reused device buffer: the compute-stream point after which it may be overwritten
+    pending: Any = None  # the fetch in flight (a Copy, a SwapHandle, a gather or a Future), cleared when waited
     users: int = 0  # modules currently running with it (a module may be entered again before it exits)
     stale: bool = False  # persistent: the optimizer has written a newer value to the home
     sharded: bool = False  # stage 3 on several ranks: the home is this rank's piece; a fetch all-gathers
@@ -88,19 +97,22 @@ class ParameterOffload:
     the device as a plain tensor."""
 
     def __init__(self, module: torch.nn.Module, params: list[torch.nn.Parameter], homes: list[torch.Tensor | None],
-                 store: TieredStore, dtype: torch.dtype, *, persistence_threshold: int, max_live: int,
-                 bucket: int, nvme_path: str | None = None, aio: AioConfig | None = None,
+                 store: TieredStore, copies: CopyStreams, dtype: torch.dtype, *, persistence_threshold: int,
+                 max_live: int, bucket: int, nvme_path: str | None = None, aio: AioConfig | None = None,
                  shards: Any = None) -> None:
         """``shards`` (a :class:`offload.dist.ParamShards`, several ranks): the homes of the parameters it covers
         are pieces on each rank; fetching one is an all-gather (collective: every rank fetches in the same
         order, which the same model, trace and window make true)."""
-        self.module, self.store, self.dtype = module, store, dtype
+        self.module, self.store, self.copies, self.dtype = module, store, copies, dtype
         self.shards = shards
         self.device = store.device
         self.max_live, self.bucket = max_live, bucket
         self.live_numel = 0  # non-persistent parameters AVAILABLE or FETCHING
         self.in_flight_numel = 0
-        self._cache: dict[int, list[torch.Tensor]] = {}  # released device buffers by size, reused by fetches
+        # released device buffers by size, reused by fetches, each with the compute-stream point it was released at
+        self._cache: dict[int, list[tuple[torch.Tensor, Any]]] = {}
+        self._staging: dict[int, list[torch.Tensor]] = {}  # pinned buffers NVMe reads land in (CUDA), by size
+        self._staging_lock = threading.Lock()
         self._evictable: collections.OrderedDict[int, _Param] = collections.OrderedDict()  # unused, oldest first
         self.cached_numel = 0  # live + cached stays within max_live: the device window's bound
         self.counters = {"resident": 0, "in_flight": 0, "waited": 0, "fetches": 0, "released": 0,
@@ -118,53 +130,70 @@ class ParameterOffload:
         self._frozen_in_backward: set[int] = set()
         self._nvme_bytes = 0
         self._private: list[torch.Tensor] = []  # host copies this object allocated (and frees at close)
-        # NVMe keys of this object's own: the pieces of sharded parameters are ParamShards' (frozen ones are not)
-        homed = [p.numel() for i, p in enumerate(params) if p.numel() > persistence_threshold
-                 and not (shards is not None and shards.covers(i))]
-        if nvme_path is not None and (homed or shards is None):
-            root = Path(nvme_path)
-            size = torch.empty((), dtype=dtype).element_size()
-            # every parameter's key, plus one spare extent: a rewrite goes beside the bytes it replaces
-            nvme_bytes = (sum(homed) + max(homed, default=0)) * size
-            store.claim_nvme(root, nvme_bytes, f"parameters homed on {root}", f"free disk space at {root}")
-            self._nvme_bytes = nvme_bytes
-            self._swap = SwapEngine(root, aio or AioConfig())
+        try:
+            self._check_window([p.numel() for p in params], persistence_threshold)
+            # NVMe keys of this object's own: the pieces of sharded parameters are ParamShards' (frozen ones are not)
+            homed = [p.numel() for i, p in enumerate(params) if p.numel() > persistence_threshold
+                     and not (shards is not None and shards.covers(i))]
+            if nvme_path is not None and (homed or shards is None):
+                root = Path(nvme_path)
+                size = torch.empty((), dtype=dtype).element_size()
+                # every parameter's key, plus one spare extent: a rewrite goes beside the bytes it replaces
+                nvme_bytes = (sum(homed) + max(homed, default=0)) * size
+                store.claim_nvme(root, nvme_bytes, f"parameters homed on {root}", f"free disk space at {root}")
+                self._nvme_bytes = nvme_bytes
+                self._swap = SwapEngine(root, aio or AioConfig())
+            self._build(params, homes, persistence_threshold)
+            self._install()
+        except BaseException as exc:
+            close_after_failure(self.close, exc)
+            raise
+
+    def _build(self, params: list[torch.nn.Parameter], homes: list[torch.Tensor | None],
+               persistence_threshold: int) -> None:
+        """Records every parameter, writes NVMe homes (through one host buffer, freed after) and puts persistent
+        parameters on the device. A parameter is recorded once its home holds its value, so ``close`` after a
+        failure here hands back exactly the parameters that moved."""
+        writing = None
+        if self._swap is not None:
+            largest = max((p.numel() for i, p in enumerate(params) if p.numel() > persistence_threshold
+                           and not (self.shards is not None and self.shards.covers(i))), default=0)
+            writing = self.store.allocate(Tier.HOST, largest, self.dtype, "the buffer parameters are written to "
+                                          "NVMe through at initialize", "raise offload.host_memory_budget")
         try:
             for i, (p, home) in enumerate(zip(params, homes)):
                 persistent = p.numel() <= persistence_threshold
                 rec = _Param(i, p, p.shape, p.numel(), home, persistent)
-                rec.sharded = shards is not None and shards.covers(i)
-                self.params.append(rec)
-                self._by_param[id(p)] = rec
+                rec.sharded = self.shards is not None and self.shards.covers(i)
                 if rec.sharded:
                     pass  # the engine filled this rank's piece; every rank starts from the same full values
                 elif self._swap is not None and not persistent:
-                    staged = aligned_tensor(p.numel(), dtype, pin_memory=False)
+                    staged = writing[: p.numel()]
                     staged.copy_(p.detach().reshape(-1))
                     self._swap.write(self._key(rec), staged).wait()
                     rec.home = None
                 elif home is None:  # frozen, or persistent with NVMe homes: a private host copy
-                    rec.home = store.allocate(Tier.HOST, p.numel(), dtype, f"the host copy of parameter {i}")
+                    rec.home = self.store.allocate(Tier.HOST, p.numel(), self.dtype, f"the host copy of parameter {i}")
                     self._private.append(rec.home)
                     rec.home.copy_(p.detach().reshape(-1))
+                self.params.append(rec)
+                self._by_param[id(p)] = rec
                 if persistent:
                     self._materialize(rec)
-                    rec.device.copy_(rec.home if rec.home is not None and not rec.sharded else
-                                     p.detach().reshape(-1))
+                    source = rec.home if rec.home is not None and not rec.sharded else p.detach().reshape(-1)
+                    self._upload_now(rec, source)
                     rec.state = ParamState.AVAILABLE
                 p.data = self._placeholder(rec) if not persistent else rec.device.view(rec.shape)
-            self._check_window()
-            self._install()
-        except BaseException:
-            self.close()
-            raise
+        finally:
+            if writing is not None:
+                self.store.free(Tier.HOST, writing)
 
-    def _check_window(self) -> None:
+    def _check_window(self, sizes: list[int], persistence_threshold: int) -> None:
         """The window plus the persistent parameters must fit the device budget: fail here, not mid-step."""
         budget = self.store.accounts[Tier.DEVICE].budget
         size = torch.empty((), dtype=self.dtype).element_size()
-        persistent = sum(r.numel for r in self.params if r.persistent) * size
-        largest = max((r.numel for r in self.params if not r.persistent), default=0)
+        persistent = sum(n for n in sizes if n <= persistence_threshold) * size
+        largest = max((n for n in sizes if n > persistence_threshold), default=0)
         if largest > self.max_live:
             raise ValueError(f"zero_optimization.stage3_max_live_parameters ({self.max_live}) is smaller than the "
                              f"largest parameter ({largest} elements); raise it to at least {largest}")
@@ -285,8 +314,8 @@ class ParameterOffload:
         if rec.state is ParamState.FETCHING:
             self._finish(rec)
         self._by_storage.pop(rec.device.untyped_storage().data_ptr(), None)
-        if reuse:
-            self._cache.setdefault(rec.numel, []).append(rec.device)  # fetches of same-shaped parameters reuse it
+        if reuse:  # fetches of same-shaped parameters reuse it, once the compute stream is past this point
+            self._cache.setdefault(rec.numel, []).append((rec.device, self.copies.mark()))
             self.cached_numel += rec.numel
         else:
             self.store.free(Tier.DEVICE, rec.device)
@@ -304,9 +333,10 @@ class ParameterOffload:
         after dropping cached buffers until the window has room."""
         cached = self._cache.get(rec.numel)
         if cached and not rec.persistent:
-            rec.device = cached.pop()
+            rec.device, rec.after = cached.pop()
             self.cached_numel -= rec.numel
         else:
+            rec.after = None
             if not rec.persistent:
                 self._trim(self.max_live - self.live_numel - rec.numel)
             rec.device = self.store.allocate(Tier.DEVICE, rec.numel, self.dtype, f"parameter {rec.index} on the "
@@ -320,7 +350,7 @@ class ParameterOffload:
         for numel in sorted(self._cache, reverse=True):
             bufs = self._cache[numel]
             while bufs and self.cached_numel > max(keep, 0):
-                self.store.free(Tier.DEVICE, bufs.pop())
+                self.store.free(Tier.DEVICE, bufs.pop()[0])
                 self.cached_numel -= numel
 
     def _start(self, rec: _Param) -> None:
@@ -332,33 +362,63 @@ class ParameterOffload:
             rec.pending = self.shards.fetch(rec.index, rec.device)
         elif rec.home is None:
             assert self._swap is not None
-            if self.device.type == "cpu":
+            if not self.copies.cuda:  # the device tier is host memory: read straight into the buffer
                 rec.pending = self._swap.read(self._key(rec), rec.device)
             else:
-                staging = aligned_tensor(rec.numel, self.dtype, pin_memory=True)
+                staging = self._take_staging(rec.numel)
                 handle = self._swap.read(self._key(rec), staging)
-                rec.pending = self._copier.submit(self._to_device, handle, staging, rec.device)
-        else:
-            rec.pending = self._copier.submit(self._copy, rec.device, rec.home)
+                rec.pending = self._copier.submit(self._land, handle, staging, rec.device, rec.after)
+        elif self.copies.cuda:
+            rec.pending = self.copies.to_device(rec.device, rec.home, after=rec.after)
+        else:  # a memcpy: on the fetch thread, beside compute
+            rec.pending = self._copier.submit(self.copies.to_device, rec.device, rec.home, after=None)
+        rec.after = None
         rec.state = ParamState.FETCHING
-        self.store.count(Tier.NVME if rec.home is None and not rec.sharded else Tier.HOST, Tier.DEVICE, rec.numel * 2)
+        if rec.home is None and not rec.sharded:
+            self.store.count(Tier.NVME, Tier.HOST, rec.numel * rec.param.element_size())
 
-    @staticmethod
-    def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-        dst.copy_(src, non_blocking=dst.device.type == "cuda")
-        if dst.device.type == "cuda":
-            torch.cuda.current_stream(dst.device).synchronize()
+    def _land(self, handle: Any, staging: torch.Tensor, dst: torch.Tensor, after: Any) -> Copy:
+        """On the fetch thread: once an NVMe read has landed in ``staging``, copy it to the device buffer."""
+        try:
+            handle.wait()
+            copy = self.copies.to_device(dst, staging, after=after, src_tier=Tier.HOST)
+            copy.wait()  # the staging buffer is reused as soon as it is given back
+            return copy
+        finally:
+            self._give_staging(staging)
 
-    def _to_device(self, handle: Any, staging: torch.Tensor, dst: torch.Tensor) -> None:
-        handle.wait()
-        self._copy(dst, staging)
+    def _take_staging(self, numel: int) -> torch.Tensor:
+        with self._staging_lock:
+            free = self._staging.get(numel)
+            if free:
+                return free.pop()
+        return self.store.allocate(Tier.HOST, numel, self.dtype, "pinned staging of parameters read from NVMe",
+                                   "raise offload.host_memory_budget or lower "
+                                   "zero_optimization.stage3_prefetch_bucket_size")
+
+    def _give_staging(self, staging: torch.Tensor) -> None:
+        with self._staging_lock:
+            self._staging.setdefault(staging.numel(), []).append(staging)
+
+    def _upload_now(self, rec: _Param, value: torch.Tensor) -> None:
+        """Writes ``value`` (host, or already on the device) into ``rec``'s device buffer, ready for the calling
+        thread's stream."""
+        if value.device.type != "cpu" or not self.copies.cuda:
+            rec.device.copy_(value.reshape(-1))
+        else:
+            self.copies.to_device(rec.device, value.reshape(-1), after=self.copies.mark()).wait()
 
     def _finish(self, rec: _Param) -> None:
         pending, rec.pending = rec.pending, None
         self.in_flight_numel -= rec.numel
         t = time.perf_counter()
         try:
-            pending.result() if isinstance(pending, concurrent.futures.Future) else pending.wait()
+            if isinstance(pending, concurrent.futures.Future):
+                pending = pending.result()
+            if isinstance(pending, Copy):
+                self.copies.use(pending)  # on the GPU: the compute stream waits for the copy, the CPU does not
+            else:
+                pending.wait()
         finally:
             self.store.stall_seconds += time.perf_counter() - t
         rec.state = ParamState.AVAILABLE
@@ -370,7 +430,7 @@ class ParameterOffload:
         if rec.sharded:
             self.shards.fetch(rec.index, rec.device).wait()  # gathered straight into the device buffer
         elif rec.home is not None:
-            rec.device.copy_(rec.home)
+            self.copies.use(self.copies.to_device(rec.device, rec.home, after=self.copies.mark()))
         rec.stale = False
 
     def _evict(self, numel: int) -> bool:
@@ -492,7 +552,7 @@ class ParameterOffload:
         if rec.sharded:
             self.shards.write(index, value)
             if rec.persistent:
-                rec.device.copy_(value.reshape(-1))
+                self._upload_now(rec, value)
         elif rec.home is not None:
             rec.home.copy_(value.reshape(-1))
             rec.stale = True
@@ -536,6 +596,8 @@ class ParameterOffload:
         self._mark = dict(self.counters)
 
     def close(self) -> None:
+        """Removes the hooks and hands the model back whole, as plain tensors holding each parameter's current
+        value. Safe on a half-built object (a failure in ``__init__``): only the parameters recorded are touched."""
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -546,7 +608,7 @@ class ParameterOffload:
             if rec.state is ParamState.FETCHING:
                 self._finish(rec)
             if rec.state is ParamState.RELEASED or rec.stale:
-                rec.param.data = self.read_home(rec.index).to(self.device)
+                rec.param.data = self.copies.upload(self.read_home(rec.index))
                 if rec.device is not None:
                     self.store.free(Tier.DEVICE, rec.device)
                     rec.device = None
@@ -557,6 +619,10 @@ class ParameterOffload:
             rec.state = ParamState.RELEASED
         self._trim(0)
         self._copier.shutdown(wait=True)
+        for bufs in self._staging.values():
+            for b in bufs:
+                self.store.free(Tier.HOST, b)
+        self._staging = {}
         if self._swap is not None:
             self._swap.close()
             self._swap = None

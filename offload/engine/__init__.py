@@ -1,0 +1,11 @@
+"""The training-step engine: ``offload.initialize(model, config)`` returns an :class:`Engine`.
+
+* ``_engine.py``: :class:`Engine` wires the layers a :class:`~offload.plan.Plan` asks for and runs the step
+  (:class:`Phase` says where it is; :class:`TrainingState` is what checkpoints store besides tensors);
+* ``_weights.py``: :class:`Weights`, where the low-precision parameters live and how new values reach them;
+* ``_grads.py``: :class:`GradientStream`, gradients from the device to the host buffers as they become final.
+"""
+
+from ._engine import Engine, Phase, TrainingState, initialize
+
+__all__ = ["Engine", "Phase", "TrainingState", "initialize"]

@@ -1,0 +1,543 @@
+"""Engine: wires the layers a :class:`~offload.plan.Plan` asks for and runs the training step.
+
+What ``initialize`` builds, in order, and who owns what afterwards (``close()`` stops it all, in reverse):
+
+* the process group and this rank's device (:func:`offload.dist.join`), then the frozen :class:`Plan`;
+* the :class:`TieredStore` (budgets of DEVICE, HOST and NVME, the swap engine, staging buffers) and the
+  :class:`CopyStreams` every device<->host copy goes through;
+* the :class:`FlatLayout` of the trainable parameters and the :class:`OffloadedAdam` holding fp32 master weights
+  and moments on HOST or NVME, with gradient buffers on HOST;
+* :class:`Weights`: where the low-precision parameters live (device flats, host or NVMe homes with a device
+  window) and how the optimizer's new values reach them;
+* :class:`GradientStream`: gradients from the device to the host buffers, bucketed, as they become final;
+* the engine's own hooks: a post-accumulate-grad hook per trainable parameter, and a forward pre-hook on the root
+  module, the one place inputs are moved to the device (tensors in args and kwargs, nested in lists, tuples and
+  dicts; asynchronously from pinned memory).
+
+A step: ``engine.backward(loss)`` scales the loss (fp16 loss scale, 1/accumulation steps) and runs backward; the
+hooks hand each final gradient to the gradient stream and, where the plan allows (bf16/fp32, no clipping, last
+micro-batch), each sub-group whose gradients have all been sent to the optimizer thread during the rest of
+backward. ``engine.step()`` at an accumulation boundary checks for overflow (fp16), computes the global gradient
+norm for clipping, folds loss scale and clipping into one gradient divisor for the CPU Adam kernel, and updates
+the remaining sub-groups. Where the engine is in a step is :class:`Phase`, checked at every call.
+
+With several ranks the layout gives this rank 1/N of every flat buffer; gradients are reduce-scattered to their
+owners (at the step in stage 1, after each backward in stage 2, in each hook in stage 3), updated parameters
+all-gathered (after the step, or on demand in stage 3). One rank runs the same code with collectives that are
+copies or nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import torch
+
+from nvme_swapper import FileIO, pinned_bytes
+
+from .. import _checkpoint
+from .._cleanup import close_after_failure
+from .._precision import LossScaler
+from ..config import OffloadConfig
+from ..dist import Comm, GradPartition, join
+from ..memory import CopyStreams, Tier, TieredStore, prepare_nvme_path
+from ..optim._layout import FlatLayout
+from ..optim.offloaded import OffloadedAdam
+from ..plan import Partition, Plan, resolve
+from ._grads import GradientStream
+from ._weights import Weights
+
+
+class Phase(Enum):
+    """Where the engine is in a training step; every public call checks it."""
+
+    IDLE = "idle"  # no gradients held: before the first backward, or after a step
+    BACKWARD = "backward"  # engine.backward is running
+    ACCUMULATING = "accumulating"  # gradients of this accumulation window are held; backward or step comes next
+    STEP = "step"  # engine.step is running
+    CLOSED = "closed"
+
+
+@dataclass
+class TrainingState:
+    """Everything a checkpoint holds besides tensors: the contract between the engine and ``_checkpoint``."""
+
+    global_steps: int
+    micro_steps: int
+    optimizer_steps: int
+    loss_scaler: dict[str, Any]
+    param_groups: list[dict[str, Any]]
+    pending_update: bool  # delayed update: the device holds the previous parameters, the newest wait on the host
+    dtype: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Engine:
+    """Returned by :func:`offload.initialize`. See the module docstring."""
+
+    def __init__(self, model: torch.nn.Module, config: OffloadConfig | Mapping[str, Any] | str | Path | None = None,
+                 *, param_groups: Iterable[dict[str, Any]] | None = None, _file_io: FileIO | None = None) -> None:
+        """``_file_io`` (tests only): the OS-call boundary of the optimizer state's swap engine, to inject faults."""
+        self.config = cfg = OffloadConfig.load(config)
+        if not isinstance(model, torch.nn.Module):
+            raise ValueError(f"initialize: model must be a torch.nn.Module, got {type(model).__name__}")
+        self.module = model
+        self.phase = Phase.IDLE
+        self.global_steps = 0
+        self.micro_steps = 0
+        self.last_grad_norm: float | None = None
+        self.scaler = LossScaler(cfg.fp16)
+        self._hooks: list[Any] = []
+        self._rank_dirs: list[Path] = []
+        self._seen: set[int] = set()  # parameters with a gradient in this accumulation window (stages 1-2, ranks)
+        self._seen_micro: set[int] = set()  # ... in this micro-batch
+        self._last_micro = True
+        self.store: TieredStore | None = None
+        self.copies: CopyStreams | None = None
+        self.optimizer: OffloadedAdam | None = None  # type: ignore[assignment]
+        self.weights: Weights | None = None
+        self.grads: GradientStream | None = None
+        self._zero: GradPartition | None = None
+        self.comm = Comm(join(cfg.offload.comm_timeout, cfg.offload.device))
+        try:
+            self._build(param_groups, _file_io)
+        except BaseException as exc:
+            close_after_failure(self._teardown, exc)
+            raise
+        self._comm_mark = self._comm_totals()
+        self.last_step_comm = {"payload_bytes": 0, "wire_bytes": 0}
+
+    # construction -----------------------------------------------------------------------------------------------
+
+    def _build(self, param_groups: Iterable[dict[str, Any]] | None, file_io: FileIO | None) -> None:
+        cfg, pg = self.config, self.comm.pg
+        self._plan = plan = resolve(cfg, device=pg.device, world_size=pg.world_size, rank=pg.rank,
+                                    local_world_size=pg.local_world_size)
+        self.device, self.dtype, self.stage = plan.device, plan.dtype, plan.stage
+        self.world_size, self.rank = plan.world_size, plan.rank
+        groups, options = _param_groups(self.module, param_groups)
+        nvme = {name: self._prepare_nvme(name) for name in ("offload_optimizer", "offload_param")}
+        self.store = TieredStore(plan.device, dict(plan.budgets), pin_memory=plan.pin_memory, file_io=file_io)
+        self.copies = CopyStreams(plan.device, self.store.count)
+        self.layout = FlatLayout(groups, plan.sub_group_size, world_size=plan.world_size, rank=plan.rank,
+                                 whole_params=plan.whole_param_sub_groups,
+                                 per_param=plan.partition is Partition.PER_PARAM)
+        self.optimizer = OffloadedAdam(self.layout, self.store, self.copies, cfg.optimizer, plan.optimizer_tier,
+                                       group_options=options, nvme_path=nvme["offload_optimizer"],
+                                       buffer_count=plan.buffer_count, aio=cfg.aio, grad_dtype=plan.grad_dtype,
+                                       grad_buffers=2 if plan.delayed else 1)
+        self._zero = GradPartition(self.comm, self.layout, self.store, self.copies, stage=plan.stage,
+                                   dtype=plan.dtype, accumulate=plan.accumulate)
+        self.weights = Weights(plan, self.module, self.layout, self.store, self.copies, self.comm, self.optimizer,
+                               aio=cfg.aio, nvme_path=nvme["offload_param"])
+        self.grads = GradientStream(plan, self.layout, self.store, self.copies, host=lambda: self.optimizer.grads,
+                                    submit=self.optimizer.run, on_ready=self._sub_group_ready)
+        self.optimizer.grad_handles = self.grads.handles
+        self._install_hooks()
+
+    def _prepare_nvme(self, name: str) -> str | None:
+        """The checked swap directory of ``zero_optimization.<name>``: with several ranks, a ``rank<r>`` folder of
+        its nvme_path per rank (removed at close if left empty), so ranks sharing a disk never share files."""
+        section = getattr(self.config.zero_optimization, name)
+        if section.device != "nvme":
+            return section.nvme_path
+        path = prepare_nvme_path(section.nvme_path, f"zero_optimization.{name}.nvme_path")
+        if self.world_size > 1:
+            sub = path / f"rank{self.rank}"
+            if not sub.exists():
+                self._rank_dirs.append(sub)
+            path = prepare_nvme_path(sub, f"zero_optimization.{name}.nvme_path (rank {self.rank})")
+        return str(path)
+
+    def _install_hooks(self) -> None:
+        self._hooks.append(self.module.register_forward_pre_hook(self._move_inputs, with_kwargs=True, prepend=True))
+        for i, p in enumerate(self.layout.params):
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(i)))
+
+    def _grad_hook(self, i: int) -> Any:
+        def hook(p: torch.Tensor) -> None:
+            self._on_grad(i, p)
+        return hook
+
+    def plan(self) -> Plan:
+        """What this engine runs with (device, placements, sizes) and why: ``print(engine.plan().describe())``."""
+        return self._plan
+
+    # the training step ------------------------------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    forward = __call__
+
+    def _move_inputs(self, module: torch.nn.Module, args: tuple[Any, ...],
+                     kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The root module's forward pre-hook: tensors in the inputs go to the device (non-blocking from pinned
+        memory), so a batch built on the CPU works unchanged on a GPU."""
+        return _to_device(args, self.device), _to_device(kwargs, self.device)
+
+    def train(self, mode: bool = True) -> "Engine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "Engine":
+        return self.train(False)
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return self.micro_steps % self.gradient_accumulation_steps == 0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of ``loss`` scaled by the fp16 loss scale and 1/gradient_accumulation_steps."""
+        self._expect("engine.backward(loss)", Phase.IDLE, Phase.ACCUMULATING)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError("engine.backward expects a scalar loss tensor")
+        gas = self.gradient_accumulation_steps
+        self._last_micro = self.micro_steps % gas == gas - 1
+        self.phase = Phase.BACKWARD
+        self.optimizer.begin_backward()
+        self.grads.begin_micro_batch()
+        self._seen_micro.clear()
+        try:
+            (loss.float() * (self.scaler.scale / gas)).backward()
+            self.grads.end_backward()
+            if self._zero.buffered and self.stage == 2:
+                # stage 2: this micro-batch's gradients go to their owners now, accumulating there
+                self._zero.reduce(self.optimizer.grads, self._seen_micro, accumulate=self.micro_steps % gas != 0)
+        finally:
+            self.optimizer.end_backward()
+            if self.weights.params is not None:
+                self.weights.params.end_backward(step_follows=self._last_micro)
+            self.phase = Phase.ACCUMULATING
+        self.micro_steps += 1
+
+    def _on_grad(self, i: int, p: torch.Tensor) -> None:
+        """Parameter ``i``'s gradient is final: to its owner's host buffer (or the full buffer of stages 1-2 on
+        several ranks), then freed."""
+        grad = p.grad
+        assert grad is not None
+        flat = grad.detach().reshape(-1)
+        if self._zero.buffered:  # several ranks, stages 0-2: into the full buffer, reduced to the owners later
+            self._zero.add(i, flat, i not in self._seen if self.stage <= 1 else i not in self._seen_micro)
+        elif self.layout.per_param:  # stage 3 on several ranks: summed over ranks now, this rank's piece kept
+            self.grads.receive(i, self._zero.reduce_param(i, flat), base=self.rank * self.layout.piece[i])
+        else:
+            self.grads.receive(i, flat)
+        self._seen.add(i)
+        self._seen_micro.add(i)
+        if self.weights.params is not None:
+            self.weights.params.grad_done(p)
+        p.grad = None  # the device copy is no longer needed (a copy in flight holds it until it has run)
+
+    def _sub_group_ready(self, k: int) -> None:
+        """Every gradient of sub-group ``k`` has been sent in this micro-batch: start its update now if allowed."""
+        if self._plan.overlap and self._last_micro and self.phase is Phase.BACKWARD:
+            self.optimizer.submit(k)
+
+    def step(self) -> None:
+        """At an accumulation boundary: overflow check, clipping, the optimizer step; a no-op between micro-batches.
+        Gradients are consumed (the next backward starts from zero)."""
+        if self.phase is Phase.IDLE:
+            raise RuntimeError("engine.step() called before engine.backward(loss)" if self.micro_steps == 0 else
+                               "engine.step() called twice without an engine.backward(loss) in between")
+        self._expect("engine.step()", Phase.ACCUMULATING)
+        if not self.is_gradient_accumulation_boundary():
+            return
+        self.phase = Phase.STEP
+        try:
+            self._step()
+        finally:
+            self.grads.new_window()
+            self._seen.clear()
+            self.phase = Phase.IDLE
+            totals = self._comm_totals()
+            self.last_step_comm = {k: totals[k] - self._comm_mark[k] for k in totals}
+            self._comm_mark = totals
+
+    def _step(self) -> None:
+        plan, opt = self._plan, self.optimizer
+        uploads: list[Any] = []
+        if plan.delayed:
+            opt.finish()  # the previous step's update, which ran beside this forward/backward
+            uploads = self.weights.apply_update()
+        if self._zero.buffered and self.stage <= 1:  # stage 1: the window's gradients go to their owners now
+            self._zero.reduce(opt.grads, self._seen, accumulate=False)
+        grad_scale = self.scaler.scale * self.world_size  # the kernel divides: the mean over ranks
+        if self.config.fp16.enabled or self.config.gradient_clipping > 0:
+            opt.wait()
+            self.grads.wait()
+            norm = self._grad_norm()
+            if not math.isfinite(norm):
+                if self.config.fp16.enabled:
+                    self.scaler.update(True)
+                    opt.skip()
+                    return
+                raise FloatingPointError(f"gradient norm is {norm} at step {self.global_steps}: the loss or "
+                                         "the model produced inf/NaN")
+            norm /= grad_scale
+            self.last_grad_norm = norm
+            clip = self.config.gradient_clipping
+            if clip > 0:
+                coef = clip / (norm + 1e-6)
+                if coef < 1.0:
+                    grad_scale /= coef
+        if plan.delayed:
+            opt.launch(grad_scale, wait_first=tuple(uploads))  # runs beside the next forward/backward
+            opt.swap_grads()
+            self.weights.pending = True
+        else:
+            opt.step(grad_scale=grad_scale)
+        self.weights.after_step(self._zero)
+        if self.config.fp16.enabled:
+            self.scaler.update(False)
+        self.global_steps += 1
+
+    def _comm_totals(self) -> dict[str, int]:
+        return {"payload_bytes": sum(self.comm.payload_bytes.values()),
+                "wire_bytes": sum(self.comm.wire_bytes.values())}
+
+    def apply_delayed_update(self) -> None:
+        """Delayed update: waits for the update in flight and puts its parameters on the device now (``step``
+        does this itself; call it to see the newest parameters before the next step)."""
+        self._check_open()
+        self.optimizer.finish()
+        for copy in self.weights.apply_update():
+            copy.wait()
+
+    def _grad_norm(self) -> float:
+        """The global norm: of this rank's share here, summed in squares over ranks (the same on every rank, so
+        all skip an overflowing fp16 step together)."""
+        total = 0.0
+        for g in self.optimizer.grads:
+            n = torch.linalg.vector_norm(g, dtype=torch.float32).item()
+            if math.isinf(n) and bool(torch.isfinite(g).all()):  # the squares overflowed, not the gradients
+                n = torch.linalg.vector_norm(g, dtype=torch.float64).item()
+            total += n * n
+        return math.sqrt(self.comm.sum_float(total))
+
+    # parameters -------------------------------------------------------------------------------------------------
+
+    def register_external_parameter(self, module: torch.nn.Module, param: torch.nn.Parameter) -> None:
+        """With parameter offload, a parameter is on the device while its own module runs; declare here one that
+        ``module`` reads directly although another module owns it (a no-op without parameter offload)."""
+        self.weights.register_external(module, param)
+
+    def read_parameter(self, p: torch.nn.Parameter) -> torch.Tensor:
+        """A parameter's current low-precision value as a host tensor, wherever it lives."""
+        return self.weights.read(p)
+
+    def write_parameter(self, p: torch.nn.Parameter, value: torch.Tensor) -> None:
+        """Sets a parameter's low-precision value wherever it lives (rounded to its dtype)."""
+        self.weights.write(p, value)
+
+    # state ------------------------------------------------------------------------------------------------------
+
+    def memory_report(self) -> dict[str, dict[str, int | None]]:
+        """This rank's bytes per tier: current, peak and budget (None: unlimited), and of them the optimizer
+        state (``optimizer_state``: this rank's share; ``optimizer_state_all_ranks``: the whole model's, padding
+        included). With N ranks each holds 1/N of the state, gradients and (stage 3) parameters. ``host`` also
+        says how many bytes are page-locked for CUDA (``pinned``: exactly what was asked, rounded to pages)."""
+        report = self.store.memory_report()
+        mine = sum(12 * sg.numel for sg in self.layout.sub_groups)
+        total = 12 * sum(self.layout.group_numel)
+        for tier, r in report.items():
+            on_tier = tier == self.optimizer.placement.value
+            r["optimizer_state"] = mine if on_tier else 0
+            r["optimizer_state_all_ranks"] = total if on_tier else 0
+        report["host"]["pinned"] = pinned_bytes()
+        return report
+
+    def stats(self) -> dict[str, Any]:
+        """Counters: bytes moved per tier pair, time stalled on I/O, time in Adam and the share hidden in backward."""
+        opt = self.optimizer
+        return {
+            "steps": self.global_steps,
+            "micro_steps": self.micro_steps,
+            "skipped_steps": self.scaler.skipped,
+            "loss_scale": self.scaler.scale,
+            "bytes_moved": dict(self.store.moved),
+            "stall_seconds": self.store.stall_seconds,
+            "adam_seconds": opt.adam_seconds,
+            "adam_seconds_overlapped": opt.adam_seconds_overlapped,
+            "overlap_fraction": opt.adam_seconds_overlapped / opt.adam_seconds if opt.adam_seconds else 0.0,
+            "sub_groups_overlapped": opt.sub_groups_overlapped,
+            "gradient_copies": dict(self.grads.sends),
+            "nvme": self.store.swap_stats(),
+            "params": self.weights.stats(),
+            # collectives (none with one rank): totals since initialize, and the last optimizer step's (the
+            # reduce-scatters of its micro-batches included); payload: the ZeRO paper's measure, wire: ring sends
+            "comm": {**self.comm.stats(), "last_step": dict(self.last_step_comm)},
+        }
+
+    def training_state(self) -> TrainingState:
+        """The counters and settings a checkpoint stores beside the tensors."""
+        opt = self.optimizer
+        return TrainingState(self.global_steps, self.micro_steps, opt.step_count, self.scaler.state_dict(),
+                             [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+                             self.weights.pending, str(self.dtype))
+
+    def load_training_state(self, state: TrainingState) -> None:
+        self.global_steps, self.micro_steps = state.global_steps, state.micro_steps
+        self.optimizer.step_count = state.optimizer_steps
+        self.scaler.load_state_dict(state.loss_scaler)
+        for group, saved in zip(self.optimizer.param_groups, state.param_groups):
+            group.update({k: tuple(v) if k == "betas" else v for k, v in saved.items()})
+        self.weights.pending = state.pending_update and self._plan.delayed
+
+    def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full model state as plain CPU tensors: fp32 master weights for trainable parameters."""
+        self._expect("engine.consolidated_state_dict()", Phase.IDLE, Phase.ACCUMULATING)
+        self.optimizer.wait()
+        return _checkpoint.consolidated_state_dict(self)
+
+    def save_checkpoint(self, path: str | Path, tag: str | None = None) -> Path:
+        """Writes model, optimizer state (wherever it lives), loss scaler and counters under ``path/tag`` and then
+        points ``path/latest`` at it; a crash mid-save leaves the previous checkpoint loadable."""
+        self._expect("engine.save_checkpoint()", Phase.IDLE, Phase.ACCUMULATING)
+        self.optimizer.wait()
+        return _checkpoint.save(self, Path(path), tag or f"step{self.global_steps}")
+
+    def load_checkpoint(self, path: str | Path, tag: str | None = None) -> str:
+        """Restores a checkpoint written by save_checkpoint (``latest`` unless ``tag``); returns the tag."""
+        self._expect("engine.load_checkpoint()", Phase.IDLE, Phase.ACCUMULATING)
+        self.optimizer.wait()
+        tag = _checkpoint.load(self, Path(path), tag)
+        self.phase = Phase.IDLE
+        return tag
+
+    # lifetime ---------------------------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self.phase is Phase.CLOSED:
+            raise RuntimeError("the engine is closed")
+
+    def _expect(self, call: str, *allowed: Phase) -> None:
+        self._check_open()
+        if self.phase not in allowed:
+            raise RuntimeError(f"{call} called while the engine is in phase {self.phase.value!r} (allowed: "
+                               f"{', '.join(p.value for p in allowed)}); calls from hooks or other threads during "
+                               "a step are not supported")
+
+    def close(self) -> None:
+        """Joins the optimizer thread, closes the swap engines (removing their files) and frees the tiers' buffers.
+        The model keeps working with its current parameters."""
+        if self.phase is Phase.CLOSED:
+            return
+        try:
+            self.optimizer.finish()
+            for copy in self.weights.apply_update():  # the model keeps every update it was given
+                copy.wait()
+        finally:
+            self.phase = Phase.CLOSED
+            self._teardown()
+
+    def _teardown(self) -> None:
+        """Stops and frees whatever was built, in reverse order; safe on a half-built engine."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        try:
+            try:
+                if self.grads is not None:
+                    self.grads.close()
+                if self.optimizer is not None:
+                    self.optimizer.wait()
+                if self.weights is not None:
+                    self.weights.close()  # the model gets its current parameters back as plain tensors
+                if self.optimizer is not None:
+                    self.optimizer.close()
+                if self._zero is not None:
+                    self._zero.close()
+            finally:
+                if self.copies is not None:
+                    self.copies.synchronize()
+                if self.store is not None:
+                    self.store.close()
+        finally:
+            self._close_comm()
+
+    def _close_comm(self) -> None:
+        """Stops the heartbeat, destroys the process group if the engine created it, and removes the per-rank
+        NVMe folders it made (when empty: the swap engines have removed their files)."""
+        try:
+            self.comm.close()
+        finally:
+            for d in self._rank_dirs:
+                try:
+                    d.rmdir()
+                except OSError:
+                    pass
+            self._rank_dirs = []
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    """``value`` with every tensor in it (through lists, tuples, named tuples and dicts) on ``device``."""
+    if isinstance(value, torch.Tensor):
+        if value.device == device:
+            return value
+        return value.to(device, non_blocking=device.type == "cuda" and value.is_pinned())
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(_to_device(v, device) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_device(v, device) for v in value)
+    if isinstance(value, dict):
+        moved = {k: _to_device(v, device) for k, v in value.items()}
+        try:
+            return type(value)(moved)
+        except TypeError:  # a dict subclass that cannot be built from a dict
+            return moved
+    return value
+
+
+def _param_groups(module: torch.nn.Module, param_groups: Iterable[dict[str, Any]] | None
+                  ) -> tuple[list[list[torch.nn.Parameter]], list[dict[str, Any]]]:
+    """The trainable parameters in groups, with per-group options, checked against the model."""
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    if not trainable:
+        raise ValueError("initialize: the model has no parameter with requires_grad=True")
+    if param_groups is None:
+        return [trainable], [{}]
+    ids = {id(p) for p in trainable}
+    groups, options, seen = [], [], set()
+    for i, g in enumerate(param_groups):
+        if not isinstance(g, Mapping) or "params" not in g:
+            raise ValueError(f"param_groups[{i}] must be a dict with a 'params' list")
+        params = list(g["params"])
+        for p in params:
+            if id(p) not in ids:
+                raise ValueError(f"param_groups[{i}] holds a tensor that is not a trainable parameter of the model")
+            if id(p) in seen:
+                raise ValueError(f"param_groups[{i}] repeats a parameter already in an earlier group")
+            seen.add(id(p))
+        unknown = set(g) - {"params", "lr", "betas", "eps", "weight_decay", "bias_correction", "adamw_mode"}
+        if unknown:
+            raise ValueError(f"param_groups[{i}]: unknown option {sorted(unknown)[0]!r}; allowed: lr, betas, eps, "
+                             "weight_decay, bias_correction, adamw_mode")
+        groups.append(params)
+        options.append({k: v for k, v in g.items() if k != "params"})
+    missing = [p for p in trainable if id(p) not in seen]
+    if missing:
+        raise ValueError(f"param_groups leave {len(missing)} trainable parameter(s) out; add them to a group or set "
+                         "requires_grad=False")
+    return groups, options
+
+
+def initialize(model: torch.nn.Module, config: OffloadConfig | Mapping[str, Any] | str | Path | None = None, *,
+               param_groups: Iterable[dict[str, Any]] | None = None, _file_io: FileIO | None = None) -> Engine:
+    """Wraps ``model`` (in place) for offloaded training under ``config`` (a dict, a JSON path, or OffloadConfig).
+    Fails here, with the numbers, if the configuration cannot fit its tier budgets or an nvme_path is unusable.
+    ``_file_io`` is for fault-injection tests (see :class:`Engine`)."""
+    return Engine(model, config, param_groups=param_groups, _file_io=_file_io)

@@ -1,0 +1,245 @@
+"""Weights: where the model's low-precision parameters live for one engine, and how new values reach them.
+
+The plan's parameter tier decides the shape:
+
+* DEVICE: one flat buffer per param group on the DEVICE tier; each trainable parameter becomes a view into it
+  (``p.data = view``: the same ``nn.Parameter`` objects, so tied weights, hooks and user references survive). The
+  optimizer writes new values into it (the CPU device tier: in the kernel's own pass; CUDA: through pinned staging
+  and the host-to-device stream). With the delayed update the optimizer writes a HOST copy instead, which
+  :meth:`Weights.apply_update` copies to the device at the next step. With several ranks (stages 0-2) each rank
+  updates its range and :meth:`after_step` all-gathers the rest.
+* HOST: flat host buffers that the optimizer updates in place (stage 3 on several ranks: this rank's pieces only,
+  :class:`~offload.dist.ParamShards`); :class:`~offload.params.ParameterOffload` fetches a window to the device.
+* NVME: a swap key per parameter (several ranks: per piece, in the rank's own folder), rewritten from the
+  optimizer thread after each sub-group's update; a window is fetched as for HOST.
+
+Frozen parameters and buffers are moved to the device once, here (floating point ones in the training dtype).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from nvme_swapper import aligned_tensor
+
+from .._cleanup import close_after_failure
+from ..dist import Comm, GradPartition, ParamShards
+from ..memory import Copy, CopyStreams, Tier, TieredStore, fmt_bytes
+from ..optim._layout import FlatLayout
+from ..optim.offloaded import OffloadedAdam
+from ..params import ParameterOffload
+from ..plan import Partition, Plan
+
+_FIX_HOST = "raise offload.host_memory_budget or home the parameters on nvme"
+
+
+class Weights:
+    """Owns the low-precision parameters' buffers (device flats, host homes, delayed-update copies) and, with
+    parameter offload, the :class:`ParameterOffload` and :class:`ParamShards` that hold them. ``close()`` hands the
+    model back with plain tensors holding the current values."""
+
+    def __init__(self, plan: Plan, module: torch.nn.Module, layout: FlatLayout, store: TieredStore,
+                 copies: CopyStreams, comm: Comm, optimizer: OffloadedAdam, *, aio: Any,
+                 nvme_path: str | None) -> None:
+        self.plan, self.module, self.layout, self.store, self.copies = plan, module, layout, store, copies
+        self.flats: list[torch.Tensor] = []  # DEVICE tier: the parameters are views into these
+        self._host: list[torch.Tensor] = []  # HOST tier: homes, or the delayed update's copies
+        self.params: ParameterOffload | None = None
+        self.shards: ParamShards | None = None
+        self.pending = False  # delayed update: the optimizer's newest values are not on the device yet
+        self._reserved = 0  # bytes reserved on the DEVICE tier for the flat parameters
+        try:
+            if plan.param_tier is Tier.DEVICE:
+                self._reserve_device()
+                self.flats = self._flatten_to_device()
+                if plan.delayed:  # updates land in host buffers, copied to the device at the next step
+                    host = [self._allocate_host(f.numel(), "delayed-update parameters", "raise "
+                                                "offload.host_memory_budget or turn off "
+                                                "offload_optimizer.delayed_update") for f in self.flats]
+                    optimizer.attach_device(host)
+                else:
+                    optimizer.attach_device(self.flats)
+            else:
+                self._offload(comm, optimizer, aio, nvme_path)
+        except BaseException as exc:
+            close_after_failure(self.close, exc)
+            raise
+
+    # construction -----------------------------------------------------------------------------------------------
+
+    def _allocate_host(self, numel: int, what: str, fix: str) -> torch.Tensor:
+        t = self.store.allocate(Tier.HOST, numel, self.plan.dtype, what, fix)
+        self._host.append(t)
+        return t
+
+    def frozen(self) -> list[torch.Tensor]:
+        trainable = {id(p) for p in self.layout.params}
+        return [p for p in self.module.parameters() if id(p) not in trainable]
+
+    def _reserve_device(self) -> None:
+        """The DEVICE tier holds the flat parameters, the frozen tensors, and room for the largest gradient."""
+        size = torch.empty((), dtype=self.plan.dtype).element_size()
+        flat = sum(n for n in self.layout.group_numel) * size
+        frozen = sum(t.numel() * (size if t.is_floating_point() else t.element_size())
+                     for t in self.frozen() + list(self.module.buffers()))
+        grad = max(p.numel() for p in self.layout.params) * size
+        self.store.accounts[Tier.DEVICE].reserve(
+            flat + frozen + grad, f"the model's {fmt_bytes(flat)} of {self.plan.dtype} parameters, "
+            f"{fmt_bytes(frozen)} of frozen tensors and one {fmt_bytes(grad)} gradient",
+            "raise offload.device_memory_budget (parameter offload is the other way out)")
+        self._reserved = flat + frozen + grad
+
+    def _flatten_to_device(self) -> list[torch.Tensor]:
+        plan, layout = self.plan, self.layout
+        # zeroed: the alignment padding between parameters stays zero
+        flats = [torch.zeros(numel, dtype=plan.dtype, device=plan.device) if plan.cuda
+                 else aligned_tensor(numel, plan.dtype, pin_memory=False) for numel in layout.group_numel]
+        with torch.no_grad():
+            for i, p in enumerate(layout.params):
+                self._place(layout.param_view(flats[layout.param_group[i]], i), p.detach())
+                p.data = layout.param_view(flats[layout.param_group[i]], i)
+            for p in self.frozen():
+                p.data = self._to_device(p.data)
+        self._move_buffers()
+        return flats
+
+    def _place(self, dst: torch.Tensor, value: torch.Tensor) -> None:
+        """``value`` (the user's tensor, on any device, any float dtype) into ``dst`` on the device."""
+        if value.device == dst.device or not self.plan.cuda:
+            dst.copy_(value)
+        else:
+            self.copies.to_device(dst, value.to(dst.dtype).contiguous(), after=None).wait()
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        dtype = self.plan.dtype if t.is_floating_point() else t.dtype
+        if t.device == self.plan.device and t.dtype == dtype:
+            return t
+        if t.device.type == "cpu" and self.plan.cuda:
+            return self.copies.upload(t, dtype)
+        return t.to(self.plan.device, dtype)
+
+    def _move_buffers(self) -> None:
+        with torch.no_grad():
+            for mod in self.module.modules():
+                for name, buf in mod._buffers.items():
+                    if buf is not None:
+                        mod._buffers[name] = self._to_device(buf)
+
+    def _offload(self, comm: Comm, optimizer: OffloadedAdam, aio: Any, nvme_path: str | None) -> None:
+        """Parameter offload: homes on HOST (the flat host buffers the optimizer updates in place) or NVMe (a key
+        per parameter, rewritten after each sub-group's update; with several ranks in stage 3, keys of this rank's
+        pieces in its own folder); the device holds a window (params/_offload.py)."""
+        plan, layout = self.plan, self.layout
+        frozen = self.frozen()
+        homes: list[torch.Tensor | None] = [None] * len(layout.params)
+        if plan.partition is Partition.PER_PARAM:
+            if plan.param_tier is Tier.NVME:  # pieces in this rank's NVMe folder
+                self.shards = ParamShards(comm, layout, self.copies, store=self.store, dtype=plan.dtype,
+                                          nvme_path=nvme_path, aio=aio)
+                optimizer.attach_device([], on_updated=self.shards.write_updated, dtype=plan.dtype)
+            else:  # each home holds this rank's piece of every parameter
+                flats = [self._allocate_host(layout.owned_numel(g), f"this rank's share of the parameters of param "
+                                             f"group {g}", "raise offload.host_memory_budget or use more ranks")
+                         for g in range(len(layout.group_numel))]
+                self.shards = ParamShards(comm, layout, self.copies, flats=flats)
+                optimizer.attach_device(flats, owned_only=True)
+            with torch.no_grad():
+                for i, p in enumerate(layout.params):
+                    self.shards.write(i, p.detach())
+        elif plan.param_tier is Tier.HOST:
+            flats = [self._allocate_host(n, f"the host home of param group {g}", _FIX_HOST)
+                     for g, n in enumerate(layout.group_numel)]
+            with torch.no_grad():
+                for i, p in enumerate(layout.params):
+                    view = layout.param_view(flats[layout.param_group[i]], i)
+                    view.copy_(p.detach())
+                    homes[i] = view.view(-1)
+            optimizer.attach_device(flats)
+        else:
+            optimizer.attach_device([], on_updated=self._write_homes, dtype=plan.dtype)
+        self._move_buffers()
+        self.params = ParameterOffload(
+            self.module, layout.params + frozen, homes + [None] * len(frozen), self.store, self.copies, plan.dtype,
+            persistence_threshold=plan.persistence_threshold, max_live=plan.max_live, bucket=plan.prefetch_bucket,
+            nvme_path=nvme_path if plan.param_tier is Tier.NVME else None, aio=aio, shards=self.shards)
+
+    def _write_homes(self, sg: Any, values: torch.Tensor) -> None:
+        """On the optimizer thread, after a sub-group's update: its parameters go to their NVMe homes."""
+        assert self.params is not None
+        for seg in sg.segments:
+            assert seg.param_start == 0 and seg.numel == self.layout.params[seg.param].numel()
+            lo = seg.flat_start - sg.start
+            self.params.write_home(self.params.index_of(self.layout.params[seg.param]), values[lo : lo + seg.numel])
+
+    # reading and writing values ---------------------------------------------------------------------------------
+
+    def read(self, p: torch.nn.Parameter) -> torch.Tensor:
+        """A parameter's current low-precision value as a host tensor, wherever it lives."""
+        if self.params is not None:
+            return self.params.read_home(self.params.index_of(p))
+        return self.copies.download(p)
+
+    def write(self, p: torch.nn.Parameter, value: torch.Tensor) -> None:
+        """Sets a parameter's low-precision value wherever it lives (rounded to its dtype)."""
+        with torch.no_grad():
+            if self.params is not None:
+                self.params.write_home(self.params.index_of(p), value.to(self.plan.dtype).reshape(-1))
+            else:
+                self._place(p.data, value)
+
+    def write_pending(self, i: int, device_value: torch.Tensor, update: torch.Tensor) -> None:
+        """Delayed update, resuming mid-pipeline: parameter ``i`` holds ``device_value`` on the device and
+        ``update`` (the newest, not yet applied) in the host copy."""
+        layout = self.layout
+        with torch.no_grad():
+            self._place(layout.params[i].data, device_value)
+            layout.param_view(self._host[layout.param_group[i]], i).copy_(update)
+
+    # steps ------------------------------------------------------------------------------------------------------
+
+    def apply_update(self) -> list[Copy]:
+        """Delayed update: the parameters of the last finished update go to the device (the compute stream sees
+        them from now on). Returns the copies that still read the host copy: the next update waits for them."""
+        if not self.pending:
+            return []
+        after = self.copies.mark()
+        copies = [self.copies.to_device(dst, src, after=after) for dst, src in zip(self.flats, self._host)]
+        for copy in copies:
+            self.copies.use(copy)
+        self.pending = False
+        return copies
+
+    def after_step(self, zero: GradPartition) -> None:
+        """The optimizer has finished writing new values: they reach every rank and every device copy."""
+        if self.plan.param_tier is Tier.DEVICE and not self.plan.delayed:
+            self.copies.use_uploads()
+            zero.gather_params(self.flats)  # every rank's updated share, to every rank
+        if self.params is not None:
+            self.params.updated()
+
+    def register_external(self, module: torch.nn.Module, param: torch.nn.Parameter) -> None:
+        if self.params is not None:
+            self.params.register_external(module, param)
+
+    def stats(self) -> dict[str, Any] | None:
+        return self.params.stats() if self.params is not None else None
+
+    def close(self) -> None:
+        """Hands the model back (parameter offload: plain device tensors with the current values) and frees the
+        host buffers and the device reservation."""
+        try:
+            if self.params is not None:
+                self.params.close()
+                self.params = None
+        finally:
+            if self.shards is not None:
+                self.shards.close()
+                self.shards = None
+            for t in self._host:
+                self.store.free(Tier.HOST, t)
+            self._host = []
+            if self._reserved:
+                self.store.accounts[Tier.DEVICE].release(self._reserved)
+                self._reserved = 0

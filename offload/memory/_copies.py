@@ -1,0 +1,198 @@
+"""CopyStreams: the one component that copies between the device and host memory, and owns what that takes.
+
+With CUDA it owns two side streams (device-to-host and host-to-device) and hands out a :class:`Copy` per transfer:
+the event recorded after the copy on its stream, and the host tensors that must stay alive until it has run. A
+copy to the host is issued behind an event of the calling thread's stream (which produced the source), a copy to
+the device behind the event its caller names (the point after which the compute stream no longer reads the
+destination). So copies overlap compute, the compute stream waits for a copy only where it uses the result
+(:meth:`CopyStreams.use`, a wait on the GPU, not on the CPU), and a thread that reuses a host buffer waits for the
+copy that read it (:meth:`Copy.wait`). Device tensors are marked with ``record_stream`` so the caching allocator
+never hands their memory out while a copy on a side stream still touches it. Host memory is pinned by the tiered
+store (HOST allocations are page-locked with CUDA), so the copies are asynchronous for real.
+
+On the CPU the device tier is host memory: the same calls copy at once on the calling thread and every Copy is
+complete, so one code path serves both. :class:`StagingRing` is the pinned host buffers copies go through, reused
+in turn once the copy that last used each is done. Every copy is counted in the store's bytes moved per tier pair.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Protocol, Sequence
+
+import torch
+
+from ._tiers import Tier
+
+
+class Waitable(Protocol):
+    def wait(self) -> Any: ...
+
+
+class Copy:
+    """One device<->host copy; complete when made on the CPU. ``wait()`` blocks the calling thread until the copy
+    has run (its destination may be read, its host source reused), then drops the event and the tensors."""
+
+    __slots__ = ("event", "_keep")
+
+    def __init__(self, event: Any = None, keep: tuple[torch.Tensor, ...] = ()) -> None:
+        self.event, self._keep = event, keep
+
+    def done(self) -> bool:
+        return self.event is None or bool(self.event.query())
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+        self.event, self._keep = None, ()
+
+
+DONE = Copy()
+
+
+class CopyStreams:
+    """Streams and events of one engine's device<->host copies (see the module docstring). ``count(src, dst,
+    nbytes)`` records bytes moved (the store's counter)."""
+
+    def __init__(self, device: torch.device, count: Any) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self._count = count
+        self._d2h = torch.cuda.Stream(device) if self.cuda else None
+        self._h2d = torch.cuda.Stream(device) if self.cuda else None
+
+    def mark(self) -> Any:
+        """An event at this point of the calling thread's current stream (the compute stream when the training
+        thread calls): what a later copy into memory that stream reads must wait for. None on the CPU."""
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor, *, src_tier: Tier = Tier.DEVICE,
+                dst_tier: Tier = Tier.HOST) -> Copy:
+        """Copies device tensor ``src`` into host tensor ``dst`` after everything the calling thread's stream has
+        issued so far (which produced ``src``); ``src`` may be freed at once."""
+        self._count(src_tier, dst_tier, src.numel() * src.element_size())
+        if not self.cuda:
+            dst.copy_(src)
+            return DONE
+        after = self.mark()
+        with torch.cuda.device(self.device), torch.cuda.stream(self._d2h):
+            self._d2h.wait_event(after)
+            dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._d2h)
+        src.record_stream(self._d2h)
+        return Copy(event, (dst,))
+
+    def to_device(self, dst: torch.Tensor, src: torch.Tensor, *, after: Any,
+                  src_tier: Tier = Tier.HOST) -> Copy:
+        """Copies host tensor ``src`` into device tensor ``dst`` once ``after`` (an event from :meth:`mark`, or
+        None when nothing on the device may still read ``dst``) has passed. The compute stream sees the result
+        after :meth:`use`; ``src`` may be reused after ``Copy.wait``."""
+        self._count(src_tier, Tier.DEVICE, src.numel() * src.element_size())
+        if not self.cuda:
+            dst.copy_(src)
+            return DONE
+        with torch.cuda.device(self.device), torch.cuda.stream(self._h2d):
+            if after is not None:
+                self._h2d.wait_event(after)
+            dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._h2d)
+        dst.record_stream(self._h2d)
+        return Copy(event, (src,))
+
+    def use(self, copy: Copy | None) -> None:
+        """The calling thread's stream waits (on the GPU) for ``copy`` before it runs anything issued later."""
+        if self.cuda and copy is not None and copy.event is not None:
+            torch.cuda.current_stream(self.device).wait_event(copy.event)
+
+    def use_uploads(self) -> None:
+        """The calling thread's stream waits for every host-to-device copy issued so far, by any thread."""
+        if self.cuda:
+            event = torch.cuda.Event()
+            event.record(self._h2d)
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+    def download(self, src: torch.Tensor) -> torch.Tensor:
+        """A new plain CPU tensor with ``src``'s values (blocking; for checkpoints and reads, not the hot path)."""
+        if src.device.type == "cpu":
+            return src.detach().clone()
+        out = torch.empty(src.shape, dtype=src.dtype)
+        self.to_host(out, src.detach().contiguous()).wait()
+        return out
+
+    def upload(self, src: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A new device tensor with ``src``'s values, ready for the calling thread's stream."""
+        src = src.detach().to(dtype or src.dtype).contiguous()
+        out = torch.empty(src.shape, dtype=src.dtype, device=self.device)
+        self.use(self.to_device(out, src, after=None))
+        return out
+
+    def synchronize(self) -> None:
+        """Waits on the CPU for every copy in flight."""
+        if self.cuda:
+            self._d2h.synchronize()
+            self._h2d.synchronize()
+
+
+class StagingRing:
+    """``count`` pinned host buffers (HOST tier) that copies pass through in turn. :meth:`take` hands out the next
+    one after waiting for whatever last used it (a :class:`Copy`, or a job of the optimizer thread); the taker
+    records its own use with :meth:`used`. One thread owns a ring."""
+
+    def __init__(self, store: Any, count: int, numel: int, dtype: torch.dtype, what: str, fix: str) -> None:
+        self._store = store
+        self.buffers: list[torch.Tensor] = []
+        self._busy: list[Waitable | None] = []
+        self._next = 0
+        self._lock = threading.Lock()
+        try:
+            for _ in range(count):
+                self.buffers.append(store.allocate(Tier.HOST, numel, dtype, what, fix))
+                self._busy.append(None)
+        except BaseException:
+            self.close()
+            raise
+
+    def take(self) -> tuple[int, torch.Tensor]:
+        with self._lock:
+            i = self._next
+            self._next = (i + 1) % len(self.buffers)
+            busy, self._busy[i] = self._busy[i], None
+        if busy is not None:
+            busy.wait()
+        return i, self.buffers[i]
+
+    def used(self, i: int, by: Waitable) -> None:
+        self._busy[i] = by
+
+    def wait_all(self) -> None:
+        for i, busy in enumerate(self._busy):
+            if busy is not None:
+                busy.wait()
+                self._busy[i] = None
+
+    def close(self) -> None:
+        try:
+            self.wait_all()
+        finally:
+            for b in self.buffers:
+                self._store.free(Tier.HOST, b)
+            self.buffers = []
+
+
+def wait_all(handles: Sequence[Waitable]) -> None:
+    """Waits for every handle, even after one fails (so no copy or I/O is left on memory about to be reused); the
+    first error is raised."""
+    error: BaseException | None = None
+    for h in handles:
+        try:
+            h.wait()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the others settled
+            error = error or exc
+    if error is not None:
+        raise error

@@ -1,0 +1,172 @@
+"""The device, decided in one place: ``offload.device``, inputs moved to it, parameters placed on it, step phases
+checked, page-locked host memory of exact size, and failures inside ``initialize`` that surface as themselves.
+Each test runs on whichever device this machine has (tests/models.py: DEVICE); a few need CUDA and say so."""
+
+from __future__ import annotations
+
+import threading
+from collections import namedtuple
+
+import pytest
+import torch
+
+import offload
+from nvme_swapper import SwapEngine, aligned_tensor, pinned_bytes
+from offload._device import resolve_device
+from models import DEVICE, batches, lm_loss, make
+
+CUDA = torch.cuda.is_available()
+Pair = namedtuple("Pair", "idx extra")
+
+
+def config(tmp_path, **offload_section) -> dict:
+    return {"zero_optimization": {"sub_group_size": 4096, "offload_optimizer": {"device": "cpu"}},
+            "offload": offload_section}
+
+
+class Nested(torch.nn.Module):
+    """A model whose forward takes tensors nested in a dict, a list, a named tuple and a keyword argument."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gpt = make()
+
+    def forward(self, batch: dict, *, scale: torch.Tensor) -> torch.Tensor:
+        idx = batch["ids"][0]
+        assert batch["pair"].idx.device == idx.device == scale.device == self.gpt.tok.weight.device
+        return self.gpt(idx) * scale + batch["pair"].extra.sum()
+
+
+def test_inputs_move_to_the_device_and_the_model_lives_there(tmp_path):
+    model = Nested()  # built on the CPU
+    x, y = batches(1)[0]
+    with offload.initialize(model, config(tmp_path)) as engine:
+        assert engine.device == DEVICE and engine.plan().device == DEVICE
+        assert all(p.device == DEVICE for p in model.parameters())
+        batch = {"ids": [x], "pair": Pair(x, torch.zeros(3))}
+        out = engine(batch, scale=torch.ones(()))  # CPU tensors in, nested
+        assert out.device == DEVICE
+        engine.backward(lm_loss(out, y))
+        engine.step()
+    assert all(p.device == DEVICE for p in model.parameters())  # close() leaves the model where it trained
+
+
+def test_device_key_names_what_is_allowed(tmp_path):
+    for bad in ("tpu", "cuda:x", "gpu", 3):
+        with pytest.raises(ValueError, match=r"offload\.device must be \"auto\", \"cpu\", \"cuda\" or \"cuda:N\""):
+            offload.initialize(make(), config(tmp_path, device=bad))
+    with offload.initialize(make(), config(tmp_path, device="cpu")) as engine:
+        assert engine.device == torch.device("cpu")
+        assert next(engine.module.parameters()).device.type == "cpu"
+    if not CUDA:
+        with pytest.raises(ValueError, match="offload.device is 'cuda' but there is no CUDA device"):
+            offload.initialize(make(), config(tmp_path, device="cuda"))
+
+
+def test_more_ranks_than_gpus_is_an_error_that_names_the_fix():
+    assert resolve_device("cpu", local_rank=5, local_world_size=8) == torch.device("cpu")
+    if not CUDA:
+        assert resolve_device("auto", local_rank=3, local_world_size=4) == torch.device("cpu")
+        return
+    n = torch.cuda.device_count()
+    assert resolve_device("auto", local_rank=n - 1, local_world_size=n) == torch.device("cuda", n - 1)
+    with pytest.raises(RuntimeError, match=rf"{n + 1} ranks on this machine but {n} CUDA device.*--nproc-per-node "
+                                           rf"{n}.*offload.device to \"cpu\""):
+        resolve_device("auto", local_rank=0, local_world_size=n + 1)
+    with pytest.raises(ValueError, match="names one GPU for all 2 ranks"):
+        resolve_device("cuda:0", local_rank=0, local_world_size=2)
+
+
+def test_step_phases_are_checked(tmp_path):
+    x, y = batches(1)[0]
+    with offload.initialize(make(), config(tmp_path)) as engine:
+        assert engine.phase is offload.Phase.IDLE
+        with pytest.raises(RuntimeError, match=r"engine.step\(\) called before engine.backward"):
+            engine.step()
+        engine.backward(lm_loss(engine(x), y))
+        assert engine.phase is offload.Phase.ACCUMULATING
+        engine.step()
+        assert engine.phase is offload.Phase.IDLE
+        with pytest.raises(RuntimeError, match="called twice without an engine.backward"):
+            engine.step()
+        loss = lm_loss(engine(x), y)
+        bad = loss.register_hook(lambda g: engine.step())  # a step from inside backward
+        with pytest.raises(RuntimeError, match=r"engine.step\(\) called while the engine is in phase 'backward'"):
+            engine.backward(loss)
+        bad.remove()
+    assert engine.phase is offload.Phase.CLOSED
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.backward(loss)
+
+
+def test_plan_says_what_was_chosen_and_why(tmp_path):
+    cfg = config(tmp_path)
+    cfg["gradient_clipping"] = 1.0
+    with offload.initialize(make(), cfg) as engine:
+        plan = engine.plan()
+        text = plan.describe()
+    assert plan.optimizer_tier is offload.Tier.HOST and plan.param_tier is offload.Tier.DEVICE
+    assert not plan.overlap and "gradient clipping needs the global norm first" in text
+    assert f"device {DEVICE}" in text and "host budget" in text
+
+
+def test_a_failure_inside_initialize_surfaces_as_itself(tmp_path, monkeypatch):
+    """The third parameter written to its NVMe home fails: initialize raises that error (not one from the
+    cleanup), and nothing is left behind: no threads, no swap files, the model whole and usable."""
+    writes = 0
+    original = SwapEngine.write
+
+    def failing(self, key, tensor):
+        nonlocal writes
+        if key.startswith("param/"):
+            writes += 1
+            if writes == 3:
+                raise OSError(28, "injected: no space left for the third parameter")
+        return original(self, key, tensor)
+
+    monkeypatch.setattr(SwapEngine, "write", failing)
+    model = make()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    cfg = {"zero_optimization": {"stage": 3, "sub_group_size": 4096,
+                                 "offload_optimizer": {"device": "cpu"},
+                                 "offload_param": {"device": "nvme", "nvme_path": str(tmp_path / "p")},
+                                 "stage3_param_persistence_threshold": 100}}
+    with pytest.raises(OSError, match="injected: no space left for the third parameter"):
+        offload.initialize(model, cfg)
+    assert not [t for t in threading.enumerate() if t.name.startswith(("offload", "nvme_swapper"))]
+    assert list((tmp_path / "p").iterdir()) == []
+    for n, p in model.named_parameters():  # every parameter holds its value again, as a plain tensor
+        assert torch.equal(p.detach().cpu(), before[n].to(p.dtype)), n
+    x, y = batches(1)[0]
+    lm_loss(model(x.to(p.device)), y).backward()
+
+
+@pytest.mark.skipif(not CUDA, reason="page-locked memory is registered with CUDA")
+def test_pinned_host_memory_is_exactly_what_was_asked():
+    base = pinned_bytes()
+    sizes = [1000, 4096, (3 << 20) + 5, 100 << 20]
+    bufs = [aligned_tensor(n, torch.uint8, pin_memory=True) for n in sizes]
+    assert all(b.is_pinned() and b.data_ptr() % 4096 == 0 for b in bufs)
+    assert pinned_bytes() - base == sum(-(-n // 4096) * 4096 for n in sizes)  # pages, not powers of two
+    view = bufs[2][10:20]
+    del bufs
+    assert pinned_bytes() - base == -(-sizes[2] // 4096) * 4096  # the view keeps its region registered
+    del view
+    assert pinned_bytes() == base
+
+
+@pytest.mark.skipif(not CUDA, reason="asynchronous copies from pinned memory need CUDA")
+def test_gradient_copies_do_not_block_the_compute_stream(tmp_path):
+    """With the optimizer on the host, backward issues the gradients' device-to-host copies on a side stream:
+    the engine reports whole buckets sent, and the result equals the serial reference (test_engine)."""
+    x, y = batches(1)[0]
+    cfg = config(tmp_path)
+    cfg["bf16"] = {"enabled": True}
+    with offload.initialize(make(), cfg) as engine:
+        for _ in range(2):
+            engine.backward(lm_loss(engine(x), y))
+            engine.step()
+        copies = engine.stats()["gradient_copies"]
+        report = engine.memory_report()
+    assert copies["buckets"] > 0 and copies["pieces"] == 0
+    assert report["host"]["pinned"] > 0
