@@ -194,8 +194,46 @@ def plot_train(data: dict[str, Any], out: Path) -> list[Path]:
     return paths
 
 
+def plot_gpu(data: dict[str, Any], out: Path) -> list[Path]:
+    """Median step time per placement, this library beside plain torch and DeepSpeed, with the opt-host bound as a
+    dashed line; and the loss per step of every run."""
+    plt = _pyplot()
+    runs = [r for r in data["runs"] if r["status"] == "ok"]
+    if not runs:
+        raise ValueError("gpu_train JSON has no successful run to plot")
+    placements = list(dict.fromkeys(r["placement"] for r in runs))
+    frameworks = list(dict.fromkeys(r["framework"] for r in runs))
+    colors = {"offload": COLORS["compute"], "deepspeed": COLORS["adam"], "torch": COLORS["io"]}
+    fig, (ax, lax) = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.8 / len(frameworks)
+    for j, fw in enumerate(frameworks):
+        xs, ys = [], []
+        for i, p in enumerate(placements):
+            r = next((r for r in runs if r["framework"] == fw and r["placement"] == p), None)
+            if r is not None:
+                xs.append(i + (j - (len(frameworks) - 1) / 2) * width)
+                ys.append(r["step_seconds"])
+        ax.bar(xs, ys, width, label=fw, color=colors.get(fw))
+    bound = data.get("summary", {}).get("opt_host_bound")
+    if bound and "opt-host" in placements:
+        i = placements.index("opt-host")
+        ax.hlines(bound["bound"], i - 0.45, i + 0.45, linestyles="dashed", colors="black",
+                  label="max(compute, Adam, pcie)")
+    ax.set_xticks(range(len(placements)), placements, rotation=15)
+    ax.set_ylabel("seconds per step (median)")
+    ax.set_title(f"{_count(data['model']['params'])} parameters on {data['device']}")
+    ax.legend()
+    for r in runs:
+        lax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=f"{r['framework']} {r['placement']}")
+    lax.set_xlabel("step")
+    lax.set_ylabel("loss")
+    lax.legend(fontsize=7)
+    return [_save(fig, out / "gpu_train.png")]
+
+
 PLOTS: dict[str, Callable[[dict[str, Any], Path], list[Path]]] = {
     "nvme": plot_nvme, "adam": plot_adam, "step": plot_step, "params": plot_params, "train": plot_train,
+    "gpu": plot_gpu,
 }
 
 

@@ -3,7 +3,7 @@
     python -m offload demo [--layers 6] [--width 512] [--steps 30] [--placement nvme|cpu] [--config FILE]
     python -m offload estimate (--params N | --model config.json|module:callable) [--gpu-mem 24GiB] ...
     python -m offload tune --nvme-path DIR [--size 1GiB] [--quick] [--out aio.json]
-    python -m offload bench {adam,nvme,step,params,train} [--out results/] [script flags ...]
+    python -m offload bench {adam,nvme,step,params,train,gpu} [--out results/] [script flags ...]
 
 ``demo`` trains a GPT (offload/models.py) that is larger than the device budget it is given, with optimizer
 state and parameters offloaded (NVMe by default), on a synthetic task it can learn (each next token is a fixed
@@ -232,7 +232,7 @@ def tune_command(args: argparse.Namespace) -> int:
 
 
 BENCHES = {"adam": "cpu_adam", "nvme": "nvme_swapper", "step": "offload_step", "params": "param_offload",
-           "train": "train"}
+           "train": "train", "gpu": "gpu_train"}
 
 
 def bench_command(args: argparse.Namespace) -> int:
@@ -329,7 +329,8 @@ def main(argv: list[str] | None = None) -> int:
                        description="Runs bench/<script>.py NAME with the flags after NAME (see each script's "
                        "--help), writes its JSON as OUT/<script>.json and draws PNG plots beside it.")
     b.add_argument("name", choices=sorted(BENCHES), help="adam: CPU Adam; nvme: swap engine; step: offloaded "
-                   "optimizer step; params: parameter offload; train: training steps of a GPT on NVMe")
+                   "optimizer step; params: parameter offload; train: training steps of a GPT on NVMe; gpu: each "
+                   "placement on one GPU beside plain torch and DeepSpeed")
     b.add_argument("--out", default="results", help="results folder (default results/)")
     b.add_argument("--no-plot", action="store_true", help="JSON only")
     b.add_argument("args", nargs=argparse.REMAINDER, help="flags for the script")

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from offload import OffloadConfig
 
-BOOL, INT, FLOAT, CHOICE, BYTES, BETAS, PATH, POW2 = "bool int float choice bytes betas path pow2".split()
+BOOL, INT, FLOAT, CHOICE, BYTES, BETAS, PATH, POW2, DEVICE = "bool int float choice bytes betas path pow2 device".split()
 
 # dotted key -> (kind, arguments); ints and floats: (lo, hi or None), floats also whether lo itself is excluded
 SCHEMA: dict[str, tuple] = {
@@ -76,6 +76,7 @@ SCHEMA: dict[str, tuple] = {
     "aio.overlap_events": (BOOL,),
     "aio.o_direct": (BOOL,),
     "aio.checksum": (BOOL,),
+    "offload.device": (DEVICE,),
     "offload.device_memory_budget": (BYTES,),
     "offload.host_memory_budget": (BYTES,),
     "offload.nvme_memory_budget": (BYTES,),
@@ -106,6 +107,8 @@ def valid_value(key: str) -> st.SearchStrategy:
     if kind == BYTES:
         return (st.integers(0, 1 << 50) | st.sampled_from(["1GiB", "512 MB", "0.5GB", "1e9", "4096", "2 TiB"])
                 | st.none())
+    if kind == DEVICE:
+        return st.sampled_from(["auto", "cpu", "cuda", "CUDA", "Auto"]) | st.integers(0, 99).map(lambda i: f"cuda:{i}")
     raise AssertionError(kind)
 
 
@@ -141,6 +144,9 @@ def invalid_value(key: str) -> st.SearchStrategy:
     if kind == BYTES:
         return (junk.filter(lambda v: v != "x") | st.just("x") | st.booleans() | st.integers(max_value=-1)
                 | nonfinite | st.floats(0.1, 0.9) | st.sampled_from(["12 parsecs", "-5GB", "1e400", "GB", ""]))
+    if kind == DEVICE:
+        return (junk | st.booleans() | st.integers() | st.sampled_from(["gpu", "cuda:", "cuda:-1", "cuda:0:1", " cpu",
+                                                                        "tpu", "", None]))
     raise AssertionError(kind)
 
 
@@ -157,7 +163,8 @@ def valid_configs(draw) -> dict:
     cfg: dict = {}
     keys = draw(st.lists(st.sampled_from(sorted(SCHEMA)), unique=True, max_size=20))
     for key in keys:
-        if key in ("aio.queue_depth", "fp16.enabled", "bf16.enabled") or key.endswith((".device", ".nvme_path")):
+        if key in ("aio.queue_depth", "fp16.enabled", "bf16.enabled") or \
+                key.startswith("zero_optimization.") and key.endswith((".device", ".nvme_path")):
             continue  # drawn below, consistently
         put(cfg, key, draw(valid_value(key)))
     if draw(st.booleans()):

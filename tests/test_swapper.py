@@ -460,5 +460,6 @@ def test_unaligned_tensor_is_counted_as_bounced(tmp_path):
 def test_pinned_aligned_tensor_when_cuda():
     if not torch.cuda.is_available():
         pytest.skip("CUDA not available")
-    t = aligned_tensor(1 << 20, torch.float32)
-    assert t.is_pinned() and is_aligned(t)
+    t = aligned_tensor(1 << 20, torch.float32)  # pinned by default with CUDA: registered, 2 MiB-aligned
+    assert t.is_pinned() and is_aligned(t, 2 << 20)
+    assert not aligned_tensor(1 << 20, torch.float32, pin_memory=False).is_pinned()

@@ -161,7 +161,8 @@ class ParamShards:
         if self.device.type == "cpu":
             inp.copy_(source)
         else:
-            copy = self.copies.to_device(inp, source, after=None)  # out is new: nothing reads it yet
+            copy = self.copies.to_device(inp, source, after=self.copies.mark())  # out's memory: the compute
+            # stream's, which may have freed it moments ago
             self.copies.use(copy)  # the collective, issued behind the current stream, sees it
             if self._swap is not None:
                 copy.wait()  # the staging piece is refilled by the next fetch

@@ -109,8 +109,8 @@ class Weights:
         """``value`` (the user's tensor, on any device, any float dtype) into ``dst`` on the device."""
         if value.device == dst.device or not self.plan.cuda:
             dst.copy_(value)
-        else:
-            self.copies.to_device(dst, value.to(dst.dtype).contiguous(), after=None).wait()
+        else:  # behind the compute stream, which may have written dst (zeroed it) or still read it
+            self.copies.to_device(dst, value.to(dst.dtype).contiguous(), after=self.copies.mark()).wait()
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         dtype = self.plan.dtype if t.is_floating_point() else t.dtype

@@ -17,8 +17,9 @@ in turn once the copy that last used each is done. Every copy is counted in the 
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import Any, Protocol, Sequence
+from typing import Any, Iterator, Protocol, Sequence
 
 import torch
 
@@ -105,10 +106,30 @@ class CopyStreams:
         dst.record_stream(self._h2d)
         return Copy(event, (src,))
 
-    def use(self, copy: Copy | None) -> None:
-        """The calling thread's stream waits (on the GPU) for ``copy`` before it runs anything issued later."""
+    def use(self, copy: Copy | None, tensor: torch.Tensor | None = None) -> None:
+        """The calling thread's stream waits (on the GPU) for ``copy`` before it runs anything issued later. Pass
+        the copy's destination as ``tensor`` when it was allocated under :meth:`copy_stream` (see :meth:`hold`)."""
         if self.cuda and copy is not None and copy.event is not None:
             torch.cuda.current_stream(self.device).wait_event(copy.event)
+        if tensor is not None:
+            self.hold(tensor)
+
+    def hold(self, tensor: torch.Tensor) -> None:
+        """Marks device memory allocated under :meth:`copy_stream` as used by the calling thread's stream, so the
+        allocator does not hand it out again until that stream is done with it."""
+        if self.cuda:
+            tensor.record_stream(torch.cuda.current_stream(self.device))
+
+    @contextlib.contextmanager
+    def copy_stream(self) -> Iterator[None]:
+        """Device memory allocated inside comes from the host-to-device stream's pool: a copy into it needs to
+        wait for nothing on the compute stream (memory the compute stream freed but may still be reading is never
+        handed out there). The compute stream must then ``use(copy, tensor)``."""
+        if not self.cuda:
+            yield
+            return
+        with torch.cuda.device(self.device), torch.cuda.stream(self._h2d):
+            yield
 
     def use_uploads(self) -> None:
         """The calling thread's stream waits for every host-to-device copy issued so far, by any thread."""
@@ -128,8 +149,9 @@ class CopyStreams:
     def upload(self, src: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A new device tensor with ``src``'s values, ready for the calling thread's stream."""
         src = src.detach().to(dtype or src.dtype).contiguous()
-        out = torch.empty(src.shape, dtype=src.dtype, device=self.device)
-        self.use(self.to_device(out, src, after=None))
+        with self.copy_stream():
+            out = torch.empty(src.shape, dtype=src.dtype, device=self.device)
+        self.use(self.to_device(out, src, after=None), out)
         return out
 
     def synchronize(self) -> None:

@@ -156,9 +156,11 @@ class TieredStore:
         try:
             if stagger:
                 t = host_stream_buffer(numel, dtype, slot=stagger, pin_memory=tier is Tier.HOST and self.pin_memory)
-            elif tier is Tier.DEVICE:
-                t = aligned_tensor(numel, dtype, pin_memory=False, prefault=prefault) if self.device.type == "cpu" \
-                    else torch.zeros(numel, dtype=dtype, device=self.device)
+            elif tier is Tier.DEVICE and self.device.type == "cpu":
+                t = aligned_tensor(numel, dtype, pin_memory=False, prefault=prefault)
+            elif tier is Tier.DEVICE:  # prefault=False: the caller overwrites it whole, zeros would be wasted
+                t = torch.zeros(numel, dtype=dtype, device=self.device) if prefault else \
+                    torch.empty(numel, dtype=dtype, device=self.device)
             elif tier is Tier.HOST:
                 t = aligned_tensor(numel, dtype, pin_memory=self.pin_memory)
             else:

@@ -339,10 +339,11 @@ class ParameterOffload:
             rec.after = None
             if not rec.persistent:
                 self._trim(self.max_live - self.live_numel - rec.numel)
-            rec.device = self.store.allocate(Tier.DEVICE, rec.numel, self.dtype, f"parameter {rec.index} on the "
-                                             "device", "raise offload.device_memory_budget or lower "
-                                             "zero_optimization.stage3_max_live_parameters",
-                                             prefault=False)  # the fetch's worker thread writes it whole
+            with self.copies.copy_stream():  # filled by a copy on that stream, used on the compute stream
+                rec.device = self.store.allocate(Tier.DEVICE, rec.numel, self.dtype, f"parameter {rec.index} on the "
+                                                 "device", "raise offload.device_memory_budget or lower "
+                                                 "zero_optimization.stage3_max_live_parameters",
+                                                 prefault=False)  # the fetch writes it whole
         self._by_storage[rec.device.untyped_storage().data_ptr()] = rec
 
     def _trim(self, keep: int) -> None:
@@ -406,7 +407,9 @@ class ParameterOffload:
         if value.device.type != "cpu" or not self.copies.cuda:
             rec.device.copy_(value.reshape(-1))
         else:
-            self.copies.to_device(rec.device, value.reshape(-1), after=self.copies.mark()).wait()
+            copy = self.copies.to_device(rec.device, value.reshape(-1), after=self.copies.mark())
+            self.copies.use(copy, rec.device)
+            copy.wait()  # value may be a staging buffer, reused when this returns
 
     def _finish(self, rec: _Param) -> None:
         pending, rec.pending = rec.pending, None
@@ -419,6 +422,7 @@ class ParameterOffload:
                 self.copies.use(pending)  # on the GPU: the compute stream waits for the copy, the CPU does not
             else:
                 pending.wait()
+            self.copies.hold(rec.device)  # allocated on the copy stream, read on the compute stream
         finally:
             self.store.stall_seconds += time.perf_counter() - t
         rec.state = ParamState.AVAILABLE
@@ -430,7 +434,7 @@ class ParameterOffload:
         if rec.sharded:
             self.shards.fetch(rec.index, rec.device).wait()  # gathered straight into the device buffer
         elif rec.home is not None:
-            self.copies.use(self.copies.to_device(rec.device, rec.home, after=self.copies.mark()))
+            self.copies.use(self.copies.to_device(rec.device, rec.home, after=self.copies.mark()), rec.device)
         rec.stale = False
 
     def _evict(self, numel: int) -> bool:

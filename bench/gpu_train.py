@@ -1,0 +1,412 @@
+"""Training steps on one GPU: plain torch and each offload placement, same model and batches, beside DeepSpeed.
+
+Every run trains the same GPT (offload/models.py) on the same synthetic batches, each in its own process (so host
+peak RSS, GPU peak and pinned memory are the run's own, and an out-of-memory run does not end the others):
+
+  plain            torch alone: fp32 parameters on the device, bf16 autocast, fused AdamW (16 B/param on the GPU)
+  opt-host         ZeRO-2 offload: bf16 parameters on the device, fp32 Adam state and CPU Adam on the host
+  opt+params-host  ZeRO-3 offload: parameters homed on the host too, a window fetched to the device
+  opt-nvme         ZeRO-Infinity: Adam state on NVMe (parameters on the device)
+  opt+params-nvme  ZeRO-Infinity: Adam state and parameters on NVMe
+
+each run by this library and, when ``deepspeed`` is importable (never a dependency), by DeepSpeed with the same
+keys. Per run: median step time (forward + backward + optimizer step, after warm-up), tokens/s, GPU peak (torch's
+allocator), host peak RSS (VmHWM) and pinned bytes, the loss per step, and the parts of a step from the engine's
+counters (CPU Adam, the share of it hidden in backward, bytes to and from the device, NVMe stalls).
+
+Bounds measured in the same run, each in a process of its own: ``compute`` (forward + backward of the bf16 model,
+no optimizer; absent when it does not fit) and ``pcie`` (the gradient bytes device-to-host and the parameter bytes
+host-to-device through pinned memory on two streams at once). For opt-host the target is
+step <= 1.15 x max(compute, CPU Adam, pcie). Without CUDA everything runs on the CPU (a smoke test: the device tier
+is host memory and pcie is a memcpy).
+
+    python bench/gpu_train.py [--params 1e9 | --layers L --width W] [--tokens 512] [--batch 4] [--steps 5]
+                              [--warmup 2] [--placements plain,opt-host,...] [--deepspeed auto|off]
+                              [--nvme-dir DIR] [--out results/gpu_train.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+import offload  # noqa: E402
+from nvme_swapper import aligned_tensor, pinned_bytes  # noqa: E402
+from offload.models import GPT, GPTConfig, synthetic_batches  # noqa: E402
+
+PLACEMENTS = {  # name: (ZeRO stage, offload_optimizer.device, offload_param.device); None: plain torch
+    "plain": None,
+    "opt-host": (2, "cpu", "none"),
+    "opt+params-host": (3, "cpu", "cpu"),
+    "opt-nvme": (3, "nvme", "none"),  # DeepSpeed offloads optimizer state to NVMe only in stage 3
+    "opt+params-nvme": (3, "nvme", "nvme"),
+}
+LR = 3e-4
+
+
+def shape_for(params: float, vocab: int, context: int) -> tuple[int, int]:
+    """(layers, width) of a GPT with about ``params`` parameters; widths as in published models of that size."""
+    width = 512 if params < 5e7 else 768 if params < 2e8 else 1536 if params < 1e9 else 2560 if params < 4e9 \
+        else 4096
+    layers = max(1, round((params - (vocab + context) * width) / (12 * width * width + 13 * width)))
+    return layers, width
+
+
+def host_peak() -> int:
+    """This process's peak resident set (VmHWM), bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def config_for(placement: str, work: Path, batch: int) -> dict[str, Any]:
+    stage, opt, par = PLACEMENTS[placement]
+    zero: dict[str, Any] = {"stage": stage, "offload_optimizer": {"device": opt, "pin_memory": True}}
+    if opt == "nvme":
+        zero["offload_optimizer"]["nvme_path"] = str(work / "opt")
+    if par != "none":
+        zero["offload_param"] = {"device": par, "pin_memory": True}
+        if par == "nvme":
+            zero["offload_param"]["nvme_path"] = str(work / "param")
+    return {"train_micro_batch_size_per_gpu": batch, "bf16": {"enabled": True},
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01, "betas": [0.9, 0.95]}},
+            "zero_optimization": zero}
+
+
+def build(cfg: GPTConfig, dtype: torch.dtype, device: str | torch.device = "cpu") -> GPT:
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return GPT(cfg)
+    finally:
+        torch.set_default_dtype(default)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# one run, in a child process ----------------------------------------------------------------------------------------
+
+def child(spec: dict[str, Any]) -> dict[str, Any]:
+    cfg = GPTConfig(**spec["model"])
+    device = offload.default_device()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    kind, placement = spec["kind"], spec["placement"]
+    if kind == "pcie":
+        return pcie(cfg.num_parameters, device)
+    data = synthetic_batches(cfg.vocab_size, spec["batch"], spec["tokens"], seed=0)
+    batches = [next(data) for _ in range(spec["warmup"] + spec["steps"])]
+    work = Path(spec["work"])
+    if kind == "compute":
+        model = build(cfg, torch.bfloat16, device)
+        step, close, parts = _compute_step(model), (lambda: None), None
+    elif kind == "plain":
+        model = build(cfg, torch.float32, device)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, betas=(0.9, 0.95),
+                                fused=device.type == "cuda")
+        step, close, parts = _plain_step(model, opt, device), (lambda: None), None
+    elif kind == "ours":
+        engine = offload.initialize(build(cfg, torch.bfloat16), config_for(placement, work, spec["batch"]))
+        step, close, parts = _engine_step(engine), engine.close, _Parts(engine)
+    else:
+        step, close, parts = _deepspeed(cfg, placement, work, spec["batch"])
+    times, losses, per_step = [], [], []
+    try:
+        for i, (x, y) in enumerate(batches):
+            if parts is not None:
+                parts.mark()
+            sync(device)
+            t = time.perf_counter()
+            loss = step(x.to(device), y.to(device))
+            sync(device)
+            times.append(time.perf_counter() - t)
+            losses.append(loss)
+            if parts is not None and i >= spec["warmup"]:
+                per_step.append(parts.delta())
+        result: dict[str, Any] = {"status": "ok"}
+        if parts is not None:
+            result["engine"] = parts.final()
+    finally:
+        close()
+    measured = times[spec["warmup"]:]
+    result.update(step_seconds=statistics.median(measured), seconds=times, losses=losses,
+                  tokens_per_s=spec["batch"] * spec["tokens"] / statistics.median(measured),
+                  gpu_peak=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+                  host_peak_rss=host_peak(), pinned=pinned_bytes() if kind == "ours" else _torch_pinned(),
+                  parts={k: statistics.median(s[k] for s in per_step) for k in per_step[0]} if per_step else None)
+    return result
+
+
+def _torch_pinned() -> int | None:
+    """Bytes torch's pinned (caching host) allocator holds, where this torch reports it."""
+    try:
+        return int(torch.cuda.memory.host_memory_stats().get("reserved_bytes.current", 0))
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _compute_step(model: GPT) -> Any:
+    def step(x: torch.Tensor, y: torch.Tensor) -> float:
+        loss = GPT.loss(model(x), y)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        return loss.item()
+    return step
+
+
+def _plain_step(model: GPT, opt: torch.optim.Optimizer, device: torch.device) -> Any:
+    def step(x: torch.Tensor, y: torch.Tensor) -> float:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = GPT.loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+    return step
+
+
+def _engine_step(engine: offload.Engine) -> Any:
+    def step(x: torch.Tensor, y: torch.Tensor) -> float:
+        loss = GPT.loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        return loss.item()
+    return step
+
+
+class _Parts:
+    """A step's parts from the engine's counters: CPU Adam (and the share overlapped with backward), NVMe stalls,
+    bytes to and from the device."""
+
+    def __init__(self, engine: offload.Engine) -> None:
+        self.engine, self._last = engine, engine.stats()
+
+    def mark(self) -> None:
+        self._last = self.engine.stats()
+
+    def delta(self) -> dict[str, float]:
+        now, last = self.engine.stats(), self._last
+        moved = {k: now["bytes_moved"].get(k, 0) - last["bytes_moved"].get(k, 0) for k in now["bytes_moved"]}
+        return {"adam": now["adam_seconds"] - last["adam_seconds"],
+                "adam_overlapped": now["adam_seconds_overlapped"] - last["adam_seconds_overlapped"],
+                "stalled": now["stall_seconds"] - last["stall_seconds"],
+                "d2h_bytes": moved.get("device->host", 0), "h2d_bytes": moved.get("host->device", 0),
+                "nvme_read_bytes": moved.get("nvme->host", 0), "nvme_write_bytes": moved.get("host->nvme", 0)}
+
+    def final(self) -> dict[str, Any]:
+        report = self.engine.memory_report()
+        return {"memory_report": report, "plan": self.engine.plan().describe(),
+                "gradient_copies": self.engine.stats()["gradient_copies"]}
+
+
+def _deepspeed(cfg: GPTConfig, placement: str, work: Path, batch: int) -> tuple[Any, Any, None]:
+    import deepspeed  # noqa: PLC0415 - optional, imported only for its runs
+
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(name, value)
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    deepspeed.init_distributed()
+    model = build(cfg, torch.bfloat16)
+    ds_config = config_for(placement, work, batch)
+    if "nvme" in json.dumps(ds_config["zero_optimization"]):
+        ds_config["aio"] = {"block_size": 1 << 20, "queue_depth": 8, "thread_count": 1}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> float:
+        loss = GPT.loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        return loss.item()
+    return step, (lambda: None), None
+
+
+def pcie(n: int, device: torch.device, repeats: int = 3) -> dict[str, Any]:
+    """The bytes a ZeRO-2 offload step moves, alone: n bf16 gradients device-to-host and n bf16 parameters
+    host-to-device, through pinned memory, each alone and both at once on two streams (best of ``repeats``)."""
+    host_g, host_p = aligned_tensor(n, torch.bfloat16), aligned_tensor(n, torch.bfloat16)
+    dev_g = torch.ones(n, dtype=torch.bfloat16, device=device)
+    dev_p = torch.empty(n, dtype=torch.bfloat16, device=device)
+    cuda = device.type == "cuda"
+    streams = (torch.cuda.Stream(device), torch.cuda.Stream(device)) if cuda else (None, None)
+
+    def timed(d2h: bool, h2d: bool) -> float:
+        best = float("inf")
+        for _ in range(repeats):
+            sync(device)
+            t = time.perf_counter()
+            for want, stream, dst, src in ((d2h, streams[0], host_g, dev_g), (h2d, streams[1], dev_p, host_p)):
+                if want:
+                    if cuda:
+                        with torch.cuda.stream(stream):
+                            dst.copy_(src, non_blocking=True)
+                    else:
+                        dst.copy_(src)
+            sync(device)
+            best = min(best, time.perf_counter() - t)
+        return best
+
+    return {"status": "ok", "d2h": timed(True, False), "h2d": timed(False, True), "both": timed(True, True),
+            "bytes_each_way": 2 * n}
+
+
+# the parent -------------------------------------------------------------------------------------------------------
+
+def launch(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="gpu-bench-", dir=spec["nvme_dir"]) as work:
+        spec = {**spec, "work": work}
+        try:
+            done = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True,
+                                  text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"status": f"timed out after {timeout:.0f} s"}
+    for line in reversed(done.stdout.splitlines()):
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+    oom = any("out of memory" in line.lower() or "OutOfMemoryError" in line for line in tail)
+    return {"status": "out of memory" if oom else f"failed (exit {done.returncode}): {' | '.join(tail)[-300:]}"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--params", type=float, default=1e9, help="model size; ignored with --layers")
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--width", type=int, default=None)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--tokens", type=int, default=512, help="sequence length")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=5, help="measured steps")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--placements", default=",".join(PLACEMENTS))
+    ap.add_argument("--deepspeed", choices=["auto", "off"], default="auto",
+                    help="auto: DeepSpeed beside ours when it is importable")
+    ap.add_argument("--nvme-dir", default=None, help="where swap files go (default: a temporary directory)")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds per run")
+    ap.add_argument("--out", default="results/gpu_train.json")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print("RESULT " + json.dumps(child(json.loads(args.child)), default=str), flush=True)
+        return
+    placements = [p.strip() for p in args.placements.split(",") if p.strip()]
+    unknown = [p for p in placements if p not in PLACEMENTS]
+    if unknown:
+        ap.error(f"--placements: unknown {unknown}; known: {', '.join(PLACEMENTS)}")
+    for name in ("steps", "batch", "tokens"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be at least 1")
+    layers, width = (args.layers, args.width or 768) if args.layers else shape_for(args.params, args.vocab,
+                                                                                     args.tokens)
+    cfg = GPTConfig(vocab_size=args.vocab, context=args.tokens, layers=layers, heads=max(1, width // 64),
+                    width=width)
+    n = cfg.num_parameters
+    device = offload.default_device()
+    has_ds = args.deepspeed == "auto" and _importable("deepspeed") and device.type == "cuda"
+    base = {"model": cfg.__dict__, "batch": args.batch, "tokens": args.tokens, "steps": args.steps,
+            "warmup": args.warmup, "nvme_dir": args.nvme_dir}
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (no CUDA: a smoke run)"
+    print(f"gpu bench: GPT {layers} x {width}, {n / 1e9:.3g}B parameters, {args.batch} x {args.tokens} tokens, "
+          f"on {name}; DeepSpeed {'beside ours' if has_ds else 'not run'}", flush=True)
+    with torch.device("meta"):
+        estimates = {e.placement: e for e in offload.estimate(model=GPT(cfg))}
+    bounds = {"compute": launch({**base, "kind": "compute", "placement": "compute"}, args.timeout),
+              "pcie": launch({**base, "kind": "pcie", "placement": "pcie"}, args.timeout)}
+    runs = []
+    for placement in placements:
+        kinds = ["plain"] if placement == "plain" else ["ours"] + (["deepspeed"] if has_ds else [])
+        for kind in kinds:
+            result = launch({**base, "kind": kind, "placement": placement}, args.timeout)
+            runs.append({"framework": {"plain": "torch", "ours": "offload"}.get(kind, kind), "placement": placement,
+                         **result})
+            _row(runs[-1])
+    summary = _summary(runs, bounds, estimates, n)
+    for line in summary.pop("lines"):
+        print(line)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"model": {**cfg.__dict__, "params": n, "batch": args.batch, "tokens": args.tokens},
+                               "device": name, "bounds": bounds, "runs": runs, "summary": summary,
+                               "estimates": {k: v.__dict__ for k, v in estimates.items()}}, indent=2, default=str))
+    print(f"\nwrote {out}")
+
+
+def _importable(name: str) -> bool:
+    import importlib.util  # noqa: PLC0415
+
+    return importlib.util.find_spec(name) is not None
+
+
+def _row(r: dict[str, Any]) -> None:
+    if r["status"] != "ok":
+        print(f"  {r['framework']:9s} {r['placement']:16s} {r['status']}", flush=True)
+        return
+    gib = 1 << 30
+    gpu = f"{r['gpu_peak'] / gib:7.2f}" if r["gpu_peak"] is not None else "      -"
+    pinned = f"{r['pinned'] / gib:7.2f}" if r["pinned"] is not None else "      -"
+    print(f"  {r['framework']:9s} {r['placement']:16s} {r['step_seconds']:8.3f} s {r['tokens_per_s']:9.0f} tok/s  "
+          f"GPU {gpu} GiB  host {r['host_peak_rss'] / gib:7.2f} GiB  pinned {pinned} GiB  loss "
+          f"{r['losses'][0]:.3f} -> {r['losses'][-1]:.3f}", flush=True)
+
+
+def _summary(runs: list[dict[str, Any]], bounds: dict[str, Any], estimates: dict[str, Any],
+             n: int) -> dict[str, Any]:
+    """Ratios: ours against the bound (opt-host) and against DeepSpeed (each placement); host peak against the
+    estimate."""
+    lines, out = ["\nsummary"], {}
+    ok = {(r["framework"], r["placement"]): r for r in runs if r["status"] == "ok"}
+    compute = bounds["compute"].get("step_seconds") if bounds["compute"]["status"] == "ok" else None
+    transfer = bounds["pcie"].get("both") if bounds["pcie"]["status"] == "ok" else None
+    ours = ok.get(("offload", "opt-host"))
+    if ours and ours.get("parts"):
+        adam = ours["parts"]["adam"]
+        parts = {"compute": compute, "adam": adam, "pcie": transfer}
+        bound = max(v for v in parts.values() if v is not None)
+        out["opt_host_bound"] = {**parts, "bound": bound, "ratio": ours["step_seconds"] / bound}
+        shown = ", ".join(f"{k} {'-' if v is None else f'{v:.3f}'}" for k, v in parts.items())
+        lines.append(f"  opt-host: step {ours['step_seconds']:.3f} s / max({shown}) = "
+                     f"{out['opt_host_bound']['ratio']:.2f}  (target <= 1.15)")
+    names = {"opt-host": "optimizer on cpu", "opt+params-host": "optimizer + parameters on cpu",
+             "opt-nvme": "optimizer on nvme", "opt+params-nvme": "optimizer + parameters on nvme"}
+    for placement, est_name in names.items():
+        r, ds = ok.get(("offload", placement)), ok.get(("deepspeed", placement))
+        if r and ds:
+            out[f"speedup_vs_deepspeed/{placement}"] = ds["step_seconds"] / r["step_seconds"]
+            lines.append(f"  {placement}: DeepSpeed {ds['step_seconds']:.3f} s / ours {r['step_seconds']:.3f} s = "
+                         f"{ds['step_seconds'] / r['step_seconds']:.2f}x")
+        if r and est_name in estimates:
+            store_peak = r["engine"]["memory_report"]["host"]["peak"]
+            est = estimates[est_name].host
+            out[f"host_estimate/{placement}"] = {"estimate": est, "store_peak": store_peak,
+                                                  "rss_peak": r["host_peak_rss"], "ratio": store_peak / est}
+            lines.append(f"  {placement}: host estimate {est / (1 << 30):.2f} GiB, measured {store_peak / (1 << 30):.2f}"
+                         f" GiB (tier peak), {r['host_peak_rss'] / (1 << 30):.2f} GiB RSS")
+    out["lines"] = lines
+    out["params"] = n
+    return out
+
+
+if __name__ == "__main__":
+    main()
