@@ -71,6 +71,8 @@ class _HostRegion:
 
     def _register(self, nbytes: int) -> None:
         global _pinned
+        if hasattr(mmap, "MADV_DONTFORK"):  # a forked child (a DataLoader worker) must not make these pages
+            self._map.madvise(mmap.MADV_DONTFORK)  # copy-on-write: the GPU's copies would land in the child's
         error = int(torch.cuda.cudart().cudaHostRegister(self.address, nbytes, _CUDA_HOST_REGISTER_PORTABLE))
         if error:
             raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {error}: the host cannot "

@@ -429,3 +429,21 @@ def test_few_staging_buffers_still_correct(tmp_path, buffers):
     ref = reference_fp32(4, data)
     for p, r in zip(model.parameters(), ref.parameters()):
         close_enough(p.detach(), r.detach(), 1e-5)
+
+
+def test_a_gradient_that_arrives_twice_in_one_backward_is_named(tmp_path):
+    """Reentrant checkpointing over a layer also used outside the segment makes autograd finish its gradient twice;
+    the engine says so (summing silently would race the overlapped update) and names the fix."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Twice(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return checkpoint(self.lin, torch.tanh(self.lin(x)), use_reentrant=True).sum()
+
+    with offload.initialize(Twice(), config(tmp_path, "cpu")) as engine:
+        with pytest.raises(RuntimeError, match="got its gradient twice in one backward.*use_reentrant=False"):
+            engine.backward(engine(torch.randn(4, 8)))

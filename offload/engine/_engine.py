@@ -135,7 +135,7 @@ class Engine:
         self.weights = Weights(plan, self.module, self.layout, self.store, self.copies, self.comm, self.optimizer,
                                aio=cfg.aio, nvme_path=nvme["offload_param"])
         self.grads = GradientStream(plan, self.layout, self.store, self.copies, host=lambda: self.optimizer.grads,
-                                    submit=self.optimizer.run, on_ready=self._sub_group_ready)
+                                    on_ready=self._sub_group_ready)
         self.optimizer.grad_handles = self.grads.handles
         self._install_hooks()
 
@@ -264,6 +264,7 @@ class Engine:
     def _step(self) -> None:
         plan, opt = self._plan, self.optimizer
         uploads: list[Any] = []
+        self.grads.wait()  # every gradient of the window has landed (and an error of its thread surfaces here)
         if plan.delayed:
             opt.finish()  # the previous step's update, which ran beside this forward/backward
             uploads = self.weights.apply_update()
@@ -272,7 +273,6 @@ class Engine:
         grad_scale = self.scaler.scale * self.world_size  # the kernel divides: the mean over ranks
         if self.config.fp16.enabled or self.config.gradient_clipping > 0:
             opt.wait()
-            self.grads.wait()
             norm = self._grad_norm()
             if not math.isfinite(norm):
                 if self.config.fp16.enabled:
@@ -445,6 +445,8 @@ class Engine:
         self._hooks.clear()
         try:
             try:
+                if self.copies is not None:
+                    self.copies.synchronize()  # no copy may still touch the buffers freed below
                 if self.grads is not None:
                     self.grads.close()
                 if self.optimizer is not None:

@@ -29,7 +29,8 @@ from typing import Any, Callable
 
 import torch
 
-from ..memory import BudgetExceeded, StagingRing, Tier, TieredStore, CopyStreams, wait_all
+from .._worker import Worker
+from ..memory import BudgetExceeded, CopyStreams, StagingRing, Tier, TieredStore, wait_all
 from ..optim._layout import FlatLayout
 from ..plan import Plan
 
@@ -67,15 +68,15 @@ class _Bucket:
 
 
 class GradientStream:
-    """Owns the buckets, the device staging buffers and the pinned landing buffers of one engine's gradients.
-    ``host()`` returns the current host gradient buffers (the optimizer swaps them for the delayed update);
-    ``submit(fn, *args)`` runs ``fn`` on the optimizer thread after what is queued there and returns a handle."""
+    """Owns the buckets, the device staging buffers, the pinned landing buffers and the accumulation thread of one
+    engine's gradients. ``host()`` returns the current host gradient buffers (the optimizer swaps them for the
+    delayed update); ``on_ready(k)`` is called when sub-group ``k``'s gradients have all been sent."""
 
     def __init__(self, plan: Plan, layout: FlatLayout, store: TieredStore, copies: CopyStreams, *,
-                 host: Callable[[], list[torch.Tensor]], submit: Callable[..., Any],
-                 on_ready: Callable[[int], None]) -> None:
+                 host: Callable[[], list[torch.Tensor]], on_ready: Callable[[int], None]) -> None:
         self.layout, self.store, self.copies = layout, store, copies
-        self._host, self._submit, self._on_ready = host, submit, on_ready
+        self._host, self._on_ready = host, on_ready
+        self._adds: Worker | None = None
         self.accumulate = plan.accumulate
         self.staged = plan.grad_staging
         self._dtype = plan.dtype
@@ -98,6 +99,7 @@ class GradientStream:
                 if self.accumulate:
                     self._landing = StagingRing(store, 3, self._staging_numel, plan.dtype,
                                                 "pinned landing buffers of accumulated gradients", _FIX)
+                    self._adds = Worker("offload-grads")
             except BaseException:
                 self.close()
                 raise
@@ -145,6 +147,11 @@ class GradientStream:
         """Parameter ``i``'s final gradient (flat, on the device; its elements from ``base`` of the flattened
         parameter). May be freed when this returns."""
         for bucket, piece in self._of_param[i]:
+            if bucket.arrived[piece.index]:
+                raise RuntimeError(
+                    f"parameter {i} (shape {tuple(self.layout.params[i].shape)}) got its gradient twice in one "
+                    "backward: reentrant activation checkpointing over a parameter also used outside the "
+                    "checkpointed segment; use torch.utils.checkpoint.checkpoint(..., use_reentrant=False)")
             src = grad[piece.param_start - base : piece.param_start - base + piece.numel]
             if self.staged:
                 if bucket.staging is None and not bucket.single and not self._open(bucket):
@@ -173,16 +180,18 @@ class GradientStream:
         return [h for b in self._of_sub_group[sub_group] for h in b.handles]
 
     def wait(self) -> None:
-        """Blocks until every gradient of this micro-batch has landed in the host buffers (accumulate jobs run on
-        the optimizer thread: the caller waits for that thread too)."""
+        """Blocks until every gradient of this micro-batch has landed in the host buffers; raises an error of the
+        accumulation thread."""
         wait_all([h for b in self.buckets for h in b.handles])
+        if self._adds is not None:
+            self._adds.wait_idle()
 
     # moving bytes -----------------------------------------------------------------------------------------------
 
     def _open(self, bucket: _Bucket) -> bool:
         """Gives ``bucket`` a device staging buffer; False when none is free and none fits the device budget."""
         if self._free:
-            buf, last = self._free.pop()
+            buf, last = self._free.pop(0)  # the oldest: its copy has had the longest to finish
             self.copies.use(last)  # the compute stream writes into it only after its last copy has read it
         else:
             try:
@@ -214,7 +223,7 @@ class GradientStream:
             return copy
         slot, landing = self._landing.take()
         copy = self.copies.to_host(landing[:n], src)
-        job = self._submit(_accumulate, dst, landing[:n], copy, not bucket.written)
+        job = self._adds.submit(_accumulate, dst, landing[:n], copy, not bucket.written)
         self._landing.used(slot, job)
         bucket.handles.append(job)
         return copy
@@ -251,9 +260,13 @@ class GradientStream:
         return sum(t.numel() * t.element_size() for t in held)
 
     def close(self) -> None:
-        """Waits for copies in flight and frees the staging and landing buffers."""
+        """Waits for copies and adds in flight, stops the accumulation thread, frees the staging and landing
+        buffers."""
         try:
-            wait_all([h for b in self.buckets for h in b.handles])
+            self.copies.synchronize()
+            if self._adds is not None:
+                self._adds.close()
+                self._adds = None
         finally:
             for b in self.buckets:
                 b.handles = []
@@ -269,7 +282,8 @@ class GradientStream:
 
 
 def _accumulate(dst: torch.Tensor, landing: torch.Tensor, copy: Any, first: bool) -> None:
-    """On the optimizer thread: once ``copy`` has landed a bucket's gradient, it goes into the fp32 accumulator."""
+    """On the accumulation thread: once ``copy`` has landed a bucket's gradient, it goes into the fp32
+    accumulator."""
     copy.wait()
     if first:
         dst.copy_(landing)

@@ -40,11 +40,13 @@ class Copy:
         self.event, self._keep = event, keep
 
     def done(self) -> bool:
-        return self.event is None or bool(self.event.query())
+        event = self.event  # read once: another thread's wait() may clear it
+        return event is None or bool(event.query())
 
     def wait(self) -> None:
-        if self.event is not None:
-            self.event.synchronize()
+        event = self.event
+        if event is not None:
+            event.synchronize()
         self.event, self._keep = None, ()
 
 
@@ -61,6 +63,10 @@ class CopyStreams:
         self._count = count
         self._d2h = torch.cuda.Stream(device) if self.cuda else None
         self._h2d = torch.cuda.Stream(device) if self.cuda else None
+
+    def current_stream(self) -> Any:
+        """The calling thread's current stream (the compute stream on the training thread); None on the CPU."""
+        return torch.cuda.current_stream(self.device) if self.cuda else None
 
     def mark(self) -> Any:
         """An event at this point of the calling thread's current stream (the compute stream when the training
@@ -83,7 +89,7 @@ class CopyStreams:
         with torch.cuda.device(self.device), torch.cuda.stream(self._d2h):
             self._d2h.wait_event(after)
             dst.copy_(src, non_blocking=True)
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(blocking=True)  # threads that wait for it sleep instead of spinning a core
             event.record(self._d2h)
         src.record_stream(self._d2h)
         return Copy(event, (dst,))
@@ -101,7 +107,7 @@ class CopyStreams:
             if after is not None:
                 self._h2d.wait_event(after)
             dst.copy_(src, non_blocking=True)
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(blocking=True)
             event.record(self._h2d)
         dst.record_stream(self._h2d)
         return Copy(event, (src,))
@@ -109,8 +115,9 @@ class CopyStreams:
     def use(self, copy: Copy | None, tensor: torch.Tensor | None = None) -> None:
         """The calling thread's stream waits (on the GPU) for ``copy`` before it runs anything issued later. Pass
         the copy's destination as ``tensor`` when it was allocated under :meth:`copy_stream` (see :meth:`hold`)."""
-        if self.cuda and copy is not None and copy.event is not None:
-            torch.cuda.current_stream(self.device).wait_event(copy.event)
+        event = copy.event if copy is not None else None  # read once: another thread's wait() may clear it
+        if self.cuda and event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
         if tensor is not None:
             self.hold(tensor)
 

@@ -11,8 +11,7 @@ delayed update's buffer), else into a pinned staging buffer whose copy to the de
 host-to-device stream (:class:`~offload.memory.CopyStreams`) behind the point where backward stopped reading them.
 
 All state access runs on one worker thread, the stepper, which runs jobs in submission order: the engine queues a
-sub-group as soon as its gradients are final (overlap with backward) or all remaining ones at ``step``, and the
-gradient stream queues its accumulation adds there too, so an update always follows the adds into its range.
+sub-group as soon as its gradients are final (overlap with backward) or all remaining ones at ``step``.
 With state on NVMe the stepper is a pipeline through the store's staging buffers: while it updates sub-group k,
 the reads of the next sub-groups (in the order the last step processed them) are in flight, and k-1's write-back
 drains behind. An error on the stepper surfaces at the engine's next wait.
@@ -20,13 +19,12 @@ drains behind. An error on the stepper surfaces at the engine's next wait.
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
 from typing import Any
 
 import torch
 
+from .._worker import Worker
 from ..config import OptimizerConfig
 from ..memory import CopyStreams, StagingRing, Tier, TieredStore, fmt_bytes, wait_all
 from ..ops import adam_step
@@ -156,11 +154,8 @@ class OffloadedAdam(torch.optim.Optimizer):
         if self._in_backward:
             self.sub_groups_overlapped += 1
         waits = (*wait_first, *self.grad_handles(sg))
-        self._stepper.submit(self._update, sg, grad_scale, self.grads, self.step_count + 1, waits, self.copies.mark())
-
-    def run(self, fn: Any, *args: Any) -> "Job":
-        """Runs ``fn(*args)`` on the optimizer thread after everything queued there (gradient accumulation)."""
-        return self._stepper.submit(fn, *args)
+        self._stepper.submit(self._update, sg, grad_scale, self.grads, self.step_count + 1, waits, self.copies.mark(),
+                             self.copies.current_stream())
 
     def step(self, closure: Any = None, *, grad_scale: float = 1.0) -> None:  # type: ignore[override]
         """Updates every sub-group not already updated during backward; returns when all are done.
@@ -203,9 +198,10 @@ class OffloadedAdam(torch.optim.Optimizer):
             self.store.drain()
 
     def _update(self, k: int, grad_scale: float, grads: list[torch.Tensor], step: int, waits: tuple[Any, ...],
-                after: Any) -> None:
+                after: Any, stream: Any) -> None:
         """On the stepper: one sub-group's Adam update once its gradients have landed; ``after``: the point of the
-        compute stream after which the device no longer reads this sub-group's parameters."""
+        compute stream (``stream``, the submitter's) after which the device no longer reads this sub-group's
+        parameters."""
         wait_all(waits)
         self._ran.append(k)
         sg = self.layout.sub_groups[k]
@@ -224,7 +220,9 @@ class OffloadedAdam(torch.optim.Optimizer):
         t = time.perf_counter()
         slot = None
         if master.device.type == "cuda":  # state on the device (no offload): torch's fused kernel, same arithmetic
-            self._fused_torch(master, exp_avg, exp_avg_sq, self.grad_slice(sg, grads), group, grad_scale, step)
+            with torch.cuda.stream(stream):  # ordered after the backward that wrote the gradients
+                self._fused_torch(master, exp_avg, exp_avg_sq, self.grad_slice(sg, grads), group, grad_scale, step)
+                target.copy_(master)
             out = None
         else:
             if self._on_updated is not None:
@@ -245,9 +243,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         self.adam_seconds += elapsed
         if self._in_backward:
             self.adam_seconds_overlapped += elapsed
-        if out is None:
-            target.copy_(master)
-        elif slot is not None:
+        if slot is not None:
             self._uploads.used(slot, self.copies.to_device(target, out, after=after))
         if self._on_updated is not None:
             self._on_updated(sg, out)
@@ -266,6 +262,7 @@ class OffloadedAdam(torch.optim.Optimizer):
                      group: dict[str, Any], grad_scale: float, step_number: int) -> None:
         """State on a CUDA device (no offload): torch's fused kernel does the same arithmetic."""
         fn = torch._fused_adamw_ if group["adamw_mode"] else torch._fused_adam_
+        grad = grad.float()  # the fused kernel takes one dtype for state and gradients
         step = torch.tensor(float(step_number), device=master.device)
         fn([master], [grad], [m], [v], [], [step], lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
            weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False, maximize=False,
@@ -321,67 +318,3 @@ class OffloadedAdam(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         raise RuntimeError("OffloadedAdam state can be larger than memory: use engine.load_checkpoint(dir)")
-
-
-class Job:
-    """One job of a :class:`Worker`; ``wait()`` returns once it has run (or was skipped after an earlier failure,
-    which the worker's ``wait_idle`` re-raises)."""
-
-    __slots__ = ("_done",)
-
-    def __init__(self) -> None:
-        self._done = threading.Event()
-
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def wait(self) -> None:
-        self._done.wait()
-
-
-class Worker:
-    """One thread that runs submitted jobs in order (the stepper: all access to optimizer state during steps)."""
-
-    def __init__(self, name: str) -> None:
-        self._queue: queue.SimpleQueue[tuple[Any, tuple[Any, ...], Job] | None] = queue.SimpleQueue()
-        self._idle = threading.Condition()
-        self._pending = 0
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, fn: Any, *args: Any) -> Job:
-        job = Job()
-        with self._idle:
-            self._pending += 1
-        self._queue.put((fn, args, job))
-        return job
-
-    def wait_idle(self) -> None:
-        """Waits for every job submitted so far; re-raises the first error since the last wait."""
-        with self._idle:
-            while self._pending:
-                self._idle.wait()
-            error, self._error = self._error, None
-        if error is not None:
-            raise error
-
-    def close(self) -> None:
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join()
-
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            fn, args, job = item
-            try:
-                if self._error is None:  # after a failure, later jobs are skipped until someone waits
-                    fn(*args)
-            except BaseException as exc:
-                self._error = exc
-            finally:
-                job._done.set()
-                with self._idle:
-                    self._pending -= 1
-                    if not self._pending:
-                        self._idle.notify_all()

@@ -333,7 +333,7 @@ class ParameterOffload:
         after dropping cached buffers until the window has room."""
         cached = self._cache.get(rec.numel)
         if cached and not rec.persistent:
-            rec.device, rec.after = cached.pop()
+            rec.device, rec.after = cached.pop(0)  # the oldest: the compute stream is likeliest past its mark
             self.cached_numel -= rec.numel
         else:
             rec.after = None
@@ -608,6 +608,8 @@ class ParameterOffload:
         if getattr(self, "_original_forward", None) is not None:
             del self.module.forward  # the instance attribute; the class's forward shows through again
             self._original_forward = None
+        self._copier.shutdown(wait=True)  # fetches in flight land first
+        self.copies.synchronize()  # and so do their copies: homes and staging are freed below
         for rec in self.params:  # hand the model back whole, as plain tensors
             if rec.state is ParamState.FETCHING:
                 self._finish(rec)
@@ -622,7 +624,6 @@ class ParameterOffload:
                 rec.device = None
             rec.state = ParamState.RELEASED
         self._trim(0)
-        self._copier.shutdown(wait=True)
         for bufs in self._staging.values():
             for b in bufs:
                 self.store.free(Tier.HOST, b)

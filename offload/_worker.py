@@ -1,0 +1,82 @@
+"""Worker: one thread that runs submitted jobs in order, each with a :class:`Job` handle to wait on.
+
+Used for the optimizer's stepper (all access to optimizer state during a step) and for the gradient stream's
+accumulation adds. A job that raises marks its handle failed (``Job.wait()`` re-raises its own error) and the
+worker skips later jobs until someone calls ``wait_idle()``, which re-raises the first error: an error in the
+thread surfaces at the next wait, never silently.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any
+
+
+class Job:
+    """One job of a :class:`Worker`; ``wait()`` returns once it has run, or raises the error it raised (a job
+    skipped after an earlier failure raises that failure)."""
+
+    __slots__ = ("_done", "error")
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self.error: BaseException | None = None
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self) -> None:
+        self._done.wait()
+        if self.error is not None:
+            raise self.error
+
+
+class Worker:
+    """One named thread running jobs in submission order; ``close()`` finishes what is queued and joins it."""
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue[tuple[Any, tuple[Any, ...], Job] | None] = queue.SimpleQueue()
+        self._idle = threading.Condition()
+        self._pending = 0
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Any, *args: Any) -> Job:
+        job = Job()
+        with self._idle:
+            self._pending += 1
+        self._queue.put((fn, args, job))
+        return job
+
+    def wait_idle(self) -> None:
+        """Waits for every job submitted so far; re-raises the first error since the last wait."""
+        with self._idle:
+            while self._pending:
+                self._idle.wait()
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            fn, args, job = item
+            try:
+                if self._error is not None:  # after a failure, later jobs are skipped until someone waits
+                    job.error = self._error
+                else:
+                    fn(*args)
+            except BaseException as exc:
+                self._error = job.error = exc
+            finally:
+                job._done.set()
+                with self._idle:
+                    self._pending -= 1
+                    if not self._pending:
+                        self._idle.notify_all()
