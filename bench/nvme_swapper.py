@@ -22,6 +22,12 @@ it laid out, and the engine first reserves (writes) the space its copy-on-write 
     python bench/nvme_swapper.py [--dir DIR] [--rounds 3] [--quick] [--size 2GiB] [--blocks 256KiB,1MiB,4MiB]
                                  [--depths 1,8,32] [--no-fio] [--out results/nvme_swapper.json]
 
+``--requests 1MiB,4MiB,16MiB,64MiB`` measures instead the knee that sizes the optimizer's sub-groups: throughput
+against the size of one request, each request waited alone (the worst case of the optimizer's pipeline, which
+moves one sub-group per request), with the configuration training uses by default (AioConfig(): 1 MiB blocks,
+queue depth 8, checksums on), --size bytes per measurement, rounds interleaved; the knee is the smallest size
+within 10% of the best (score: the harmonic mean of write and read, as a step writes and reads the same bytes).
+
 ``python -m offload bench nvme`` runs this script and plots throughput against block size and queue depth from
 its JSON (the engine's sweep over --blocks x --depths).
 """
@@ -149,6 +155,41 @@ def run_engine(directory: Path, backend: str, block: int, depth: int, big, small
     return result
 
 
+def request_sizes(directory: Path, total: int, sizes: list[int], rounds: int, out: Path) -> None:
+    """The ``--requests`` mode (see the module docstring)."""
+    buf = aligned_tensor(total)
+    buf.random_(0, 256)
+    samples: dict[str, list[float]] = {}
+    with SwapEngine(directory, AioConfig()) as eng:
+        eng.reserve(total + max(sizes))
+        for r in range(rounds):
+            for size in random.Random(r).sample(sizes, len(sizes)):
+                chunks = [buf[o : o + size] for o in range(0, total - size + 1, size)]
+                moved = len(chunks) * size
+                for direction in ("write", "read"):
+                    t = time.perf_counter()
+                    for i, c in enumerate(chunks):
+                        (eng.write if direction == "write" else eng.read)(f"r{size}-{i}", c).wait()
+                    samples.setdefault(f"{human(size)} {direction}", []).append(gbps(moved, time.perf_counter() - t))
+                for i in range(len(chunks)):
+                    eng.delete(f"r{size}-{i}")
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    score = {s: 2 / (1 / med[f"{human(s)} write"] + 1 / med[f"{human(s)} read"]) for s in sizes}
+    best = max(score.values())
+    knee = min(s for s in sizes if score[s] >= 0.9 * best)
+    print(f"\nrequest size knee: {total / GiB:.3g} GiB per measurement, {rounds} round(s), AioConfig() defaults, "
+          f"medians in GB/s, dir {directory}\n")
+    print(f"{'request':>10s} {'write':>8s} {'read':>8s} {'score':>8s}")
+    for s in sizes:
+        print(f"{human(s):>10s} {med[f'{human(s)} write']:8.2f} {med[f'{human(s)} read']:8.2f} {score[s]:8.2f}"
+              f"{'  <- knee (within 10% of the best)' if s == knee else ''}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"mode": "requests", "bytes_per_measurement": total, "rounds": rounds,
+                               "sizes": sizes, "samples": samples, "medians": med, "score": score,
+                               "knee_bytes": knee}, indent=2))
+    print(f"\nwrote {out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir in cwd)")
@@ -160,8 +201,20 @@ def main() -> None:
     ap.add_argument("--blocks", default="256KiB,1MiB,4MiB", help="engine block sizes to sweep (comma-separated)")
     ap.add_argument("--depths", default="1,8,32", help="engine queue depths to sweep (comma-separated)")
     ap.add_argument("--no-fio", action="store_true", help="skip fio: the limit is the pread/pwrite loop alone")
+    ap.add_argument("--requests", default=None, help="request sizes: measure the knee instead (see above)")
     ap.add_argument("--out", default="results/nvme_swapper.json")
     args = ap.parse_args()
+    if args.requests:
+        sizes = [parse_bytes(v.strip(), "--requests") for v in args.requests.split(",") if v.strip()]
+        total = parse_bytes(args.size, "--size") if args.size else 512 * MiB
+        if not sizes or any(v % (4 * KiB) or v > total for v in sizes):
+            ap.error(f"--requests: sizes must be multiples of 4KiB no larger than --size, got {args.requests}")
+        work = Path(tempfile.mkdtemp(prefix="bench-nvme-", dir=Path(args.dir) if args.dir else Path.cwd()))
+        try:
+            request_sizes(work, total, sizes, 1 if args.quick else args.rounds, Path(args.out))
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        return
 
     total = parse_bytes(args.size, "--size") if args.size else 256 * MiB if args.quick else 2 * GiB
     if total < 64 * 4 * KiB or total % (64 * 4 * KiB):

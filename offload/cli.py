@@ -30,9 +30,9 @@ from .config import parse_bytes
 from .memory import fmt_bytes
 
 
-def _demo_config(args: argparse.Namespace, swap: Path, n_params: int) -> dict[str, Any]:
-    device_budget = parse_bytes(args.device_budget, "--device-budget")
-    window = device_budget // 4  # bf16 elements: half of the device budget, the rest for persistent parameters
+def _demo_config(args: argparse.Namespace, swap: Path) -> dict[str, Any]:
+    """Where things live and the budgets; every size (sub-groups, staging buffers, the parameter window, the
+    prefetch) is left to the plan, which derives it from the budgets and the model."""
     home = {"device": args.placement, "nvme_path": str(swap / "params")} if args.placement != "none" else {}
     return {
         "bf16": {"enabled": True},
@@ -40,16 +40,12 @@ def _demo_config(args: argparse.Namespace, swap: Path, n_params: int) -> dict[st
         "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.01, "betas": [0.9, 0.95]}},
         "zero_optimization": {
             "stage": 3,
-            "sub_group_size": max(1 << 20, n_params // 4),
             "offload_optimizer": {"device": args.placement if args.placement != "none" else "cpu",
                                   "nvme_path": str(swap / "optimizer")},
             "offload_param": home or {"device": "none"},
-            "stage3_max_live_parameters": window,
-            "stage3_prefetch_bucket_size": window // 2,
-            "stage3_param_persistence_threshold": 10_000,
         },
         "aio": {"block_size": 1 << 20, "queue_depth": 8},
-        "offload": {"device_memory_budget": device_budget},
+        "offload": {"device_memory_budget": parse_bytes(args.device_budget, "--device-budget")},
     }
 
 
@@ -71,7 +67,7 @@ def demo(args: argparse.Namespace) -> int:
         return 2
     swap = Path(tempfile.mkdtemp(prefix="offload-demo-", dir=root))
     try:
-        config = json.loads(Path(args.config).read_text()) if args.config else _demo_config(args, swap, n)
+        config = json.loads(Path(args.config).read_text()) if args.config else _demo_config(args, swap)
         with offload.initialize(GPT(cfg), config) as engine:
             budget = engine.memory_report()["device"]["budget"]
             print(f"offload demo: GPT {cfg.layers} layers x {cfg.width} wide, {n / 1e6:.1f}M parameters; "
@@ -103,13 +99,22 @@ def demo(args: argparse.Namespace) -> int:
             if sys.stderr.isatty():
                 print(file=sys.stderr)
             total = time.perf_counter() - t_start
-            stats, report = engine.stats(), engine.memory_report()
+            stats, report, plan = engine.stats(), engine.memory_report(), engine.plan()
+            swap_files = sum(f.stat().st_size for f in swap.rglob("swap.*"))
     finally:
         shutil.rmtree(swap, ignore_errors=True)
     print(f"\nloss {first:.4f} -> {last:.4f} over {args.steps} steps ({total:.1f} s)")
+    print("\nthe plan (sizes derived from the budgets and the model):\n  " + plan.describe().replace("\n", "\n  "))
     print("\nmemory per tier        current        peak      budget")
     for tier, r in report.items():
         print(f"  {tier:8s} {fmt_bytes(r['current']):>14s} {fmt_bytes(r['peak']):>11s} {fmt_bytes(r['budget']):>11s}")
+    state = 14 * n  # bf16 parameters and fp32 master weights and moments
+    print(f"  host peak = {report['host']['peak'] / state:.2f} x the {fmt_bytes(state)} of parameters and optimizer "
+          "state")
+    if swap_files:
+        offloaded = report["nvme"]["optimizer_state"] + (2 * n if args.placement == "nvme" else 0)
+        print(f"  swap files {fmt_bytes(swap_files)} = {swap_files / offloaded:.2f} x the {fmt_bytes(offloaded)} "
+              "offloaded to NVMe")
     stall, adam = stats["stall_seconds"], stats["adam_seconds"]
     print("\nwhere the time went")
     print(f"  forward+backward   {compute:7.2f} s  (parameter fetches, gradient streaming and, overlapped, "

@@ -255,7 +255,7 @@ class OffloadOptimizerConfig(_OffloadTarget):
     """``zero_optimization.offload_optimizer``: where fp32 master weights and Adam moments live."""
 
     _path = "zero_optimization.offload_optimizer"
-    buffer_count: int = 4
+    buffer_count: int | None = None  # None or "auto": derived by the plan (offload/plan.py)
     fast_init: bool = False
     delayed_update: bool = False
     overlap_step: bool = True  # update sub-groups during backward where the semantics allow (ours)
@@ -263,7 +263,7 @@ class OffloadOptimizerConfig(_OffloadTarget):
     @classmethod
     def _convert_own(cls, name: str, value: Any, full: str) -> Any:
         if name == "buffer_count":
-            return _int(full, value, 1, 64)
+            return _derived_int(full, value, 1, 64)
         return _bool(full, value)
 
 
@@ -283,19 +283,31 @@ class OffloadParamConfig(_OffloadTarget):
         return _int(full, value, 1)
 
 
+_DERIVED = ("sub_group_size", "stage3_max_live_parameters", "stage3_prefetch_bucket_size", "reduce_bucket_size")
+
+
+def _derived_int(full: str, value: Any, lo: int, hi: int | None = None) -> int | None:
+    """A size the plan derives when unset: ``"auto"`` (DeepSpeed configs written for transformers use it) and null
+    mean unset; anything else must be an integer in range."""
+    if value is None or isinstance(value, str) and value.lower() == "auto":
+        return None
+    return _int(full, value, lo, hi)
+
+
 @dataclass(frozen=True)
 class ZeroConfig(_Section):
-    """``zero_optimization``. sub_group_size defaults to 1e8 elements (DeepSpeed: 1e9), i.e. 1.2 GB of fp32 Adam
-    state per pipeline buffer: large enough for full-speed I/O, small enough that buffer_count of them fit in RAM."""
+    """``zero_optimization``. The sizes left unset (or "auto") are derived at initialize from the budgets and the
+    model (offload/plan.py): sub_group_size, offload_optimizer.buffer_count, stage3_max_live_parameters,
+    stage3_prefetch_bucket_size and reduce_bucket_size."""
 
     _path = "zero_optimization"
     stage: int = 0
-    sub_group_size: int = 100_000_000
+    sub_group_size: int | None = None  # None or "auto": derived from the budgets and the model (offload/plan.py)
     offload_optimizer: OffloadOptimizerConfig = field(default_factory=OffloadOptimizerConfig)
     offload_param: OffloadParamConfig = field(default_factory=OffloadParamConfig)
-    stage3_max_live_parameters: int = 1_000_000_000
-    stage3_prefetch_bucket_size: int = 50_000_000
-    stage3_param_persistence_threshold: int = 100_000
+    stage3_max_live_parameters: int | None = None  # derived: half of the device budget (offload/plan.py)
+    stage3_prefetch_bucket_size: int | None = None  # derived: the window
+    stage3_param_persistence_threshold: int | None = None  # derived: 1e5, lower when the device budget is small
     stage3_max_reuse_distance: int = 1_000_000_000
     # DeepSpeed's communication tuning knobs: accepted, used where the partitioned engine has the same notion
     contiguous_gradients: bool = True
@@ -318,7 +330,9 @@ class ZeroConfig(_Section):
                     "round_robin_gradients"):
             return _bool(full, value)
         if name == "stage3_param_persistence_threshold":
-            return _int(full, value, 0)
+            return _derived_int(full, value, 0)
+        if name in _DERIVED:
+            return _derived_int(full, value, 1)
         return _int(full, value, 1)
 
     def __post_init__(self) -> None:

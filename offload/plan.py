@@ -1,12 +1,18 @@
 """Plan: every placement and size an engine runs with, resolved once at ``initialize`` and frozen.
 
 The engine used to decide placement piecemeal, branching on the configuration in many methods. Now one function,
-:func:`resolve`, takes the configuration, the process group (ranks and the device they train on) and the machine
-(budgets), and returns a :class:`Plan`: the device, the tier of the optimizer state and of the parameters, how
-state is partitioned across ranks, the training and gradient dtypes, the budgets, the sizes (sub-groups, staging
-buffers, the parameter window, prefetch and gradient buckets) and whether the optimizer overlaps backward. Each
-layer is handed the values it needs; nothing below the engine reads the configuration. ``Plan.why`` records, for
-every value not plainly copied from the configuration, why it was chosen, and ``Plan.describe()`` prints it
+:func:`resolve`, takes the configuration, the process group (ranks and the device they train on), the model's
+sizes and the machine (budgets), and returns a :class:`Plan`: the device, the tier of the optimizer state and of
+the parameters, how state is partitioned across ranks, the training and gradient dtypes, the budgets, the sizes
+(sub-groups, staging buffers, the parameter window, prefetch and gradient buckets) and whether the optimizer
+overlaps backward. Each layer is handed the values it needs; nothing below the engine reads the configuration.
+
+Sizes the configuration leaves unset are derived here from the budgets and the model (:func:`choose_sizes`), so
+that offloading pays for itself: the NVMe staging buffers hold 1/16 of the optimizer state (each request still at
+the disk's knee where the model allows), the device window fits half the device budget, the gradient buckets are
+large enough for full-speed copies. Values the user sets are kept. :func:`expected_bytes` is the engine's charging
+rules as arithmetic: ``offload estimate`` (planner.py) calls the same two functions, so the estimate and the engine
+agree by construction. ``Plan.why`` says why each derived value was chosen; ``Plan.describe()`` prints it
 (``engine.plan()``, the demo's report).
 """
 
@@ -20,6 +26,7 @@ import torch
 
 from .config import OffloadConfig
 from .memory import Tier, default_host_budget, fmt_bytes
+from .optim._layout import ALIGN, FlatLayout
 
 _TIER = {"none": Tier.DEVICE, "cpu": Tier.HOST, "nvme": Tier.NVME}
 
@@ -27,10 +34,24 @@ GRAD_BUCKET = 1 << 24
 """Elements per gradient bucket when ``reduce_bucket_size`` is not set: 32 MiB of bf16, far past the size at which
 a PCIe copy reaches full speed, small enough that a few fit beside any model on the device."""
 
+IO_KNEE = 16 << 20
+"""Bytes per NVMe request from which the swap engine runs within 10% of its best on this kind of disk, one request
+waited alone with the default AioConfig (``python bench/nvme_swapper.py --requests ...``: 4 MiB reached 0.85 of the
+best, 16 MiB 0.93; docs/benchmarks.md)."""
+
+STATE_SHARE = 16
+"""The NVMe staging buffers hold at most 1/STATE_SHARE of the optimizer state they stream (and the spare extents on
+disk, sized by the writes in flight, no more)."""
+
+SUB_GROUP_MAX = 100_000_000  # 1.2 GB of fp32 state per sub-group: larger requests buy nothing
+PERSISTENCE = 100_000  # elements: smaller parameters stay on the device (DeepSpeed's default), budget permitting
+SWAP_SLACK = 256 << 20
+"""Spare swap space always allowed beside the state, whatever its size (copy-on-write writes land beside the bytes
+they replace: the spare room bounds the writes in flight)."""
 
 STAGE_ON_CPU = False
 """Tests set this to run the CUDA path's gradient buckets (device staging buffers, pinned landing buffers, the
-optimizer thread's accumulation adds) on the CPU, where gradients otherwise go straight to the host buffers."""
+accumulation thread) on the CPU, where gradients otherwise go straight to the host buffers."""
 
 
 class Partition(Enum):
@@ -39,6 +60,30 @@ class Partition(Enum):
     NONE = "none"  # one rank owns everything
     FLAT = "flat"  # stages 0-2 on several ranks: an equal range of each flat buffer per rank
     PER_PARAM = "per_param"  # stage 3 on several ranks: every parameter cut into one piece per rank
+
+
+@dataclass(frozen=True)
+class ModelSizes:
+    """What a plan needs to know of a model: the element count of each trainable parameter (in order) and of the
+    frozen tensors (frozen parameters and buffers)."""
+
+    params: tuple[int, ...]
+    frozen: int = 0
+
+    @classmethod
+    def of(cls, trainable: list[torch.Tensor], frozen: list[torch.Tensor] = ()) -> "ModelSizes":
+        return cls(tuple(p.numel() for p in trainable), sum(t.numel() for t in frozen))
+
+    @property
+    def numel(self) -> int:
+        return sum(self.params)
+
+    def layout(self, sub_group_size: int, *, world_size: int = 1, whole_params: bool = False,
+               per_param: bool = False) -> FlatLayout:
+        """Rank 0's layout of these sizes (the meta device: nothing allocated)."""
+        fake = [torch.empty(n, device="meta") for n in self.params] or [torch.empty(1, device="meta")]
+        return FlatLayout([fake], sub_group_size, world_size=world_size, whole_params=whole_params,
+                          per_param=per_param)
 
 
 @dataclass(frozen=True)
@@ -76,6 +121,10 @@ class Plan:
     def cuda(self) -> bool:
         return self.device.type == "cuda"
 
+    @property
+    def dtype_bytes(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
     def describe(self) -> str:
         """What was chosen and why, one line per decision."""
         budgets = ", ".join(f"{t.value} {fmt_bytes(b)}" for t, b in self.budgets.items())
@@ -89,16 +138,180 @@ class Plan:
                  ]
         if self.param_tier is not Tier.DEVICE:
             lines.append(f"parameter window {self.max_live:,} elements, {self.prefetch_bucket:,} in flight, "
-                         f"persistent below {self.persistence_threshold:,}")
+                         f"persistent up to {self.persistence_threshold:,}")
         lines.append(f"optimizer overlaps backward: {'yes' if self.overlap else 'no'}; delayed update: "
                      f"{'yes' if self.delayed else 'no'}")
         lines += [f"  {name}: {reason}" for name, reason in self.why.items()]
         return "\n".join(lines)
 
 
-def resolve(cfg: OffloadConfig, *, device: torch.device, world_size: int = 1, rank: int = 0,
+def spare_writes(total: int, slot: int, buffers: int) -> int:
+    """How many copy-on-write writes of ``slot`` bytes may be in flight beside ``total`` bytes of swapped state:
+    their spare extents stay within max(total / 10, SWAP_SLACK), and at least one is allowed."""
+    return max(1, min(buffers, max(total // 10, SWAP_SLACK) // max(slot, 1)))
+
+
+def _round4k(n: int) -> int:
+    return -(-n // 4096) * 4096
+
+
+@dataclass(frozen=True)
+class Sizes:
+    sub_group_size: int
+    buffer_count: int
+    max_live: int
+    prefetch_bucket: int
+    grad_bucket: int
+    persistence_threshold: int
+
+
+def _persistence(model: ModelSizes, dtype_bytes: int, device: int | None, why: dict[str, str]) -> int:
+    """PERSISTENCE, lowered until the persistent parameters take at most a quarter of the device budget."""
+    threshold = PERSISTENCE
+    if device is not None:
+        small = sorted(s for s in model.params if s <= threshold)
+        while small and sum(small) * dtype_bytes > device // 4:
+            threshold = small.pop() - 1
+        if threshold < PERSISTENCE:
+            why["persistence"] = (f"parameters of at most {threshold:,} elements stay on the device: larger ones "
+                                  "would take over a quarter of the device budget")
+    return max(threshold, 0)
+
+
+def choose_sizes(model: ModelSizes, *, optimizer_tier: Tier, param_tier: Tier, dtype_bytes: int, grad_bytes: int,
+                 world_size: int, budgets: Mapping[Tier, int | None], staged: bool,
+                 given: Mapping[str, int | None]) -> tuple[Sizes, dict[str, str]]:
+    """The sizes of a plan: ``given`` (the configuration's values; None = derive) kept, the rest derived from the
+    budgets and the model (see the module docstring). Returns them with the reason for each derived one."""
+    why: dict[str, str] = {}
+    n = -(-model.numel // world_size) if (optimizer_tier is not Tier.DEVICE or world_size > 1) else model.numel
+    state = 12 * n
+    buffers = given.get("buffer_count")
+    sub = given.get("sub_group_size")
+    if sub is None and optimizer_tier is Tier.NVME:
+        knee = IO_KNEE // 12
+        share = n // STATE_SHARE  # elements of state the staging buffers may hold in all
+        if buffers is None:
+            buffers = 4 if share >= 4 * knee else 2  # 4: reads ahead while the last write drains; 2: the minimum
+        sub = max(ALIGN, min(share // buffers, SUB_GROUP_MAX))
+        host = budgets.get(Tier.HOST)
+        if host is not None:  # the staging buffers take at most half of what the gradients leave of the host budget
+            room = (host - grad_bytes * n) // 2 // (12 * buffers)
+            if ALIGN <= room < sub:
+                sub = room
+                why["sub_group_size"] = (f"{sub:,} elements: {buffers} staging buffers of {fmt_bytes(12 * sub)} fill "
+                                         "half the host budget the gradients leave")
+        why.setdefault("sub_group_size", f"{sub:,} elements: {buffers} staging buffers of {fmt_bytes(12 * sub)} "
+                       f"hold 1/{STATE_SHARE} of the {fmt_bytes(state)} of optimizer state (disk knee: requests of "
+                       f"{fmt_bytes(IO_KNEE)})")
+    elif sub is None and optimizer_tier is Tier.HOST:
+        sub = max(ALIGN, min(max(n // 16, 1 << 20), SUB_GROUP_MAX))
+        why["sub_group_size"] = (f"{sub:,} elements: 1/16 of the model, so updates start during backward as each "
+                                 "sub-group's gradients arrive")
+    elif sub is None:
+        sub = SUB_GROUP_MAX
+    if buffers is None:
+        buffers = 4
+    grad_bucket = given.get("grad_bucket")
+    if grad_bucket is None:
+        grad_bucket = min(GRAD_BUCKET, sub)
+        if staged:
+            why["gradient bucket"] = (f"{grad_bucket:,} elements per device-to-host copy (reduce_bucket_size not "
+                                      "set): full-speed copies, a few buckets' room on the device")
+    max_live, bucket = given.get("max_live"), given.get("prefetch_bucket")
+    persistence_threshold = given.get("persistence_threshold")
+    if persistence_threshold is None:
+        persistence_threshold = PERSISTENCE if param_tier is Tier.DEVICE else \
+            _persistence(model, dtype_bytes, budgets.get(Tier.DEVICE), why)
+    if param_tier is not Tier.DEVICE:
+        homed = [s for s in model.params if s > persistence_threshold]
+        largest, total = max(homed, default=0), sum(homed)
+        persistent = sum(s for s in model.params if s <= persistence_threshold) + model.frozen
+        device = budgets.get(Tier.DEVICE)
+        if max_live is None and device is None:
+            max_live = min(total, max(total // 4, 2 * largest))
+            why["window"] = (f"{max_live:,} elements: a quarter of the offloaded parameters (no device budget), at "
+                             "least twice the largest")
+        elif max_live is None:
+            staging = 2 * min(grad_bucket, sub) * dtype_bytes if staged else 0
+            room = (device // 2 - persistent * dtype_bytes - staging - largest * dtype_bytes) // dtype_bytes
+            max_live = max(min(total, room), largest)
+            why["window"] = (f"{max_live:,} elements ({fmt_bytes(max_live * dtype_bytes)}): half of the device budget "
+                             "for parameters, the rest for activations and gradients")
+        if bucket is None:
+            bucket = max_live
+            why["prefetch bucket"] = "the whole window in flight: the disk's queue stays deepest (docs/benchmarks.md)"
+    return Sizes(sub, buffers, max_live or 1, bucket or 1, grad_bucket, persistence_threshold), why
+
+
+def expected_bytes(plan: Plan, model: ModelSizes) -> dict[Tier, int]:
+    """Peak bytes per tier the engine charges for ``model`` under ``plan`` (this rank): the store's accounting as
+    arithmetic (tests hold the two within 10%). Activations are not in it (the CPU device tier cannot see them;
+    on CUDA the device budget keeps room for them)."""
+    d, g = plan.dtype_bytes, torch.empty((), dtype=plan.grad_dtype).element_size()
+    per_param = plan.partition is Partition.PER_PARAM
+    layout = model.layout(plan.sub_group_size, world_size=plan.world_size,
+                          whole_params=plan.whole_param_sub_groups, per_param=per_param)
+    flat = sum(layout.group_numel)
+    owned = layout.owned_numel(0)
+    max_sg = layout.max_sub_group_numel
+    homed = [s for s in model.params if s > plan.persistence_threshold]
+    persistent = sum(s for s in model.params if s <= plan.persistence_threshold)
+    largest = max(model.params, default=0)
+    out = {Tier.DEVICE: 0, Tier.HOST: 0, Tier.NVME: 0}
+    bucket = min(plan.grad_bucket, max_sg)
+    if plan.grad_staging:
+        out[Tier.DEVICE] += 2 * bucket * d
+        if plan.accumulate:
+            out[Tier.HOST] += 3 * bucket * d
+    if plan.param_tier is Tier.DEVICE:
+        out[Tier.DEVICE] += d * (flat + model.frozen + largest)
+        if plan.partition is Partition.FLAT:
+            full = 4 if plan.accumulate and plan.stage <= 1 else d
+            out[Tier.DEVICE] += full * flat
+        if plan.cuda and plan.optimizer_tier is not Tier.DEVICE and not plan.delayed:
+            out[Tier.HOST] += 2 * max_sg * d  # pinned staging of updated parameters
+        if plan.delayed:
+            out[Tier.HOST] += d * flat
+    else:
+        window = min(plan.max_live, sum(homed))
+        out[Tier.DEVICE] += d * (window + persistent)
+    if plan.optimizer_tier is Tier.DEVICE:
+        out[Tier.DEVICE] += g * owned + 12 * owned
+    else:
+        stagger = 2 << 20 if g * owned >= (64 << 20) else 0  # huge-page offset of large gradient buffers
+        out[Tier.HOST] += (g * owned + stagger) * (2 if plan.delayed else 1)
+    if plan.optimizer_tier is Tier.HOST:
+        out[Tier.HOST] += 12 * owned
+    elif plan.optimizer_tier is Tier.NVME:
+        buffers = min(plan.buffer_count, len(layout.sub_groups))
+        slot = _round4k(12 * max_sg)
+        state = sum(12 * sg.numel for sg in layout.sub_groups)
+        out[Tier.HOST] += buffers * slot
+        out[Tier.NVME] += state + spare_writes(state, slot, buffers) * slot
+    if plan.param_tier is Tier.HOST:
+        out[Tier.HOST] += d * (owned if per_param else flat)
+    elif plan.param_tier is Tier.NVME:
+        out[Tier.HOST] += d * max_sg  # the optimizer's staging of updated parameters
+        if per_param:
+            out[Tier.HOST] += d * max(layout.piece, default=0)
+            parts = [seg.numel for sg in layout.sub_groups for seg in sg.segments]
+            out[Tier.NVME] += d * (sum(parts) + max(parts, default=0))
+        else:
+            out[Tier.HOST] += d * (model.frozen + persistent)  # host copies (homes are written through the
+            # optimizer's staging, which whole-parameter sub-groups make at least as large as any parameter)
+            out[Tier.NVME] += d * (sum(homed) + max(homed, default=0))
+            if plan.cuda:
+                out[Tier.HOST] += d * min(plan.prefetch_bucket + max(homed, default=0), sum(homed))
+    if plan.param_tier is Tier.HOST and not per_param:
+        out[Tier.HOST] += d * model.frozen  # frozen tensors' host copies
+    return out
+
+
+def resolve(cfg: OffloadConfig, model: ModelSizes, *, device: torch.device, world_size: int = 1, rank: int = 0,
             local_world_size: int = 1) -> Plan:
-    """The plan for ``cfg`` on this rank. Raises ValueError naming the keys of a combination that cannot run."""
+    """The plan for ``cfg`` and ``model`` on this rank. Raises ValueError naming the keys of a combination that
+    cannot run."""
     zero = cfg.zero_optimization
     why: dict[str, str] = {}
     optimizer_tier, param_tier = _TIER[zero.offload_optimizer.device], _TIER[zero.offload_param.device]
@@ -115,18 +328,7 @@ def resolve(cfg: OffloadConfig, *, device: torch.device, world_size: int = 1, ra
                          "zero_optimization.offload_param.device to \"cpu\" or \"nvme\" (got \"none\"), "
                          "or use stage 2")
     partition = Partition.NONE if world_size == 1 else Partition.PER_PARAM if zero.stage == 3 else Partition.FLAT
-
-    device_budget = cfg.offload.device_memory_budget
-    if device_budget is None and device.type == "cuda":
-        device_budget = torch.cuda.get_device_properties(device).total_memory
-        why["device budget"] = "the CUDA device's total memory (offload.device_memory_budget not set)"
-    host_budget = cfg.offload.host_memory_budget
-    if host_budget is None:  # ranks on one host share its memory
-        host_budget = default_host_budget() // local_world_size
-        why["host budget"] = ("90% of MemAvailable at initialize" +
-                              (f", shared by {local_world_size} ranks" if local_world_size > 1 else ""))
-    budgets = {Tier.DEVICE: device_budget, Tier.HOST: host_budget, Tier.NVME: cfg.offload.nvme_memory_budget}
-
+    budgets = resolve_budgets(cfg, device, local_world_size, why)
     accumulate = cfg.gradient_accumulation_steps > 1
     blockers = [reason for cond, reason in (
         (not zero.offload_optimizer.overlap_step, "offload_optimizer.overlap_step is false"),
@@ -137,18 +339,41 @@ def resolve(cfg: OffloadConfig, *, device: torch.device, world_size: int = 1, ra
     ) if cond]
     if blockers:
         why["overlap"] = "off: " + "; ".join(blockers)
-    grad_bucket = zero.reduce_bucket_size if zero.reduce_bucket_size is not None else GRAD_BUCKET
-    if zero.reduce_bucket_size is None:
-        why["gradient bucket"] = f"{GRAD_BUCKET:,} elements (reduce_bucket_size not set): full-speed copies"
+    staged = (device.type == "cuda" or STAGE_ON_CPU) and optimizer_tier is not Tier.DEVICE
+    dtype_bytes = torch.empty((), dtype=cfg.dtype).element_size()
+    sizes, chosen = choose_sizes(
+        model, optimizer_tier=optimizer_tier, param_tier=param_tier, dtype_bytes=dtype_bytes,
+        grad_bytes=4 if accumulate else dtype_bytes, world_size=world_size, budgets=budgets, staged=staged,
+        given={"sub_group_size": zero.sub_group_size, "buffer_count": zero.offload_optimizer.buffer_count,
+               "max_live": zero.stage3_max_live_parameters, "prefetch_bucket": zero.stage3_prefetch_bucket_size,
+               "grad_bucket": zero.reduce_bucket_size,
+               "persistence_threshold": zero.stage3_param_persistence_threshold})
+    why.update(chosen)
     return Plan(
         device=device, world_size=world_size, rank=rank, local_world_size=local_world_size, stage=zero.stage,
         partition=partition, dtype=cfg.dtype, grad_dtype=torch.float32 if accumulate else cfg.dtype,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps, optimizer_tier=optimizer_tier,
         param_tier=param_tier, budgets=budgets,
         pin_memory=zero.offload_optimizer.pin_memory and device.type == "cuda",
-        sub_group_size=zero.sub_group_size, buffer_count=zero.offload_optimizer.buffer_count,
+        sub_group_size=sizes.sub_group_size, buffer_count=sizes.buffer_count,
         whole_param_sub_groups=param_tier is Tier.NVME and world_size == 1,
-        max_live=zero.stage3_max_live_parameters, prefetch_bucket=zero.stage3_prefetch_bucket_size,
-        persistence_threshold=zero.stage3_param_persistence_threshold, grad_bucket=grad_bucket,
-        grad_staging=(device.type == "cuda" or STAGE_ON_CPU) and optimizer_tier is not Tier.DEVICE,
-        overlap=not blockers, delayed=delayed, why=why)
+        max_live=sizes.max_live, prefetch_bucket=sizes.prefetch_bucket,
+        persistence_threshold=sizes.persistence_threshold, grad_bucket=sizes.grad_bucket,
+        grad_staging=staged, overlap=not blockers, delayed=delayed, why=why)
+
+
+def resolve_budgets(cfg: OffloadConfig, device: torch.device, local_world_size: int = 1,
+                    why: dict[str, str] | None = None) -> dict[Tier, int | None]:
+    """Each tier's budget: the configuration's, else the device's memory (CUDA) or none (CPU), 90% of the host's
+    available memory shared by the ranks on it, the NVMe filesystem's free space (decided at the first claim)."""
+    why = why if why is not None else {}
+    device_budget = cfg.offload.device_memory_budget
+    if device_budget is None and device.type == "cuda":
+        device_budget = torch.cuda.get_device_properties(device).total_memory
+        why["device budget"] = "the CUDA device's total memory (offload.device_memory_budget not set)"
+    host_budget = cfg.offload.host_memory_budget
+    if host_budget is None:  # ranks on one host share its memory
+        host_budget = default_host_budget() // local_world_size
+        why["host budget"] = ("90% of MemAvailable at initialize" +
+                              (f", shared by {local_world_size} ranks" if local_world_size > 1 else ""))
+    return {Tier.DEVICE: device_budget, Tier.HOST: host_budget, Tier.NVME: cfg.offload.nvme_memory_budget}

@@ -1,9 +1,10 @@
 """offload.estimate: bytes per tier for each placement, before anything is allocated.
 
-The numbers follow the rules the engine charges its tiers by (docs/architecture.md, "Budgets"), so a plan that
-fits here fits in ``initialize``; tests hold the estimate to within 10% of the peaks the engine measures. Given a
-model, the layout is computed exactly (alignment padding, sub-groups, persistent parameters); given only a
-parameter count, parameters are taken as large (none persistent, no padding).
+For each placement it builds the :class:`~offload.plan.Plan` the engine would (the same :func:`choose_sizes` for
+every size not given, from the same budgets) and charges it with :func:`expected_bytes`, the engine's own rules
+as arithmetic: a plan that fits here fits in ``initialize``, and tests hold the estimate to within 10% of the
+peaks the engine measures. Given a model, the layout is computed exactly (alignment padding, sub-groups,
+persistent parameters); given only a parameter count, parameters are taken as one large tensor.
 
 Per rank with ``gpus`` > 1 (ZeRO: optimizer state and gradients split over the ranks, parameters too when they
 are offloaded, i.e. stage 3).
@@ -16,8 +17,8 @@ from typing import Any
 
 import torch
 
-from .memory import fmt_bytes
-from .optim._layout import FlatLayout
+from .memory import Tier, fmt_bytes
+from .plan import ModelSizes, Partition, Plan, choose_sizes, expected_bytes
 
 PLACEMENTS = [  # (name, optimizer state, parameters)
     ("no offload", "none", "none"),
@@ -26,6 +27,7 @@ PLACEMENTS = [  # (name, optimizer state, parameters)
     ("optimizer + parameters on cpu", "cpu", "cpu"),
     ("optimizer + parameters on nvme", "nvme", "nvme"),
 ]
+_TIER = {"none": Tier.DEVICE, "cpu": Tier.HOST, "nvme": Tier.NVME}
 
 
 @dataclass(frozen=True)
@@ -38,79 +40,60 @@ class Estimate:
     nvme: int
     fits: bool | None  # None when no budget was given for any tier
     limiting: str | None  # the tier that does not fit
-
-
-def _round(n: int, m: int = 4096) -> int:
-    return -(-n // m) * m
+    plan: Plan | None = None  # the plan the bytes were charged for (its sizes, and why they were chosen)
 
 
 def estimate(num_params: int | None = None, *, model: torch.nn.Module | None = None, dtype_bytes: int = 2,
-             gradient_accumulation_steps: int = 1, sub_group_size: int = 100_000_000, buffer_count: int = 4,
-             max_live_parameters: int = 1_000_000_000, persistence_threshold: int = 100_000, gpus: int = 1,
-             gpu_mem: int | None = None, host_mem: int | None = None, nvme_free: int | None = None
-             ) -> list[Estimate]:
+             gradient_accumulation_steps: int = 1, sub_group_size: int | None = None, buffer_count: int | None = None,
+             max_live_parameters: int | None = None, prefetch_bucket_size: int | None = None,
+             persistence_threshold: int | None = None, gpus: int = 1, gpu_mem: int | None = None,
+             host_mem: int | None = None, nvme_free: int | None = None, cuda: bool = True) -> list[Estimate]:
     """Peak bytes per tier (per rank) for each placement of :data:`PLACEMENTS`, and whether each fits the given
-    memory (``gpu_mem`` per device, ``host_mem`` and ``nvme_free`` per machine shared by ``gpus`` ranks)."""
+    memory (``gpu_mem`` per device, ``host_mem`` and ``nvme_free`` per machine shared by ``gpus`` ranks). Sizes
+    left None are derived as ``initialize`` derives them; ``cuda``: the device is a GPU (False: the CPU's device
+    tier, as on a machine without one)."""
     if (num_params is None) == (model is None):
         raise ValueError("estimate: give exactly one of num_params and model")
     if gpus < 1:
         raise ValueError(f"estimate: gpus must be at least 1, got {gpus}")
+    if dtype_bytes not in (2, 4):
+        raise ValueError(f"estimate: dtype_bytes must be 2 (bf16/fp16) or 4 (fp32), got {dtype_bytes}")
     if model is not None:
         trainable = [p for p in model.parameters() if p.requires_grad]
-        frozen = sum(t.numel() for t in model.parameters() if not t.requires_grad) + \
-            sum(b.numel() for b in model.buffers())
-        sizes = [p.numel() for p in trainable]
-        layout = FlatLayout([trainable], sub_group_size)
-        flat = sum(layout.group_numel)
-        max_sg = layout.max_sub_group_numel
-        n_sub, n_sub_whole = len(layout.sub_groups), None
-        layout_nvme = FlatLayout([trainable], sub_group_size, whole_params=True)
-        max_sg_whole = layout_nvme.max_sub_group_numel
-        n_sub_whole = len(layout_nvme.sub_groups)
+        frozen = [p for p in model.parameters() if not p.requires_grad] + list(model.buffers())
+        sizes = ModelSizes.of(trainable, frozen)
     else:
-        sizes, frozen = [int(num_params)], 0
-        flat = int(num_params)
-        max_sg = max_sg_whole = min(int(num_params), sub_group_size)
-        n_sub = n_sub_whole = -(-int(num_params) // sub_group_size)
-    n = sum(sizes)
-    persistent = sum(s for s in sizes if s <= persistence_threshold)
-    homed = n - persistent
-    largest = max(sizes, default=0)
-    grad_bytes = 4 if gradient_accumulation_steps > 1 else dtype_bytes
+        sizes = ModelSizes((int(num_params),))
+    budgets = {Tier.DEVICE: gpu_mem, Tier.HOST: host_mem // gpus if host_mem else None,
+               Tier.NVME: nvme_free // gpus if nvme_free else None}
+    dtype = torch.bfloat16 if dtype_bytes == 2 else torch.float32
+    accumulate = gradient_accumulation_steps > 1
     out = []
     for name, opt, par in PLACEMENTS:
-        shard = gpus if (opt != "none" or par != "none") else 1
-        sg = max_sg_whole if par == "nvme" else max_sg
-        buffers = min(buffer_count, (n_sub_whole if par == "nvme" else n_sub) or 1)
-        staging = buffers * _round(12 * min(sg, -(-flat // shard)))
-        grads = grad_bytes * flat // shard
-        state = 12 * flat // shard
-        if par == "none":
-            device = dtype_bytes * (flat + largest) + dtype_bytes * frozen
-        else:
-            window = min(max_live_parameters, -(-homed // shard) if shard > 1 else homed)
-            device = dtype_bytes * (window + persistent)
-        host = 0 if opt == "none" else grads
-        nvme = 0
-        if opt == "none":
-            device += grads + state
-        elif opt == "cpu":
-            host += state
-        else:
-            host += staging
-            nvme += state + staging
-        if par == "cpu":
-            host += dtype_bytes * flat // shard
-        elif par == "nvme":
-            host += dtype_bytes * sg + dtype_bytes * frozen
-            nvme += dtype_bytes * (-(-homed // shard) + largest)
-        budgets = {"device": gpu_mem, "host": host_mem // gpus if host_mem else None,
-                   "nvme": nvme_free // gpus if nvme_free else None}
-        used = {"device": device, "host": host, "nvme": nvme}
-        over = [t for t in ("device", "host", "nvme") if budgets[t] is not None and used[t] > budgets[t]]
-        given = any(b is not None for b in budgets.values())
-        out.append(Estimate(name, opt, par, device, host, nvme, (not over) if given else None,
-                            over[0] if over else None))
+        optimizer_tier, param_tier = _TIER[opt], _TIER[par]
+        staged = cuda and optimizer_tier is not Tier.DEVICE
+        chosen, why = choose_sizes(
+            sizes, optimizer_tier=optimizer_tier, param_tier=param_tier, dtype_bytes=dtype_bytes,
+            grad_bytes=4 if accumulate else dtype_bytes, world_size=gpus, budgets=budgets, staged=staged,
+            given={"sub_group_size": sub_group_size, "buffer_count": buffer_count, "max_live": max_live_parameters,
+                   "prefetch_bucket": prefetch_bucket_size, "grad_bucket": None,
+                   "persistence_threshold": persistence_threshold})
+        partition = Partition.NONE if gpus == 1 else Partition.PER_PARAM if par != "none" else Partition.FLAT
+        plan = Plan(device=torch.device("cuda" if cuda else "cpu"), world_size=gpus, rank=0, local_world_size=gpus,
+                    stage=3 if par != "none" else 2, partition=partition, dtype=dtype,
+                    grad_dtype=torch.float32 if accumulate else dtype,
+                    gradient_accumulation_steps=gradient_accumulation_steps, optimizer_tier=optimizer_tier,
+                    param_tier=param_tier, budgets=budgets, pin_memory=cuda,
+                    sub_group_size=chosen.sub_group_size, buffer_count=chosen.buffer_count,
+                    whole_param_sub_groups=param_tier is Tier.NVME and gpus == 1, max_live=chosen.max_live,
+                    prefetch_bucket=chosen.prefetch_bucket, persistence_threshold=chosen.persistence_threshold,
+                    grad_bucket=chosen.grad_bucket, grad_staging=staged, overlap=True, delayed=False, why=why)
+        used = {t.value: b for t, b in expected_bytes(plan, sizes).items()}
+        given = {"device": gpu_mem, "host": budgets[Tier.HOST], "nvme": budgets[Tier.NVME]}
+        over = [t for t in ("device", "host", "nvme") if given[t] is not None and used[t] > given[t]]
+        fits = (not over) if any(b is not None for b in given.values()) else None
+        out.append(Estimate(name, opt, par, used["device"], used["host"], used["nvme"], fits,
+                            over[0] if over else None, plan))
     return out
 
 
@@ -120,7 +103,7 @@ def best(estimates: list[Estimate]) -> Estimate | None:
 
 
 def config_for(e: Estimate, nvme_path: str = "/local_nvme") -> dict[str, Any]:
-    """A config fragment for an estimate's placement."""
+    """A config fragment for an estimate's placement (its sizes are derived again at initialize)."""
     zero: dict[str, Any] = {"stage": 3 if e.params != "none" else 2,
                             "offload_optimizer": {"device": e.optimizer}}
     if e.optimizer == "nvme":

@@ -1,5 +1,5 @@
 """offload.estimate against the engine: for the demo's model, every placement's estimated peak per tier is within
-10% of the peak the engine measures."""
+10% of the peak the engine measures, with sizes given and with the sizes both derive from the budgets."""
 
 from __future__ import annotations
 
@@ -9,18 +9,25 @@ import torch
 import offload
 from offload.models import GPT, GPTConfig
 from offload.planner import PLACEMENTS, best, config_for, estimate, table
+from models import DEVICE
 
 CFG = GPTConfig(vocab_size=512, context=64, layers=3, heads=4, width=256)  # the demo's shape, smaller
 KNOBS = dict(sub_group_size=200_000, buffer_count=3, max_live_parameters=600_000, persistence_threshold=10_000)
 
 
-def measured(tmp_path, opt: str, par: str) -> dict[str, int]:
+BUDGETS = dict(gpu_mem=48 << 20, host_mem=64 << 20)  # the derived sizes follow these
+
+
+def measured(tmp_path, opt: str, par: str, derived: bool) -> dict[str, int]:
     torch.manual_seed(0)
     config = config_for(offload.planner.Estimate("", opt, par, 0, 0, 0, None, None), str(tmp_path))
     z = config["zero_optimization"]
-    z.update(sub_group_size=KNOBS["sub_group_size"], stage3_max_live_parameters=KNOBS["max_live_parameters"],
-             stage3_param_persistence_threshold=KNOBS["persistence_threshold"])
-    z["offload_optimizer"]["buffer_count"] = KNOBS["buffer_count"]
+    z["stage3_param_persistence_threshold"] = KNOBS["persistence_threshold"]
+    if derived:
+        config["offload"] = {"device_memory_budget": BUDGETS["gpu_mem"], "host_memory_budget": BUDGETS["host_mem"]}
+    else:
+        z.update(sub_group_size=KNOBS["sub_group_size"], stage3_max_live_parameters=KNOBS["max_live_parameters"])
+        z["offload_optimizer"]["buffer_count"] = KNOBS["buffer_count"]
     config["aio"] = {"block_size": 1 << 16}
     x = torch.randint(0, CFG.vocab_size, (2, 32))
     with offload.initialize(GPT(CFG), config) as engine:
@@ -30,10 +37,12 @@ def measured(tmp_path, opt: str, par: str) -> dict[str, int]:
         return {t: r["peak"] for t, r in engine.memory_report().items()}
 
 
+@pytest.mark.parametrize("derived", [False, True], ids=["given", "derived"])
 @pytest.mark.parametrize("name, opt, par", PLACEMENTS)
-def test_estimate_within_ten_percent_of_measured_peaks(tmp_path, name, opt, par):
-    est = next(e for e in estimate(model=GPT(CFG), **KNOBS) if e.placement == name)
-    peaks = measured(tmp_path, opt, par)
+def test_estimate_within_ten_percent_of_measured_peaks(tmp_path, name, opt, par, derived):
+    knobs = dict(persistence_threshold=KNOBS["persistence_threshold"], **BUDGETS) if derived else KNOBS
+    est = next(e for e in estimate(model=GPT(CFG), cuda=DEVICE.type == "cuda", **knobs) if e.placement == name)
+    peaks = measured(tmp_path, opt, par, derived)
     for tier in ("device", "host", "nvme"):
         want, got = getattr(est, tier), peaks[tier]
         assert abs(want - got) <= 0.10 * max(got, 1), (tier, want, got)

@@ -47,7 +47,7 @@ from ..dist import Comm, GradPartition, join
 from ..memory import CopyStreams, Tier, TieredStore, prepare_nvme_path
 from ..optim._layout import FlatLayout
 from ..optim.offloaded import OffloadedAdam
-from ..plan import Partition, Plan, resolve
+from ..plan import ModelSizes, Partition, Plan, resolve
 from ._grads import GradientStream
 from ._weights import Weights
 
@@ -115,11 +115,15 @@ class Engine:
 
     def _build(self, param_groups: Iterable[dict[str, Any]] | None, file_io: FileIO | None) -> None:
         cfg, pg = self.config, self.comm.pg
-        self._plan = plan = resolve(cfg, device=pg.device, world_size=pg.world_size, rank=pg.rank,
+        groups, options = _param_groups(self.module, param_groups)
+        trainable = {id(p) for g in groups for p in g}
+        sizes = ModelSizes.of([p for g in groups for p in g],
+                              [p for p in self.module.parameters() if id(p) not in trainable]
+                              + list(self.module.buffers()))
+        self._plan = plan = resolve(cfg, sizes, device=pg.device, world_size=pg.world_size, rank=pg.rank,
                                     local_world_size=pg.local_world_size)
         self.device, self.dtype, self.stage = plan.device, plan.dtype, plan.stage
         self.world_size, self.rank = plan.world_size, plan.rank
-        groups, options = _param_groups(self.module, param_groups)
         nvme = {name: self._prepare_nvme(name) for name in ("offload_optimizer", "offload_param")}
         self.store = TieredStore(plan.device, dict(plan.budgets), pin_memory=plan.pin_memory, file_io=file_io)
         self.copies = CopyStreams(plan.device, self.store.count)

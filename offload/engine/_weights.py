@@ -163,7 +163,8 @@ class Weights:
         self.params = ParameterOffload(
             self.module, layout.params + frozen, homes + [None] * len(frozen), self.store, self.copies, plan.dtype,
             persistence_threshold=plan.persistence_threshold, max_live=plan.max_live, bucket=plan.prefetch_bucket,
-            nvme_path=nvme_path if plan.param_tier is Tier.NVME else None, aio=aio, shards=self.shards)
+            nvme_path=nvme_path if plan.param_tier is Tier.NVME else None, aio=aio, shards=self.shards,
+            scratch=optimizer.update_staging)
 
     def _write_homes(self, sg: Any, values: torch.Tensor) -> None:
         """On the optimizer thread, after a sub-group's update: its parameters go to their NVMe homes."""

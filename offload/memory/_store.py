@@ -137,6 +137,7 @@ class TieredStore:
         self._unwritten: list[_Managed] = []  # kept in their buffers by a failed write-back, held by no one
         self._swap: SwapEngine | None = None
         self._pool: BufferPool | None = None
+        self._max_writes = 1  # write-backs in flight at once (open_nvme sets it)
 
     # plain allocations -----------------------------------------------------------------------------------------
 
@@ -194,12 +195,16 @@ class TieredStore:
         account.reserve(nbytes, what, fix)
 
     def open_nvme(self, path: str | os.PathLike[str], aio: AioConfig, *, slot_bytes: int, buffer_count: int,
-                  total_bytes: int, what: str, file_io: FileIO | None = None) -> None:
+                  total_bytes: int, what: str, spare_writes: int | None = None,
+                  file_io: FileIO | None = None) -> None:
         """Creates the swap engine and the staging pool, and claims NVME space for ``total_bytes`` of tensors plus
-        one spare extent per buffer (copy-on-write writes need room beside the data they replace)."""
+        one spare extent per write allowed in flight (``spare_writes``, default one per buffer: a copy-on-write
+        write needs room beside the data it replaces; ``evict`` waits for the oldest write rather than exceed
+        them)."""
         assert self._swap is None, "open_nvme called twice"
         root = Path(path)
-        spare = buffer_count * (-(-slot_bytes // 4096) * 4096)
+        self._max_writes = spare_writes = spare_writes or buffer_count
+        spare = spare_writes * (-(-slot_bytes // 4096) * 4096)
         self.claim_nvme(root, total_bytes + spare, f"{what} on {root}",
                         f"free disk space at {root}, point zero_optimization.offload_optimizer.nvme_path at a larger "
                         "filesystem, or lower the state offloaded there")
@@ -261,6 +266,8 @@ class TieredStore:
         """Starts writing ``key``'s buffer back; the buffer is reused once the write is done."""
         m = self._managed[key]
         assert m.residency is Residency.HOST and self._swap is not None
+        while len(self._evicting) >= self._max_writes:  # the swap file holds spare room for this many
+            self._reclaim(block=True)
         m.io = self._swap.write(key, self._view(m))
         m.residency = Residency.EVICTING
         m.claimed = False

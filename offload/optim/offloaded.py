@@ -28,6 +28,7 @@ from .._worker import Worker
 from ..config import OptimizerConfig
 from ..memory import CopyStreams, StagingRing, Tier, TieredStore, fmt_bytes, wait_all
 from ..ops import adam_step
+from ..plan import spare_writes
 from ._layout import FlatLayout, SubGroup
 
 _FIX_HOST = ("lower zero_optimization.sub_group_size, offload the optimizer to nvme, or raise "
@@ -76,8 +77,10 @@ class OffloadedAdam(torch.optim.Optimizer):
                 raise ValueError("zero_optimization.offload_optimizer.nvme_path is required for device \"nvme\"")
             total = sum(3 * sg.numel * 4 for sg in layout.sub_groups)
             buffer_count = min(buffer_count, len(layout.sub_groups))  # more buffers than sub-groups buy nothing
-            store.open_nvme(nvme_path, aio, slot_bytes=3 * layout.max_sub_group_numel * 4, buffer_count=buffer_count,
-                            total_bytes=total, what=f"optimizer state ({fmt_bytes(total)})")
+            slot = 3 * layout.max_sub_group_numel * 4
+            store.open_nvme(nvme_path, aio, slot_bytes=slot, buffer_count=buffer_count, total_bytes=total,
+                            what=f"optimizer state ({fmt_bytes(total)})",
+                            spare_writes=spare_writes(total, -(-slot // 4096) * 4096, buffer_count))
             for sg in layout.sub_groups:
                 store.register(self._key(sg), 3 * sg.numel, torch.float32)
                 block = store.stage(self._key(sg))
@@ -129,6 +132,12 @@ class OffloadedAdam(torch.optim.Optimizer):
         elif flats and flats[0].device.type == "cuda" and self.placement is not Tier.DEVICE:
             self._uploads = StagingRing(self.store, 2, self.layout.max_sub_group_numel, flats[0].dtype,
                                         "pinned staging of updated parameters for the device", _FIX_HOST)
+
+    @property
+    def update_staging(self) -> torch.Tensor | None:
+        """The host buffer updated parameters pass through on their way to ``on_updated`` (NVMe homes): idle
+        until the first step, so parameter offload writes the initial homes through it."""
+        return self._staging
 
     def swap_grads(self) -> None:
         """Hooks write the other gradient set from now on (delayed update: backward t+1 beside update t)."""

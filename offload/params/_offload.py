@@ -99,10 +99,11 @@ class ParameterOffload:
     def __init__(self, module: torch.nn.Module, params: list[torch.nn.Parameter], homes: list[torch.Tensor | None],
                  store: TieredStore, copies: CopyStreams, dtype: torch.dtype, *, persistence_threshold: int,
                  max_live: int, bucket: int, nvme_path: str | None = None, aio: AioConfig | None = None,
-                 shards: Any = None) -> None:
+                 shards: Any = None, scratch: torch.Tensor | None = None) -> None:
         """``shards`` (a :class:`offload.dist.ParamShards`, several ranks): the homes of the parameters it covers
         are pieces on each rank; fetching one is an all-gather (collective: every rank fetches in the same
-        order, which the same model, trace and window make true)."""
+        order, which the same model, trace and window make true). ``scratch``: a host buffer of the caller's,
+        idle during construction, that NVMe homes may be written through (else one is allocated for it)."""
         self.module, self.store, self.copies, self.dtype = module, store, copies, dtype
         self.shards = shards
         self.device = store.device
@@ -143,23 +144,27 @@ class ParameterOffload:
                 store.claim_nvme(root, nvme_bytes, f"parameters homed on {root}", f"free disk space at {root}")
                 self._nvme_bytes = nvme_bytes
                 self._swap = SwapEngine(root, aio or AioConfig())
-            self._build(params, homes, persistence_threshold)
+            self._build(params, homes, persistence_threshold, scratch)
             self._install()
         except BaseException as exc:
             close_after_failure(self.close, exc)
             raise
 
     def _build(self, params: list[torch.nn.Parameter], homes: list[torch.Tensor | None],
-               persistence_threshold: int) -> None:
+               persistence_threshold: int, scratch: torch.Tensor | None) -> None:
         """Records every parameter, writes NVMe homes (through one host buffer, freed after) and puts persistent
         parameters on the device. A parameter is recorded once its home holds its value, so ``close`` after a
         failure here hands back exactly the parameters that moved."""
-        writing = None
+        writing = owned = None
         if self._swap is not None:
             largest = max((p.numel() for i, p in enumerate(params) if p.numel() > persistence_threshold
                            and not (self.shards is not None and self.shards.covers(i))), default=0)
-            writing = self.store.allocate(Tier.HOST, largest, self.dtype, "the buffer parameters are written to "
-                                          "NVMe through at initialize", "raise offload.host_memory_budget")
+            if scratch is not None and scratch.numel() >= largest and scratch.dtype == self.dtype:
+                writing = scratch
+            else:
+                writing = owned = self.store.allocate(Tier.HOST, largest, self.dtype, "the buffer parameters are "
+                                                      "written to NVMe through at initialize",
+                                                      "raise offload.host_memory_budget")
         try:
             for i, (p, home) in enumerate(zip(params, homes)):
                 persistent = p.numel() <= persistence_threshold
@@ -185,8 +190,8 @@ class ParameterOffload:
                     rec.state = ParamState.AVAILABLE
                 p.data = self._placeholder(rec) if not persistent else rec.device.view(rec.shape)
         finally:
-            if writing is not None:
-                self.store.free(Tier.HOST, writing)
+            if owned is not None:
+                self.store.free(Tier.HOST, owned)
 
     def _check_window(self, sizes: list[int], persistence_threshold: int) -> None:
         """The window plus the persistent parameters must fit the device budget: fail here, not mid-step."""
@@ -198,11 +203,13 @@ class ParameterOffload:
             raise ValueError(f"zero_optimization.stage3_max_live_parameters ({self.max_live}) is smaller than the "
                              f"largest parameter ({largest} elements); raise it to at least {largest}")
         if budget is not None and self.max_live * size + persistent > budget:
+            fix = (f"lower zero_optimization.stage3_max_live_parameters to at most {(budget - persistent) // size}"
+                   if budget - persistent >= largest * size else
+                   "lower zero_optimization.stage3_param_persistence_threshold (fewer parameters kept on the "
+                   "device)") + " or raise offload.device_memory_budget"
             raise BudgetExceeded(Tier.DEVICE, f"the parameter window (stage3_max_live_parameters {self.max_live} "
                                  f"x {size} B) plus {persistent} B of persistent parameters",
-                                 self.max_live * size + persistent, 0, budget,
-                                 f"lower zero_optimization.stage3_max_live_parameters to at most "
-                                 f"{(budget - persistent) // size} or raise offload.device_memory_budget")
+                                 self.max_live * size + persistent, 0, budget, fix)
 
     @staticmethod
     def _key(rec: _Param) -> str:
