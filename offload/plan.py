@@ -78,12 +78,10 @@ class ModelSizes:
     def numel(self) -> int:
         return sum(self.params)
 
-    def layout(self, sub_group_size: int, *, world_size: int = 1, whole_params: bool = False,
-               per_param: bool = False) -> FlatLayout:
+    def layout(self, sub_group_size: int, *, world_size: int = 1, per_param: bool = False) -> FlatLayout:
         """Rank 0's layout of these sizes (the meta device: nothing allocated)."""
         fake = [torch.empty(n, device="meta") for n in self.params] or [torch.empty(1, device="meta")]
-        return FlatLayout([fake], sub_group_size, world_size=world_size, whole_params=whole_params,
-                          per_param=per_param)
+        return FlatLayout([fake], sub_group_size, world_size=world_size, per_param=per_param)
 
 
 @dataclass(frozen=True)
@@ -103,7 +101,6 @@ class Plan:
     pin_memory: bool  # host buffers page-locked (CUDA only)
     sub_group_size: int
     buffer_count: int  # NVMe staging buffers of the optimizer state
-    whole_param_sub_groups: bool  # sub-groups cut between parameters (NVMe parameter homes, one rank)
     max_live: int  # stage 3: elements of parameters on the device at once
     prefetch_bucket: int  # stage 3: elements of fetches in flight
     persistence_threshold: int
@@ -250,8 +247,7 @@ def expected_bytes(plan: Plan, model: ModelSizes) -> dict[Tier, int]:
     on CUDA the device budget keeps room for them)."""
     d, g = plan.dtype_bytes, torch.empty((), dtype=plan.grad_dtype).element_size()
     per_param = plan.partition is Partition.PER_PARAM
-    layout = model.layout(plan.sub_group_size, world_size=plan.world_size,
-                          whole_params=plan.whole_param_sub_groups, per_param=per_param)
+    layout = model.layout(plan.sub_group_size, world_size=plan.world_size, per_param=per_param)
     flat = sum(layout.group_numel)
     owned = layout.owned_numel(0)
     max_sg = layout.max_sub_group_numel
@@ -299,8 +295,10 @@ def expected_bytes(plan: Plan, model: ModelSizes) -> dict[Tier, int]:
             out[Tier.NVME] += d * (sum(parts) + max(parts, default=0))
         else:
             out[Tier.HOST] += d * (model.frozen + persistent)  # host copies (homes are written through the
-            # optimizer's staging, which whole-parameter sub-groups make at least as large as any parameter)
-            out[Tier.NVME] += d * (sum(homed) + max(homed, default=0))
+            # optimizer's staging of updated parameters, one part at a time)
+            held = [seg.numel for sg in layout.sub_groups for seg in sg.segments
+                    if model.params[seg.param] > plan.persistence_threshold]
+            out[Tier.NVME] += d * (sum(held) + max(held, default=0))  # a key per part, and one spare extent
             if plan.cuda:
                 out[Tier.HOST] += d * min(plan.prefetch_bucket + max(homed, default=0), sum(homed))
     if plan.param_tier is Tier.HOST and not per_param:
@@ -356,7 +354,6 @@ def resolve(cfg: OffloadConfig, model: ModelSizes, *, device: torch.device, worl
         param_tier=param_tier, budgets=budgets,
         pin_memory=zero.offload_optimizer.pin_memory and device.type == "cuda",
         sub_group_size=sizes.sub_group_size, buffer_count=sizes.buffer_count,
-        whole_param_sub_groups=param_tier is Tier.NVME and world_size == 1,
         max_live=sizes.max_live, prefetch_bucket=sizes.prefetch_bucket,
         persistence_threshold=sizes.persistence_threshold, grad_bucket=sizes.grad_bucket,
         grad_staging=staged, overlap=not blockers, delayed=delayed, why=why)

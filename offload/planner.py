@@ -85,7 +85,7 @@ def estimate(num_params: int | None = None, *, model: torch.nn.Module | None = N
                     gradient_accumulation_steps=gradient_accumulation_steps, optimizer_tier=optimizer_tier,
                     param_tier=param_tier, budgets=budgets, pin_memory=cuda,
                     sub_group_size=chosen.sub_group_size, buffer_count=chosen.buffer_count,
-                    whole_param_sub_groups=param_tier is Tier.NVME and gpus == 1, max_live=chosen.max_live,
+                    max_live=chosen.max_live,
                     prefetch_bucket=chosen.prefetch_bucket, persistence_threshold=chosen.persistence_threshold,
                     grad_bucket=chosen.grad_bucket, grad_staging=staged, overlap=True, delayed=False, why=why)
         used = {t.value: b for t, b in expected_bytes(plan, sizes).items()}

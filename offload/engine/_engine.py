@@ -128,7 +128,6 @@ class Engine:
         self.store = TieredStore(plan.device, dict(plan.budgets), pin_memory=plan.pin_memory, file_io=file_io)
         self.copies = CopyStreams(plan.device, self.store.count)
         self.layout = FlatLayout(groups, plan.sub_group_size, world_size=plan.world_size, rank=plan.rank,
-                                 whole_params=plan.whole_param_sub_groups,
                                  per_param=plan.partition is Partition.PER_PARAM)
         self.optimizer = OffloadedAdam(self.layout, self.store, self.copies, cfg.optimizer, plan.optimizer_tier,
                                        group_options=options, nvme_path=nvme["offload_optimizer"],

@@ -164,15 +164,22 @@ class Weights:
             self.module, layout.params + frozen, homes + [None] * len(frozen), self.store, self.copies, plan.dtype,
             persistence_threshold=plan.persistence_threshold, max_live=plan.max_live, bucket=plan.prefetch_bucket,
             nvme_path=nvme_path if plan.param_tier is Tier.NVME else None, aio=aio, shards=self.shards,
-            scratch=optimizer.update_staging)
+            scratch=optimizer.update_staging, parts=self._segments())
+
+    def _segments(self) -> list[list[tuple[int, int]]]:
+        """Per trainable parameter, the (start, numel) of its segment in each optimizer sub-group, in order."""
+        parts: list[list[tuple[int, int]]] = [[] for _ in self.layout.params]
+        for sg in self.layout.sub_groups:
+            for seg in sg.segments:
+                parts[seg.param].append((seg.param_start, seg.numel))
+        return parts
 
     def _write_homes(self, sg: Any, values: torch.Tensor) -> None:
-        """On the optimizer thread, after a sub-group's update: its parameters go to their NVMe homes."""
+        """On the optimizer thread, after a sub-group's update: its segments go to their keys of the NVMe homes."""
         assert self.params is not None
         for seg in sg.segments:
-            assert seg.param_start == 0 and seg.numel == self.layout.params[seg.param].numel()
             lo = seg.flat_start - sg.start
-            self.params.write_home(self.params.index_of(self.layout.params[seg.param]), values[lo : lo + seg.numel])
+            self.params.write_home_part(seg.param, seg.param_start, values[lo : lo + seg.numel])
 
     # reading and writing values ---------------------------------------------------------------------------------
 

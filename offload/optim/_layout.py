@@ -54,13 +54,8 @@ class FlatLayout:
     """Built once from the trainable parameters; immutable after."""
 
     def __init__(self, groups: list[list[torch.nn.Parameter]], sub_group_size: int, *, world_size: int = 1,
-                 rank: int = 0, whole_params: bool = False, per_param: bool = False) -> None:
-        """``whole_params``: cut sub-groups only between parameters (a parameter larger than sub_group_size gets a
-        sub-group of its own, with the small parameters just before it), so each parameter's new value is complete
-        after one sub-group's update.
-        ``per_param``: partition each parameter across ranks (see the module docstring)."""
-        if whole_params and world_size > 1:
-            raise ValueError("whole-parameter sub-groups need world_size 1")
+                 rank: int = 0, per_param: bool = False) -> None:
+        """``per_param``: partition each parameter across ranks (see the module docstring)."""
         self.per_param = per_param
         if sub_group_size < ALIGN:
             raise ValueError(f"zero_optimization.sub_group_size must be at least {ALIGN} elements, got "
@@ -95,7 +90,7 @@ class FlatLayout:
             self.group_numel.append(total)
             own = (rank * share, (rank + 1) * share)
             self.owned.append(own)
-            for start, end in self._cuts(own, sub, first, whole_params):
+            for start, end in ((s, min(s + sub, own[1])) for s in range(own[0], own[1], sub)):
                 segs = []
                 for i in range(first, len(self.params)):
                     for p0, numel, base in self.rank_pieces(i, only=rank):
@@ -105,20 +100,6 @@ class FlatLayout:
                             touching[i].append(len(self.sub_groups))
                 self.sub_groups.append(SubGroup(len(self.sub_groups), g, start, end, tuple(segs)))
         self.param_sub_groups: list[tuple[int, ...]] = [tuple(t) for t in touching]
-
-    def _cuts(self, own: tuple[int, int], sub: int, first: int, whole: bool) -> list[tuple[int, int]]:
-        if not whole:
-            return [(s, min(s + sub, own[1])) for s in range(own[0], own[1], sub)]
-        cuts, start = [], own[0]
-        for i in range(first, len(self.params)):
-            end = self.param_offset[i] + _round_up(self.params[i].numel(), ALIGN)
-            # a cut before parameter i, unless what it would close is a sliver (biases and norms before a large
-            # parameter ride along with it: no tiny NVMe requests, fewer extent sizes in the swap file)
-            if end - start > sub and self.param_offset[i] - start >= max(sub // 16, 1):
-                cuts.append((start, self.param_offset[i]))
-                start = self.param_offset[i]
-        cuts.append((start, own[1]))
-        return cuts
 
     def rank_pieces(self, i: int, only: int | None = None) -> list[tuple[int, int, int]]:
         """Where parameter ``i`` lies in its group's buffer: (flat start, element count, start in the flattened

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from nvme_swapper import evict_pages
+
 from .._worker import Worker
 from ..config import OptimizerConfig
 from ..memory import CopyStreams, StagingRing, Tier, TieredStore, fmt_bytes, wait_all
@@ -110,12 +112,15 @@ class OffloadedAdam(torch.optim.Optimizer):
         return f"adam/{sg.group}/{sg.index}"
 
     def _init_state(self, sg: SubGroup, block: torch.Tensor) -> None:
-        """master = the parameters' current (full-precision) values; moments zero."""
+        """master = the parameters' current (full-precision) values; moments zero. A parameter built in a file
+        arena (``offload.init``) has its pages dropped again once read."""
         block.zero_()
         master = block[: sg.numel]
         for seg in sg.segments:
-            src = self.layout.params[seg.param].detach().reshape(-1)[seg.param_start : seg.param_start + seg.numel]
+            param = self.layout.params[seg.param].detach()
+            src = param.reshape(-1)[seg.param_start : seg.param_start + seg.numel]
             master[seg.flat_start - sg.start : seg.flat_start - sg.start + seg.numel].copy_(src)
+            evict_pages(param)
 
     def attach_device(self, flats: list[torch.Tensor], on_updated: Any = None,
                       dtype: torch.dtype | None = None, *, owned_only: bool = False) -> None:

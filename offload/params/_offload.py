@@ -56,7 +56,19 @@ import torch
 from nvme_swapper import AioConfig, SwapEngine, aligned_tensor
 
 from .._cleanup import close_after_failure
-from ..memory import BudgetExceeded, Copy, CopyStreams, Tier, TieredStore
+from ..memory import BudgetExceeded, Copy, CopyStreams, Tier, TieredStore, wait_all
+
+
+class _AllOf:
+    """Reads of a parameter's NVMe parts in flight; ``wait()`` completes them all (the first error raised after all
+    have settled, so no read is left writing into memory about to be reused)."""
+
+    def __init__(self, handles: list[Any]) -> None:
+        self.handles = handles
+
+    def wait(self) -> None:
+        handles, self.handles = self.handles, []
+        wait_all(handles)
 
 
 class ParamState(Enum):
@@ -78,6 +90,7 @@ class _Param:
     after: Any = None  # a reused device buffer: the compute-stream point after which it may be overwritten
     pending: Any = None  # the fetch in flight (a Copy, a SwapHandle, a gather or a Future), cleared when waited
     users: int = 0  # modules currently running with it (a module may be entered again before it exits)
+    parts: tuple[tuple[int, int], ...] = ()  # NVMe home: (start, numel) of each key, covering the parameter
     stale: bool = False  # persistent: the optimizer has written a newer value to the home
     sharded: bool = False  # stage 3 on several ranks: the home is this rank's piece; a fetch all-gathers
 
@@ -99,11 +112,15 @@ class ParameterOffload:
     def __init__(self, module: torch.nn.Module, params: list[torch.nn.Parameter], homes: list[torch.Tensor | None],
                  store: TieredStore, copies: CopyStreams, dtype: torch.dtype, *, persistence_threshold: int,
                  max_live: int, bucket: int, nvme_path: str | None = None, aio: AioConfig | None = None,
-                 shards: Any = None, scratch: torch.Tensor | None = None) -> None:
+                 shards: Any = None, scratch: torch.Tensor | None = None,
+                 parts: list[list[tuple[int, int]]] | None = None) -> None:
         """``shards`` (a :class:`offload.dist.ParamShards`, several ranks): the homes of the parameters it covers
         are pieces on each rank; fetching one is an all-gather (collective: every rank fetches in the same
         order, which the same model, trace and window make true). ``scratch``: a host buffer of the caller's,
-        idle during construction, that NVMe homes may be written through (else one is allocated for it)."""
+        idle during construction, that NVMe homes are written through (else one is allocated for it).
+        ``parts``: per parameter, the (start, numel) ranges its NVMe home is kept in, one key each (the
+        optimizer's sub-group segments, so an update writes its own keys); parameters without (frozen ones) are
+        cut in ranges of at most ``scratch``'s size."""
         self.module, self.store, self.copies, self.dtype = module, store, copies, dtype
         self.shards = shards
         self.device = store.device
@@ -131,16 +148,22 @@ class ParameterOffload:
         self._frozen_in_backward: set[int] = set()
         self._nvme_bytes = 0
         self._private: list[torch.Tensor] = []  # host copies this object allocated (and frees at close)
+        self._parts = parts or []
         try:
             self._check_window([p.numel() for p in params], persistence_threshold)
             # NVMe keys of this object's own: the pieces of sharded parameters are ParamShards' (frozen ones are not)
-            homed = [p.numel() for i, p in enumerate(params) if p.numel() > persistence_threshold
+            homed = [i for i, p in enumerate(params) if p.numel() > persistence_threshold
                      and not (shards is not None and shards.covers(i))]
+            chunk = scratch.numel() if scratch is not None else max((p.numel() for p in params), default=1)
+            self._parts = [self._parts[i] if i < len(self._parts) and self._parts[i] else
+                           [(s, min(chunk, p.numel() - s)) for s in range(0, p.numel(), max(chunk, 1))]
+                           for i, p in enumerate(params)]
             if nvme_path is not None and (homed or shards is None):
                 root = Path(nvme_path)
                 size = torch.empty((), dtype=dtype).element_size()
-                # every parameter's key, plus one spare extent: a rewrite goes beside the bytes it replaces
-                nvme_bytes = (sum(homed) + max(homed, default=0)) * size
+                held = [n for i in homed for _, n in self._parts[i]]
+                # every part's key, plus one spare extent: a rewrite goes beside the bytes it replaces
+                nvme_bytes = (sum(held) + max(held, default=0)) * size
                 store.claim_nvme(root, nvme_bytes, f"parameters homed on {root}", f"free disk space at {root}")
                 self._nvme_bytes = nvme_bytes
                 self._swap = SwapEngine(root, aio or AioConfig())
@@ -157,8 +180,9 @@ class ParameterOffload:
         failure here hands back exactly the parameters that moved."""
         writing = owned = None
         if self._swap is not None:
-            largest = max((p.numel() for i, p in enumerate(params) if p.numel() > persistence_threshold
-                           and not (self.shards is not None and self.shards.covers(i))), default=0)
+            largest = max((n for i, p in enumerate(params) if p.numel() > persistence_threshold
+                           and not (self.shards is not None and self.shards.covers(i))
+                           for _, n in self._parts[i]), default=0)
             if scratch is not None and scratch.numel() >= largest and scratch.dtype == self.dtype:
                 writing = scratch
             else:
@@ -168,14 +192,15 @@ class ParameterOffload:
         try:
             for i, (p, home) in enumerate(zip(params, homes)):
                 persistent = p.numel() <= persistence_threshold
-                rec = _Param(i, p, p.shape, p.numel(), home, persistent)
+                rec = _Param(i, p, p.shape, p.numel(), home, persistent, parts=tuple(self._parts[i]))
                 rec.sharded = self.shards is not None and self.shards.covers(i)
                 if rec.sharded:
                     pass  # the engine filled this rank's piece; every rank starts from the same full values
                 elif self._swap is not None and not persistent:
-                    staged = writing[: p.numel()]
-                    staged.copy_(p.detach().reshape(-1))
-                    self._swap.write(self._key(rec), staged).wait()
+                    flat = p.detach().reshape(-1)
+                    for start, n in rec.parts:
+                        writing[:n].copy_(flat[start : start + n])
+                        self._swap.write(self._key(rec, start), writing[:n]).wait()
                     rec.home = None
                 elif home is None:  # frozen, or persistent with NVMe homes: a private host copy
                     rec.home = self.store.allocate(Tier.HOST, p.numel(), self.dtype, f"the host copy of parameter {i}")
@@ -212,8 +237,14 @@ class ParameterOffload:
                                  self.max_live * size + persistent, 0, budget, fix)
 
     @staticmethod
-    def _key(rec: _Param) -> str:
-        return f"param/{rec.index}"
+    def _key(rec: _Param, start: int) -> str:
+        return f"param/{rec.index}/{start}"
+
+    def _read_parts(self, rec: _Param, dst: torch.Tensor) -> "_AllOf":
+        """Starts reading every part of ``rec``'s NVMe home into its range of ``dst`` (flat, the parameter's
+        size)."""
+        assert self._swap is not None
+        return _AllOf([self._swap.read(self._key(rec, start), dst[start : start + n]) for start, n in rec.parts])
 
     # hooks ------------------------------------------------------------------------------------------------------
 
@@ -371,11 +402,11 @@ class ParameterOffload:
         elif rec.home is None:
             assert self._swap is not None
             if not self.copies.cuda:  # the device tier is host memory: read straight into the buffer
-                rec.pending = self._swap.read(self._key(rec), rec.device)
+                rec.pending = self._read_parts(rec, rec.device)
             else:
                 staging = self._take_staging(rec.numel)
-                handle = self._swap.read(self._key(rec), staging)
-                rec.pending = self._copier.submit(self._land, handle, staging, rec.device, rec.after)
+                reads = self._read_parts(rec, staging)
+                rec.pending = self._copier.submit(self._land, reads, staging, rec.device, rec.after)
         elif self.copies.cuda:
             rec.pending = self.copies.to_device(rec.device, rec.home, after=rec.after)
         else:  # a memcpy: on the fetch thread, beside compute
@@ -568,8 +599,20 @@ class ParameterOffload:
             rec.home.copy_(value.reshape(-1))
             rec.stale = True
         else:
-            assert self._swap is not None
-            self._swap.write(self._key(rec), value).wait()  # the staging memory is reused right after
+            flat = value.reshape(-1)
+            for start, n in rec.parts:
+                self.write_home_part(index, start, flat[start : start + n])
+
+    def write_home_part(self, index: int, start: int, value: torch.Tensor) -> None:
+        """Stores elements ``start``.. of a parameter's new value in its home: one of the parts of an NVMe home (the
+        optimizer thread writes each sub-group's segment as soon as it is updated), or a range of a host copy."""
+        rec = self.params[index]
+        if rec.home is not None:  # persistent: a host copy, uploaded at the next refresh
+            rec.home[start : start + value.numel()].copy_(value)
+            rec.stale = True
+            return
+        assert self._swap is not None and (start, value.numel()) in rec.parts
+        self._swap.write(self._key(rec, start), value).wait()  # the staging memory is reused right after
 
     def read_home(self, index: int) -> torch.Tensor:
         """A parameter's current value from its home, as a new host tensor in its shape."""
@@ -578,9 +621,8 @@ class ParameterOffload:
             return self.shards.read(index)
         if rec.home is not None:
             return rec.home.view(rec.shape).clone()
-        assert self._swap is not None
         staged = aligned_tensor(rec.numel, self.dtype, pin_memory=False)
-        self._swap.read(self._key(rec), staged).wait()
+        self._read_parts(rec, staged).wait()
         return staged.view(rec.shape)
 
     def index_of(self, param: torch.nn.Parameter) -> int:

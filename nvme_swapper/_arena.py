@@ -1,0 +1,126 @@
+"""FileArena: host tensors whose memory is a shared mapping of a file, so that together they can outgrow RAM.
+
+A tensor made by ``arena.tensor(shape, dtype)`` lives in its own page-aligned range of the arena's file, mapped
+shared: it is read and written like any host tensor, and its pages can be dropped from RAM at any moment with
+:func:`evict_pages` (the kernel keeps what was written, in the page cache and then in the file; the next access
+reads it back). The file is unlinked as soon as it is made: its space lives exactly as long as the tensors do, and
+a crash leaves nothing on disk. The arena's own descriptor is closed by ``close()``; tensors made before stay valid.
+
+Knows nothing of training: ``offload.init`` builds a model's parameters here so the model never needs its size in
+RAM (see offload/_init.py).
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import mmap
+import os
+import tempfile
+import threading
+import weakref
+from pathlib import Path
+
+import torch
+
+from ._buffers import PAGE, round_up
+
+_lock = threading.Lock()
+_starts: list[int] = []  # start addresses of live regions, sorted
+_regions: dict[int, "weakref.ref[_FileRegion]"] = {}
+
+
+class _FileRegion:
+    """One shared mapping of part of an arena's file; unmapped when the last tensor viewing it is gone."""
+
+    def __init__(self, fd: int, offset: int, nbytes: int) -> None:
+        self.length = round_up(max(nbytes, 1), PAGE)
+        self._map = mmap.mmap(fd, self.length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE,
+                              offset=offset)
+        self.address = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
+        self.nbytes = nbytes
+        with _lock:
+            bisect.insort(_starts, self.address)
+            _regions[self.address] = weakref.ref(self)
+
+    def tensor(self) -> torch.Tensor:
+        array = (ctypes.c_uint8 * max(self.nbytes, 1)).from_address(self.address)
+        array._region = self  # type: ignore[attr-defined]  # the storage -> array -> region keeps the mapping
+        return torch.frombuffer(array, dtype=torch.uint8)[: self.nbytes]
+
+    def evict(self) -> None:
+        if hasattr(mmap, "MADV_DONTNEED"):
+            self._map.madvise(mmap.MADV_DONTNEED)  # shared file pages: written back, not lost
+
+    def __del__(self) -> None:
+        with _lock:  # no other region can start here until the mapping below is closed
+            if _regions.pop(self.address, None) is not None:
+                _starts.remove(self.address)
+        self._map.close()
+
+
+def _region_of(t: torch.Tensor) -> _FileRegion | None:
+    if t.device.type != "cpu" or not _starts:
+        return None
+    ptr = t.data_ptr()
+    with _lock:
+        i = bisect.bisect_right(_starts, ptr) - 1
+        if i < 0:
+            return None
+        ref = _regions.get(_starts[i])
+    region = ref() if ref is not None else None
+    return region if region is not None and ptr < region.address + region.length else None
+
+
+def in_arena(t: torch.Tensor) -> bool:
+    """True when ``t``'s memory is a :class:`FileArena`'s."""
+    return _region_of(t) is not None
+
+
+def evict_pages(t: torch.Tensor) -> bool:
+    """Drops the RAM pages of the arena range ``t`` lives in (its contents stay: the file has them); False, and
+    nothing done, for a tensor not in an arena."""
+    region = _region_of(t)
+    if region is None:
+        return False
+    region.evict()
+    return True
+
+
+class FileArena:
+    """Makes file-backed tensors in ``directory`` (see the module docstring). ``close()`` closes the descriptor."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        root = Path(directory)
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            self._fd = os.open(root, os.O_TMPFILE | os.O_RDWR | getattr(os, "O_CLOEXEC", 0), 0o600)
+        except (AttributeError, OSError):  # no O_TMPFILE here: a named file, unlinked at once
+            fd, name = tempfile.mkstemp(prefix=".arena-", dir=root)
+            os.unlink(name)
+            self._fd = fd
+        self.size = 0
+        self.directory = root
+
+    def tensor(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """A new file-backed tensor (zeros). Raises OSError (ENOSPC) when the disk cannot hold it."""
+        if self._fd < 0:
+            raise RuntimeError("FileArena is closed")
+        numel = 1
+        for d in shape:
+            numel *= d
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        offset, self.size = self.size, self.size + round_up(max(nbytes, 1), PAGE)
+        os.posix_fallocate(self._fd, offset, self.size - offset)  # the disk's space, now: ENOSPC here, not later
+        return _FileRegion(self._fd, offset, nbytes).tensor().view(dtype).view(tuple(shape))
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> "FileArena":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
