@@ -8,6 +8,7 @@ runs the :class:`Plan` it resolved once from the config, the model and the machi
 
 from ._device import default_device
 from ._init import init
+from ._load import load_state_dict
 from .config import OffloadConfig
 from .engine import Engine, Phase, initialize
 from .memory import BudgetExceeded, Tier
@@ -16,4 +17,4 @@ from .plan import Plan
 from .planner import estimate
 
 __all__ = ["BudgetExceeded", "CPUAdam", "Engine", "OffloadConfig", "Phase", "Plan", "Tier", "default_device",
-           "estimate", "init", "initialize"]
+           "estimate", "init", "initialize", "load_state_dict"]

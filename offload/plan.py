@@ -226,9 +226,9 @@ def choose_sizes(model: ModelSizes, *, optimizer_tier: Tier, param_tier: Tier, d
         persistent = sum(s for s in model.params if s <= persistence_threshold) + model.frozen
         device = budgets.get(Tier.DEVICE)
         if max_live is None and device is None:
-            max_live = min(total, max(total // 4, 2 * largest))
-            why["window"] = (f"{max_live:,} elements: a quarter of the offloaded parameters (no device budget), at "
-                             "least twice the largest")
+            max_live = min(total, max(total // 8, largest + largest // 4))
+            why["window"] = (f"{max_live:,} elements: an eighth of the offloaded parameters (no device budget), at "
+                             "least the largest with a quarter of it to spare for prefetch")
         elif max_live is None:
             staging = 2 * min(grad_bucket, sub) * dtype_bytes if staged else 0
             room = (device // 2 - persistent * dtype_bytes - staging - largest * dtype_bytes) // dtype_bytes

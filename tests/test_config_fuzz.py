@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 
 from offload import OffloadConfig
 
-BOOL, INT, FLOAT, CHOICE, BYTES, BETAS, PATH, POW2, DEVICE = "bool int float choice bytes betas path pow2 device".split()
+BOOL, INT, FLOAT, CHOICE, BYTES, BETAS, PATH, POW2, DEVICE, DERIVED = \
+    "bool int float choice bytes betas path pow2 device derived".split()
 
 # dotted key -> (kind, arguments); ints and floats: (lo, hi or None), floats also whether lo itself is excluded
 SCHEMA: dict[str, tuple] = {
@@ -43,22 +44,22 @@ SCHEMA: dict[str, tuple] = {
     "optimizer.params.bias_correction": (BOOL,),
     "optimizer.params.adam_w_mode": (BOOL,),
     "zero_optimization.stage": (INT, 0, 3),
-    "zero_optimization.sub_group_size": (INT, 1, None),
-    "zero_optimization.stage3_max_live_parameters": (INT, 1, None),
-    "zero_optimization.stage3_prefetch_bucket_size": (INT, 1, None),
-    "zero_optimization.stage3_param_persistence_threshold": (INT, 0, None),
+    "zero_optimization.sub_group_size": (DERIVED, 1, None),
+    "zero_optimization.stage3_max_live_parameters": (DERIVED, 1, None),
+    "zero_optimization.stage3_prefetch_bucket_size": (DERIVED, 1, None),
+    "zero_optimization.stage3_param_persistence_threshold": (DERIVED, 0, None),
     "zero_optimization.stage3_max_reuse_distance": (INT, 1, None),
     "zero_optimization.contiguous_gradients": (BOOL,),
     "zero_optimization.overlap_comm": (BOOL,),
     "zero_optimization.reduce_scatter": (BOOL,),
-    "zero_optimization.reduce_bucket_size": (INT, 1, None),
+    "zero_optimization.reduce_bucket_size": (DERIVED, 1, None),
     "zero_optimization.allgather_bucket_size": (INT, 1, None),
     "zero_optimization.allgather_partitions": (BOOL,),
     "zero_optimization.round_robin_gradients": (BOOL,),
     "zero_optimization.offload_optimizer.device": (CHOICE, ("none", "cpu", "nvme")),
     "zero_optimization.offload_optimizer.nvme_path": (PATH,),
     "zero_optimization.offload_optimizer.pin_memory": (BOOL,),
-    "zero_optimization.offload_optimizer.buffer_count": (INT, 1, 64),
+    "zero_optimization.offload_optimizer.buffer_count": (DERIVED, 1, 64),
     "zero_optimization.offload_optimizer.fast_init": (BOOL,),
     "zero_optimization.offload_optimizer.delayed_update": (BOOL,),
     "zero_optimization.offload_optimizer.overlap_step": (BOOL,),
@@ -89,9 +90,10 @@ def valid_value(key: str) -> st.SearchStrategy:
     kind, *args = SCHEMA[key]
     if kind == BOOL:
         return st.booleans()
-    if kind == INT:
+    if kind in (INT, DERIVED):
         lo, hi = args
-        return st.integers(lo, hi if hi is not None else lo + 10**6) | (huge if hi is None else st.nothing())
+        out = st.integers(lo, hi if hi is not None else lo + 10**6) | (huge if hi is None else st.nothing())
+        return out | st.sampled_from([None, "auto", "AUTO"]) if kind == DERIVED else out
     if kind == FLOAT:
         lo, hi, open_lo = args
         return st.floats(lo, 1e6, exclude_min=open_lo, allow_nan=False) | st.integers(int(lo) + 1, 100)
@@ -119,10 +121,10 @@ def invalid_value(key: str) -> st.SearchStrategy:
     nonfinite = st.sampled_from([math.nan, math.inf, -math.inf])
     if kind == BOOL:
         return junk | st.integers() | st.sampled_from(["true", "yes", 0.0, None])
-    if kind == INT:
+    if kind in (INT, DERIVED):
         lo, hi = args
         out = junk | st.booleans() | st.integers(max_value=lo - 1) | nonfinite | st.floats(0.1, 0.9) | \
-            st.sampled_from(["8", None] if key not in ("train_batch_size", "seed") else ["8"])
+            st.sampled_from(["8", None] if key not in ("train_batch_size", "seed") and kind == INT else ["8"])
         return out | st.integers(min_value=hi + 1) if hi is not None else out
     if kind == FLOAT:
         lo, hi, open_lo = args

@@ -394,6 +394,15 @@ class Engine:
             group.update({k: tuple(v) if k == "betas" else v for k, v in saved.items()})
         self.weights.pending = state.pending_update and self._plan.delayed
 
+    def load_state_dict(self, source: str | Path | Mapping[str, torch.Tensor], *, strict: bool = True) -> Any:
+        """Loads model weights (a safetensors file, a sharded checkpoint folder or index, a torch file, or a dict)
+        tensor by tensor into the fp32 master weights and each parameter's home; Adam's moments and the counters
+        stay. Returns what did not match (``missing``, ``unexpected``); ``strict`` makes either an error."""
+        self._expect("engine.load_state_dict()", Phase.IDLE, Phase.ACCUMULATING)
+        from .._load import load_state_dict
+
+        return load_state_dict(self, source, strict=strict)
+
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """The full model state as plain CPU tensors: fp32 master weights for trainable parameters."""
         self._expect("engine.consolidated_state_dict()", Phase.IDLE, Phase.ACCUMULATING)

@@ -189,25 +189,23 @@ class OffloadedAdam(torch.optim.Optimizer):
         self._launched = True
 
     def finish(self) -> None:
-        """Waits for the launched step (re-raising a stepper error) and records the order it ran in."""
-        if not self._launched:
-            self._wait_idle()
-            return
+        """Waits for the launched step's updates (re-raising a stepper error) and records the order they ran in.
+        With state on NVMe the write-backs of the last sub-groups may still be in flight: they overlap the next
+        forward, a later read of the same key waits for them, and a failure surfaces at the next wait."""
         try:
-            self._wait_idle()
+            self._stepper.wait_idle()
         finally:
-            order, self._ran = self._ran, []
-            seen = set(order)
-            self._order = order + [k for k in self._order if k not in seen]
-            self._done.clear()
-            self._launched = False
+            if self._launched:
+                order, self._ran = self._ran, []
+                seen = set(order)
+                self._order = order + [k for k in self._order if k not in seen]
+                self._done.clear()
+                self._launched = False
 
     def wait(self) -> None:
-        """Waits for everything queued or launched; re-raises the first error of the stepper thread."""
+        """Waits for everything queued or launched and every write-back; re-raises the first error of the stepper
+        thread or of a write."""
         self.finish()
-
-    def _wait_idle(self) -> None:
-        self._stepper.wait_idle()
         if self.placement is Tier.NVME:
             self.store.drain()
 

@@ -1,0 +1,262 @@
+"""Streaming weights in: a state dict read tensor by tensor, never a whole checkpoint in RAM.
+
+Sources (:func:`open_state_dict`): a ``.safetensors`` file; a folder or ``*.index.json`` of sharded files as
+transformers writes them (``model.safetensors.index.json``, or ``pytorch_model.bin.index.json``); a torch file
+(``.bin``/``.pt``, loaded with ``mmap=True, weights_only=True``: nothing is unpickled but tensors); or a dict of
+tensors. safetensors files are read through the ``safetensors`` library one tensor at a time, each file opened just
+for that tensor, so its pages never stay mapped; a torch file's pages are dropped again after each tensor.
+
+Targets (:func:`load_state_dict`):
+
+* a ``torch.nn.Module`` before ``initialize`` (typically built under ``offload.init``): each parameter and buffer
+  is copied into place (file-backed parameters drop their pages again), so the fp32 master weights the engine
+  makes later start from the checkpoint's values;
+* an :class:`offload.Engine`: the fp32 master weights are written into the optimizer state sub-group by sub-group
+  (read, patched and written back where the state lives on NVMe), and each parameter's low-precision home
+  (device, host or NVMe) gets its new value; Adam's moments and the step count are left as they are.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import mmap
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Mapping
+
+import torch
+
+from nvme_swapper import evict_pages
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")  # transformers' names
+_SINGLES = ("model.safetensors", "pytorch_model.bin")
+
+
+class StateSource:
+    """Names and, one at a time, the tensors of a checkpoint (see the module docstring). ``close()`` releases it."""
+
+    def __init__(self, source: str | os.PathLike[str] | Mapping[str, torch.Tensor]) -> None:
+        self._dict: Mapping[str, torch.Tensor] | None = None
+        self._files: dict[str, Path] = {}  # tensor name -> the file holding it
+        self._torch: dict[Path, dict[str, torch.Tensor]] = {}  # torch files, loaded lazily with mmap
+        if isinstance(source, Mapping):
+            self._dict = source
+            return
+        path = Path(source)
+        if path.is_dir():
+            index = next((path / n for n in _INDEXES if (path / n).exists()), None)
+            single = next((path / n for n in _SINGLES if (path / n).exists()), None)
+            if index is None and single is None:
+                raise FileNotFoundError(f"{path} holds no {' / '.join(_INDEXES + _SINGLES)}: give the checkpoint "
+                                        "file or its index")
+            path = index or single
+        if not path.exists():
+            raise FileNotFoundError(f"checkpoint {path} does not exist")
+        if path.name.endswith(".index.json"):
+            try:
+                weight_map = json.loads(path.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise ValueError(f"{path} is not a sharded-checkpoint index (a JSON object with a 'weight_map'): "
+                                 f"{exc}") from None
+            self._files = {name: path.parent / file for name, file in weight_map.items()}
+        elif path.suffix == ".safetensors":
+            self._files = {name: path for name in self._safetensors_names(path)}
+        else:
+            self._files = {name: path for name in self._torch_file(path)}
+
+    @staticmethod
+    def _safetensors_names(path: Path) -> list[str]:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            return list(f.keys())
+
+    def _torch_file(self, path: Path) -> dict[str, torch.Tensor]:
+        if path not in self._torch:
+            try:
+                loaded = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+            except Exception as exc:  # noqa: BLE001 - any reason a file is not a plain tensor checkpoint
+                raise ValueError(f"{path} is not a torch checkpoint of plain tensors (torch.load with "
+                                 f"weights_only=True failed: {exc})") from None
+            if not isinstance(loaded, Mapping) or not all(isinstance(v, torch.Tensor) for v in loaded.values()):
+                raise ValueError(f"{path} does not hold a state dict (a mapping of names to tensors)")
+            self._torch[path] = dict(loaded)
+        return self._torch[path]
+
+    def names(self) -> list[str]:
+        return list(self._dict) if self._dict is not None else list(self._files)
+
+    def get(self, name: str) -> torch.Tensor:
+        """The tensor stored under ``name`` as a new CPU tensor of its stored dtype."""
+        if self._dict is not None:
+            return self._dict[name].detach().cpu()
+        path = self._files[name]
+        if not path.exists():
+            raise FileNotFoundError(f"checkpoint shard {path} (holding {name}) does not exist")
+        if path.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt") as f:  # mapped for this tensor only
+                return f.get_tensor(name)
+        stored = self._torch_file(path)[name]
+        out = stored.clone()
+        _drop_file_pages(stored)
+        return out
+
+    def close(self) -> None:
+        self._torch.clear()
+
+    def __enter__(self) -> "StateSource":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _drop_file_pages(t: torch.Tensor) -> None:
+    """A tensor of a file loaded with ``mmap=True``: its clean pages leave RAM (read again if touched)."""
+    if not hasattr(mmap, "MADV_DONTNEED") or t.numel() == 0:
+        return
+    start = t.data_ptr() - t.data_ptr() % mmap.PAGESIZE
+    end = t.data_ptr() + t.numel() * t.element_size()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), mmap.MADV_DONTNEED)
+
+
+def open_state_dict(source: str | os.PathLike[str] | Mapping[str, torch.Tensor]) -> StateSource:
+    return StateSource(source)
+
+
+@dataclass
+class LoadResult:
+    """What a load did not match: model keys the checkpoint lacks, checkpoint keys the model lacks."""
+
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+
+
+def _aliases(module: torch.nn.Module) -> dict[int, list[str]]:
+    """Every state_dict key of each tensor (tied weights have several)."""
+    out: dict[int, list[str]] = {}
+    for name, t in module.state_dict(keep_vars=True).items():
+        out.setdefault(id(t), []).append(name)
+    return out
+
+
+def _checked(name: str, value: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    if tuple(value.shape) != tuple(shape):
+        raise ValueError(f"checkpoint tensor {name} has shape {tuple(value.shape)}, the model's is {tuple(shape)}")
+    return value
+
+
+def load_state_dict(target: "torch.nn.Module | Engine", source: str | os.PathLike[str] | Mapping[str, torch.Tensor],
+                    *, strict: bool = True) -> LoadResult:
+    """Loads ``source`` into ``target`` tensor by tensor (see the module docstring). With ``strict`` (the
+    default) every tensor of the model must be in the checkpoint and nothing else (tied weights count as one);
+    otherwise what matches is loaded and the rest reported."""
+    from .engine import Engine
+
+    with StateSource(source) as src:
+        if isinstance(target, Engine):
+            return _into_engine(target, src, strict)
+        if not isinstance(target, torch.nn.Module):
+            raise ValueError(f"load_state_dict: target must be a torch.nn.Module or an offload Engine, got "
+                             f"{type(target).__name__}")
+        return _into_module(target, src, strict)
+
+
+def _into_module(module: torch.nn.Module, src: StateSource, strict: bool) -> LoadResult:
+    tensors = module.state_dict(keep_vars=True)
+    aliases = _aliases(module)
+    names = [ns[0] for ns in aliases.values()]
+    found, result = _match_tied(names, aliases, src, strict)
+    with torch.no_grad():
+        for name, t in tensors.items():
+            if name not in found or aliases[id(t)][0] != name:
+                continue
+            value = _checked(found[name], src.get(found[name]), t.shape)
+            t.data.copy_(value)
+            evict_pages(t)
+    return result
+
+
+def _match_tied(names: list[str], aliases: dict[int, list[str]], src: StateSource,
+                strict: bool) -> tuple[dict[str, str], LoadResult]:
+    """Like :func:`_match`, over the first name of each tensor, accepting any of a tied tensor's names."""
+    have = set(src.names())
+    first_to_found: dict[str, str] = {}
+    missing = []
+    for ns in aliases.values():
+        hit = next((n for n in ns if n in have), None)
+        if hit is None:
+            missing.append(ns[0])
+        else:
+            first_to_found[ns[0]] = hit
+    every = {n for ns in aliases.values() for n in ns}
+    result = LoadResult(missing, sorted(have - every))
+    if strict and (result.missing or result.unexpected):
+        raise ValueError(f"the checkpoint does not match the model: missing {result.missing[:5]}"
+                         f"{' ...' if len(result.missing) > 5 else ''}, unexpected {result.unexpected[:5]}"
+                         f"{' ...' if len(result.unexpected) > 5 else ''}; pass strict=False to load what matches")
+    return first_to_found, result
+
+
+def _into_engine(engine: "Engine", src: StateSource, strict: bool) -> LoadResult:
+    """Sub-group by sub-group: each segment's fp32 master from its parameter's tensor, and each parameter's
+    low-precision home once its last segment is in; frozen tensors and buffers after. One checkpoint tensor in RAM
+    at a time (the current parameter's), each read once."""
+    module, layout, opt = engine.module, engine.layout, engine.optimizer
+    opt.wait()
+    aliases = _aliases(module)
+    found, result = _match_tied([ns[0] for ns in aliases.values()], aliases, src, strict)
+    key_of = {id(p): aliases[id(p)][0] for p in module.parameters()}
+    left = [0] * len(layout.params)  # segments of each parameter on this rank not yet loaded
+    for sg in layout.sub_groups:
+        for seg in sg.segments:
+            left[seg.param] += 1
+    current: tuple[int, torch.Tensor | None] = (-1, None)
+
+    def value(i: int) -> torch.Tensor | None:
+        nonlocal current
+        if current[0] != i:
+            p, key = layout.params[i], key_of[id(layout.params[i])]
+            current = (i, _checked(found[key], src.get(found[key]), p.shape) if key in found else None)
+        return current[1]
+
+    def home(i: int) -> None:
+        v = value(i)
+        if v is not None:
+            engine.write_parameter(layout.params[i], v)
+
+    with torch.no_grad():
+        for sg in layout.sub_groups:
+            block = opt.read_state(sg)
+            wrote = False
+            for seg in sg.segments:
+                v = value(seg.param)
+                if v is not None:
+                    lo = seg.flat_start - sg.start
+                    block[lo : lo + seg.numel].copy_(v.reshape(-1)[seg.param_start : seg.param_start + seg.numel])
+                    wrote = True
+                left[seg.param] -= 1
+                if left[seg.param] == 0:
+                    home(seg.param)
+            opt.done_state(sg, dirty=wrote)
+        for i in range(len(layout.params)):
+            if not any(seg.param == i for sg in layout.sub_groups for seg in sg.segments):
+                home(i)  # no piece of it on this rank: only its low-precision copy to set
+        opt.wait()
+        trainable = {id(p) for p in layout.params}
+        for p in module.parameters():
+            key = key_of[id(p)]
+            if id(p) not in trainable and key in found:
+                engine.write_parameter(p, _checked(found[key], src.get(found[key]), p.shape))
+        for name, b in module.named_buffers():
+            if name in found:
+                b.copy_(engine.copies.upload(_checked(found[name], src.get(found[name]), b.shape)))
+    return result
