@@ -19,13 +19,16 @@ SwapEngine with the same AioConfig in the same directory, before and after train
 floor = bytes read / read GB/s + bytes written / write GB/s per step (this disk does not overlap reads with writes,
 docs/benchmarks.md), and the ratio step time / floor says how close a step comes to the disk's limit.
 
-Memory: the model is built in bf16 (``--init-dtype``) and its parameters move to NVMe at initialize; host RAM then
-holds the gradients (2 B/param), ``--buffers`` staging buffers of ``--sub-group`` x 12 B and the device window.
-The plan (offload.estimate) is printed first, and a plan that does not fit in MemAvailable stops the run. A ~3B
-model: ``python bench/train.py --params 3e9 --nvme-dir /local_nvme`` needs about 44 GiB of disk and 17 GiB of RAM.
+Memory: the model is built inside ``offload.init`` (its fp32 parameters go to a file arena on the NVMe directory as
+modules are built: the peak RSS of construction is printed) and moves into its homes at initialize; host RAM then
+holds the gradients (2 B/param), the optimizer's staging buffers and the device window. Sizes not given
+(``--sub-group``, ``--buffers``, ``--live``) are the plan's, derived from the budgets and the model
+(offload/plan.py). The plan (offload.estimate, the same arithmetic) is printed first, and a plan that does not fit
+in MemAvailable stops the run. A ~3.8B model: ``python bench/train.py --params 3.8e9 --nvme-dir /local_nvme``
+needs about 57 GiB of disk and 11 GiB of RAM.
 
     python bench/train.py [--params 1e8 | --layers L --width W] [--steps 4] [--warmup 1] [--tokens 64] [--batch 1]
-                          [--nvme-dir DIR] [--aio FILE] [--sub-group 1e8] [--buffers 4] [--live 2.5e8]
+                          [--nvme-dir DIR] [--aio FILE] [--sub-group N] [--buffers N] [--live N]
                           [--probe-size 1GiB] [--no-overlap] [--one-batch] [--out results/train.json]
 """
 
@@ -70,6 +73,15 @@ def mem_available() -> int:
     raise RuntimeError("MemAvailable not found in /proc/meminfo")
 
 
+def peak_rss() -> int:
+    """This process's peak resident set so far (VmHWM), bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("VmHWM not found in /proc/self/status")
+
+
 def probe(directory: Path, aio: AioConfig, nbytes: int) -> tuple[float, float]:
     """The disk alone: (write, read) GB/s of one sequential pass through a SwapEngine, write as an overwrite."""
     buf = aligned_tensor(nbytes, pin_memory=False)
@@ -98,13 +110,13 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--nvme-dir", default=None, help="where the swap files go (default: a temp dir in cwd)")
     ap.add_argument("--aio", default=None, help="a JSON file with an aio section (python -m offload tune --out)")
-    ap.add_argument("--sub-group", type=float, default=1e8, help="zero_optimization.sub_group_size (elements)")
-    ap.add_argument("--buffers", type=int, default=4, help="offload_optimizer.buffer_count")
-    ap.add_argument("--live", type=float, default=2.5e8, help="stage3_max_live_parameters (elements)")
+    ap.add_argument("--sub-group", type=float, default=None,
+                    help="zero_optimization.sub_group_size (elements; default: the plan's)")
+    ap.add_argument("--buffers", type=int, default=None, help="offload_optimizer.buffer_count (default: the plan's)")
+    ap.add_argument("--live", type=float, default=None,
+                    help="stage3_max_live_parameters (elements; default: the plan's)")
     ap.add_argument("--probe-size", default="1GiB", help="bytes of the disk probe before and after training")
     ap.add_argument("--no-overlap", action="store_true", help="offload_optimizer.overlap_step false")
-    ap.add_argument("--init-dtype", choices=["bf16", "fp32"], default="bf16",
-                    help="dtype the model is built in before initialize (bf16 halves the peak RAM)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--one-batch", action="store_true",
                     help="train on one batch throughout (the overfit check): its loss falls within a few steps, where "
@@ -112,7 +124,7 @@ def main() -> None:
     ap.add_argument("--out", default="results/train.json")
     args = ap.parse_args()
     for name in ("steps", "batch", "tokens", "buffers"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             ap.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     if args.warmup < 0:
         ap.error(f"--warmup must be at least 0, got {args.warmup}")
@@ -132,27 +144,28 @@ def main() -> None:
         layers, width = shape_for(args.params, args.vocab, args.tokens)
     cfg = GPTConfig(vocab_size=args.vocab, context=args.tokens, layers=layers, heads=max(1, width // 64), width=width)
     n = cfg.num_parameters
-    sub_group, live = int(args.sub_group), min(int(args.live), n)  # a window larger than the model buys nothing
+    sub_group = int(args.sub_group) if args.sub_group else None
+    live = min(int(args.live), n) if args.live else None
     base = Path(args.nvme_dir) if args.nvme_dir else Path.cwd()
     base.mkdir(parents=True, exist_ok=True)
     with torch.device("meta"):
         plan = next(e for e in offload.estimate(model=GPT(cfg), sub_group_size=sub_group, buffer_count=args.buffers,
-                                                max_live_parameters=live)
+                                                max_live_parameters=live, cuda=False)
                     if e.placement == "optimizer + parameters on nvme")
-    init_bytes = n * (2 if args.init_dtype == "bf16" else 4)
     avail, free = mem_available(), shutil.disk_usage(base).free
     print(f"train bench: GPT {layers} layers x {width} wide, {n / 1e9:.3g}B parameters, {args.tokens} tokens x "
           f"{args.batch}; plan per tier: device {fmt_bytes(plan.device)}, host {fmt_bytes(plan.host)}, nvme "
-          f"{fmt_bytes(plan.nvme)}; the model is built in {args.init_dtype} ({fmt_bytes(init_bytes)}); "
-          f"RAM available {fmt_bytes(avail)}, disk free {fmt_bytes(free)} at {base}", flush=True)
-    need_ram = plan.host + plan.device + init_bytes + probe_bytes
+          f"{fmt_bytes(plan.nvme)}; the model is built inside offload.init (fp32 in a file arena, "
+          f"{fmt_bytes(4 * n)}); RAM available {fmt_bytes(avail)}, disk free {fmt_bytes(free)} at {base}", flush=True)
+    need_ram = plan.host + plan.device + probe_bytes
     if need_ram > avail:
-        sys.exit(f"error: the run needs about {fmt_bytes(need_ram)} of RAM (host plan + device window + the model "
-                 f"before initialize + the probe buffer) but {fmt_bytes(avail)} is available; lower --sub-group, "
-                 f"--buffers, --live or --probe-size, or the model size")
-    if plan.nvme + probe_bytes > free * 0.95:
-        sys.exit(f"error: the run needs about {fmt_bytes(plan.nvme + probe_bytes)} of disk but {base} has "
-                 f"{fmt_bytes(free)} free; pass --nvme-dir on a larger disk or a smaller model")
+        sys.exit(f"error: the run needs about {fmt_bytes(need_ram)} of RAM (host plan + device window + the probe "
+                 f"buffer) but {fmt_bytes(avail)} is available; lower --sub-group, --buffers, --live or "
+                 "--probe-size, or the model size")
+    if plan.nvme + 4 * n + probe_bytes > free * 0.95:
+        sys.exit(f"error: the run needs about {fmt_bytes(plan.nvme + 4 * n + probe_bytes)} of disk (the swap files, "
+                 f"and the construction arena until initialize) but {base} has {fmt_bytes(free)} free; pass "
+                 "--nvme-dir on a larger disk or a smaller model")
 
     work = Path(tempfile.mkdtemp(prefix="bench-train-", dir=base))
     disk: list[tuple[float, float]] = []
@@ -160,34 +173,38 @@ def main() -> None:
     try:
         disk.append(probe(work, aio, probe_bytes))
         print(f"disk before training: write {disk[0][0]:.2f} GB/s, read {disk[0][1]:.2f} GB/s", flush=True)
-        torch.manual_seed(args.seed)
-        default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(torch.bfloat16 if args.init_dtype == "bf16" else torch.float32)
-        try:
-            model = GPT(cfg)
-        finally:
-            torch.set_default_dtype(default_dtype)
+        zero: dict[str, Any] = {
+            "stage": 3,
+            "offload_optimizer": {"device": "nvme", "nvme_path": str(work / "optimizer"),
+                                  "overlap_step": not args.no_overlap},
+            "offload_param": {"device": "nvme", "nvme_path": str(work / "params")},
+        }
+        if sub_group:
+            zero["sub_group_size"] = sub_group
+        if args.buffers:
+            zero["offload_optimizer"]["buffer_count"] = args.buffers
+        if live:
+            zero["stage3_max_live_parameters"] = live
         config = {
             "bf16": {"enabled": True},
             "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.01, "betas": [0.9, 0.95]}},
-            "zero_optimization": {
-                "stage": 3,
-                "sub_group_size": sub_group,
-                "offload_optimizer": {"device": "nvme", "nvme_path": str(work / "optimizer"),
-                                      "buffer_count": args.buffers, "overlap_step": not args.no_overlap},
-                "offload_param": {"device": "nvme", "nvme_path": str(work / "params")},
-                "stage3_max_live_parameters": live,
-                "stage3_prefetch_bucket_size": live // 2,
-                "stage3_param_persistence_threshold": 100_000,
-            },
+            "zero_optimization": zero,
             "aio": aio_section,
-            "offload": {"device_memory_budget": 2 * live + plan.device + (64 << 20)},  # the window, persistent
         }
+        torch.manual_seed(args.seed)
+        rss_before, t = peak_rss(), time.perf_counter()
+        with offload.init(config):
+            model = GPT(cfg)
+        build = {"seconds": time.perf_counter() - t, "peak_rss": peak_rss(), "rss_growth": peak_rss() - rss_before}
+        print(f"built inside offload.init: {build['seconds']:.1f} s, peak RSS {fmt_bytes(build['peak_rss'])} "
+              f"({fmt_bytes(build['rss_growth'])} more than before; the model's fp32 parameters are "
+              f"{fmt_bytes(4 * n)})", flush=True)
         t = time.perf_counter()
         engine = offload.initialize(model, config)
         del model  # the engine holds the module; its parameters now live on NVMe
         init_s = time.perf_counter() - t
-        print(f"initialize: {init_s:.1f} s (parameters and optimizer state written to {work})", flush=True)
+        print(f"initialize: {init_s:.1f} s (parameters and optimizer state written to {work}; peak RSS "
+              f"{fmt_bytes(peak_rss())})\n" + engine.plan().describe(), flush=True)
         try:
             data = synthetic_batches(cfg.vocab_size, args.batch, args.tokens, args.seed)
             if args.one_batch:
@@ -264,7 +281,8 @@ def main() -> None:
     out.write_text(json.dumps({
         "model": {"layers": layers, "width": width, "vocab": args.vocab, "params": n, "tokens": args.tokens,
                   "batch": args.batch},
-        "config": config, "init_seconds": init_s, "plan": plan.__dict__,
+        "config": config, "init_seconds": init_s, "build": build, "peak_rss": peak_rss(),
+        "plan": {k: v for k, v in plan.__dict__.items() if k != "plan"},
         "disk_probes": [{"write_gbps": w, "read_gbps": r} for w, r in disk], "probe_bytes": probe_bytes,
         "steps": rows, "summary": summary, "engine_stats": stats, "memory_report": report,
     }, indent=2, default=str))

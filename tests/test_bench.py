@@ -61,15 +61,18 @@ def test_tune_names_the_bad_flag(tmp_path, capsys, flags, message):
 def test_bench_train_writes_json_and_plots(tmp_path, capsys):
     results, nvme = tmp_path / "results", tmp_path / "nvme"
     rc = main(["bench", "train", "--out", str(results), "--layers", "2", "--width", "128", "--vocab", "512",
-               "--tokens", "16", "--live", "2e5", "--sub-group", "2e5", "--steps", "2", "--probe-size", "8MiB",
+               "--tokens", "16", "--live", "2e5", "--sub-group", "2e4", "--steps", "2", "--probe-size", "8MiB",
                "--nvme-dir", str(nvme)])
     assert rc == 0
     data = json.loads((results / "train.json").read_text())
     s = data["summary"]
     assert len(data["steps"]) == 3 and all(r["bytes_read"] > 0 and r["bytes_written"] > 0 for r in data["steps"])
     assert s["floor_seconds"] > 0 and s["step_over_floor"] == pytest.approx(s["step_seconds"] / s["floor_seconds"])
-    # per step: 12 B/param of Adam state read and written, plus the bf16 parameters
-    assert s["written_bytes_per_param"] >= 12 and s["read_bytes_per_param"] >= 12
+    # per step: 12 B/param of Adam state written, plus the bf16 parameters (counted when a write completes: the
+    # last sub-groups' land in the next step); read too, less the sub-groups still in the staging buffers from the
+    # step before (2 of about 22)
+    assert s["written_bytes_per_param"] >= 11 and s["read_bytes_per_param"] >= 10
+    assert data["build"]["rss_growth"] < 4 * data["model"]["params"]  # built in the arena, not in RAM
     assert_pngs([results / "train_breakdown.png", results / "train_loss.png"])
     assert list(nvme.iterdir()) == []
     assert "plots:" in capsys.readouterr().out

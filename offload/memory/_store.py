@@ -230,6 +230,8 @@ class TieredStore:
         if m.residency is Residency.HOST:
             self._claim(m)
             return self._view(m)
+        if m.residency in (Residency.FETCHING, Residency.EVICTING):  # in a buffer already: settle it, keep it
+            return self.acquire(key)
         assert m.residency is Residency.NVME and m.io is None
         m.slot = self._take_slot(block=True)
         m.residency = Residency.HOST
