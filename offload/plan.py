@@ -26,7 +26,7 @@ import torch
 
 from .config import OffloadConfig
 from .memory import Tier, default_host_budget, fmt_bytes
-from .optim._layout import ALIGN, FlatLayout
+from .optim._layout import ALIGN, PAGE_ALIGN, FlatLayout
 
 _TIER = {"none": Tier.DEVICE, "cpu": Tier.HOST, "nvme": Tier.NVME}
 
@@ -78,10 +78,11 @@ class ModelSizes:
     def numel(self) -> int:
         return sum(self.params)
 
-    def layout(self, sub_group_size: int, *, world_size: int = 1, per_param: bool = False) -> FlatLayout:
+    def layout(self, sub_group_size: int, *, world_size: int = 1, per_param: bool = False,
+               align: int = ALIGN) -> FlatLayout:
         """Rank 0's layout of these sizes (the meta device: nothing allocated)."""
         fake = [torch.empty(n, device="meta") for n in self.params] or [torch.empty(1, device="meta")]
-        return FlatLayout([fake], sub_group_size, world_size=world_size, per_param=per_param)
+        return FlatLayout([fake], sub_group_size, world_size=world_size, per_param=per_param, align=align)
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,12 @@ class Plan:
     overlap: bool  # sub-groups updated during backward as their gradients become final
     delayed: bool  # one-step delayed parameter update (ZeRO-Offload's DPU)
     why: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def align(self) -> int:
+        """Elements parameters and sub-groups start on: a page of parameter bytes when NVMe homes hold them in
+        parts, so each part moves by O_DIRECT with no bounce copy."""
+        return PAGE_ALIGN if self.param_tier is Tier.NVME and self.partition is not Partition.PER_PARAM else ALIGN
 
     @property
     def accumulate(self) -> bool:
@@ -247,7 +254,7 @@ def expected_bytes(plan: Plan, model: ModelSizes) -> dict[Tier, int]:
     on CUDA the device budget keeps room for them)."""
     d, g = plan.dtype_bytes, torch.empty((), dtype=plan.grad_dtype).element_size()
     per_param = plan.partition is Partition.PER_PARAM
-    layout = model.layout(plan.sub_group_size, world_size=plan.world_size, per_param=per_param)
+    layout = model.layout(plan.sub_group_size, world_size=plan.world_size, per_param=per_param, align=plan.align)
     flat = sum(layout.group_numel)
     owned = layout.owned_numel(0)
     max_sg = layout.max_sub_group_numel

@@ -128,7 +128,7 @@ class Engine:
         self.store = TieredStore(plan.device, dict(plan.budgets), pin_memory=plan.pin_memory, file_io=file_io)
         self.copies = CopyStreams(plan.device, self.store.count)
         self.layout = FlatLayout(groups, plan.sub_group_size, world_size=plan.world_size, rank=plan.rank,
-                                 per_param=plan.partition is Partition.PER_PARAM)
+                                 per_param=plan.partition is Partition.PER_PARAM, align=plan.align)
         self.optimizer = OffloadedAdam(self.layout, self.store, self.copies, cfg.optimizer, plan.optimizer_tier,
                                        group_options=options, nvme_path=nvme["offload_optimizer"],
                                        buffer_count=plan.buffer_count, aio=cfg.aio, grad_dtype=plan.grad_dtype,

@@ -1,8 +1,9 @@
 """FlatLayout: where every trainable parameter sits in its group's flat buffer, which part of that buffer this rank
 owns, and the sub-groups the optimizer walks. The one place that answers "which part of the state do I own".
 
-Each param group's parameters are laid end to end in one flat buffer, each starting on an ALIGN-element boundary;
-the buffer is padded to a multiple of ALIGN * world_size so every rank owns an equal, aligned, contiguous range.
+Each param group's parameters are laid end to end in one flat buffer, each starting on an ``align``-element boundary
+(ALIGN, or PAGE_ALIGN when the parameters' NVMe homes are kept in parts); the buffer is padded to a multiple of
+``align * world_size`` so every rank owns an equal, aligned, contiguous range.
 The owned range is cut into sub-groups of at most ``sub_group_size`` elements. A parameter may straddle sub-groups
 and ranks: a :class:`Segment` is its piece inside one sub-group. Padding elements have zero gradients, zero state
 and stay zero under Adam, so they need no special case.
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 import torch
 
 ALIGN = 256  # elements: 1 KiB of fp32, so sub-group boundaries keep host buffers and I/O page-friendly
+PAGE_ALIGN = 2048  # elements: 4 KiB of bf16, for parameters homed on NVMe in parts (each part's bytes start on a
+# page, so the swap engine moves them by O_DIRECT straight from/to their memory, with no bounce copy)
 PIECE_ALIGN = 16  # elements: per-parameter pieces (per_param) start on a 64-byte line of fp32
 
 
@@ -54,8 +57,9 @@ class FlatLayout:
     """Built once from the trainable parameters; immutable after."""
 
     def __init__(self, groups: list[list[torch.nn.Parameter]], sub_group_size: int, *, world_size: int = 1,
-                 rank: int = 0, per_param: bool = False) -> None:
-        """``per_param``: partition each parameter across ranks (see the module docstring)."""
+                 rank: int = 0, per_param: bool = False, align: int = ALIGN) -> None:
+        """``per_param``: partition each parameter across ranks (see the module docstring). ``align``: the element
+        boundary parameters and sub-groups start on (ALIGN, or PAGE_ALIGN when parameters move in parts)."""
         self.per_param = per_param
         if sub_group_size < ALIGN:
             raise ValueError(f"zero_optimization.sub_group_size must be at least {ALIGN} elements, got "
@@ -69,7 +73,8 @@ class FlatLayout:
         self.owned: list[tuple[int, int]] = []  # this rank's flat range of each group
         self.sub_groups: list[SubGroup] = []
         touching: list[list[int]] = []  # sub-groups each parameter has a segment in
-        sub = _round_up(sub_group_size, ALIGN) if sub_group_size % ALIGN else sub_group_size
+        self.align = align
+        sub = _round_up(sub_group_size, align)
         for g, params in enumerate(groups):
             offset = 0
             first = len(self.params)
@@ -80,12 +85,12 @@ class FlatLayout:
                 touching.append([])
                 piece = _round_up(-(-p.numel() // world_size), PIECE_ALIGN) if per_param else p.numel()
                 self.piece.append(piece)
-                offset += piece if per_param else _round_up(p.numel(), ALIGN)
+                offset += piece if per_param else _round_up(p.numel(), align)
             if per_param:
-                share = _round_up(max(offset, 1), ALIGN)
+                share = _round_up(max(offset, 1), align)
                 total = share * world_size
             else:
-                total = _round_up(max(offset, 1), ALIGN * world_size)
+                total = _round_up(max(offset, 1), align * world_size)
                 share = total // world_size
             self.group_numel.append(total)
             own = (rank * share, (rank + 1) * share)
