@@ -29,7 +29,7 @@ needs about 57 GiB of disk and 11 GiB of RAM.
 
     python bench/train.py [--params 1e8 | --layers L --width W] [--steps 4] [--warmup 1] [--tokens 64] [--batch 1]
                           [--nvme-dir DIR] [--aio FILE] [--sub-group N] [--buffers N] [--live N] [--prefetch N]
-                          [--probe-size 1GiB] [--no-overlap] [--one-batch] [--out results/train.json]
+                          [--build init|bf16] [--probe-size 1GiB] [--no-overlap] [--one-batch] [--out results/train.json]
 """
 
 from __future__ import annotations
@@ -71,6 +71,19 @@ def mem_available() -> int:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError("MemAvailable not found in /proc/meminfo")
+
+
+def huge_pages() -> tuple[int, int]:
+    """(anonymous bytes, of them in transparent huge pages) of this process: I/O buffers on 4 KiB pages move at
+    about half the speed of huge-paged ones on this disk, so the bench reports how many were granted."""
+    anon = huge = 0
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Anonymous:"):
+                anon = int(line.split()[1]) * 1024
+            elif line.startswith("AnonHugePages:"):
+                huge = int(line.split()[1]) * 1024
+    return anon, huge
 
 
 def peak_rss() -> int:
@@ -117,6 +130,8 @@ def main() -> None:
                     help="stage3_max_live_parameters (elements; default: the plan's)")
     ap.add_argument("--prefetch", type=float, default=None,
                     help="stage3_prefetch_bucket_size (elements; default: the plan's)")
+    ap.add_argument("--build", choices=["init", "bf16"], default="init",
+                    help="init: inside offload.init (fp32 in a file arena); bf16: in RAM in bf16, as before offload.init")
     ap.add_argument("--probe-size", default="1GiB", help="bytes of the disk probe before and after training")
     ap.add_argument("--no-overlap", action="store_true", help="offload_optimizer.overlap_step false")
     ap.add_argument("--seed", type=int, default=0)
@@ -157,9 +172,10 @@ def main() -> None:
     avail, free = mem_available(), shutil.disk_usage(base).free
     print(f"train bench: GPT {layers} layers x {width} wide, {n / 1e9:.3g}B parameters, {args.tokens} tokens x "
           f"{args.batch}; plan per tier: device {fmt_bytes(plan.device)}, host {fmt_bytes(plan.host)}, nvme "
-          f"{fmt_bytes(plan.nvme)}; the model is built inside offload.init (fp32 in a file arena, "
-          f"{fmt_bytes(4 * n)}); RAM available {fmt_bytes(avail)}, disk free {fmt_bytes(free)} at {base}", flush=True)
-    need_ram = plan.host + plan.device + probe_bytes
+          f"{fmt_bytes(plan.nvme)}; the model is built "
+          + (f"inside offload.init (fp32 in a file arena, {fmt_bytes(4 * n)})" if args.build == "init" else
+             f"in RAM in bf16 ({fmt_bytes(2 * n)})") + f"; RAM available {fmt_bytes(avail)}, disk free {fmt_bytes(free)} at {base}", flush=True)
+    need_ram = plan.host + plan.device + probe_bytes + (2 * n if args.build == "bf16" else 0)
     if need_ram > avail:
         sys.exit(f"error: the run needs about {fmt_bytes(need_ram)} of RAM (host plan + device window + the probe "
                  f"buffer) but {fmt_bytes(avail)} is available; lower --sub-group, --buffers, --live or "
@@ -197,18 +213,29 @@ def main() -> None:
         }
         torch.manual_seed(args.seed)
         rss_before, t = peak_rss(), time.perf_counter()
-        with offload.init(config):
-            model = GPT(cfg)
+        if args.build == "init":
+            with offload.init(config):
+                model = GPT(cfg)
+        else:
+            default_dtype = torch.get_default_dtype()
+            torch.set_default_dtype(torch.bfloat16)
+            try:
+                model = GPT(cfg)
+            finally:
+                torch.set_default_dtype(default_dtype)
         build = {"seconds": time.perf_counter() - t, "peak_rss": peak_rss(), "rss_growth": peak_rss() - rss_before}
-        print(f"built inside offload.init: {build['seconds']:.1f} s, peak RSS {fmt_bytes(build['peak_rss'])} "
+        where = "inside offload.init" if args.build == "init" else "in RAM"
+        print(f"built {where}: {build['seconds']:.1f} s, peak RSS {fmt_bytes(build['peak_rss'])} "
               f"({fmt_bytes(build['rss_growth'])} more than before; the model's fp32 parameters are "
               f"{fmt_bytes(4 * n)})", flush=True)
         t = time.perf_counter()
         engine = offload.initialize(model, config)
         del model  # the engine holds the module; its parameters now live on NVMe
         init_s = time.perf_counter() - t
+        anon, huge = huge_pages()
         print(f"initialize: {init_s:.1f} s (parameters and optimizer state written to {work}; peak RSS "
-              f"{fmt_bytes(peak_rss())})\n" + engine.plan().describe(), flush=True)
+              f"{fmt_bytes(peak_rss())}; {fmt_bytes(huge)} of {fmt_bytes(anon)} anonymous memory in huge pages)\n"
+              + engine.plan().describe(), flush=True)
         try:
             data = synthetic_batches(cfg.vocab_size, args.batch, args.tokens, args.seed)
             if args.one_batch:

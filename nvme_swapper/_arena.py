@@ -2,9 +2,11 @@
 
 A tensor made by ``arena.tensor(shape, dtype)`` lives in its own page-aligned range of the arena's file, mapped
 shared: it is read and written like any host tensor, and its pages can be dropped from RAM at any moment with
-:func:`evict_pages` (the kernel keeps what was written, in the page cache and then in the file; the next access
-reads it back). The file is unlinked as soon as it is made: its space lives exactly as long as the tensors do, and
-a crash leaves nothing on disk. The arena's own descriptor is closed by ``close()``; tensors made before stay valid.
+:func:`evict_pages`, which writes them to the file and drops them from the page cache too (the next access reads
+them back). Leaving them cached would fill the page cache with the whole model, scattering the memory the engine
+then allocates its I/O buffers from (fewer huge pages for them: measured 1.1 GiB fewer at 3.8B). The file is
+unlinked as soon as it is made: its space lives exactly as long as the tensors do, and a crash leaves nothing on
+disk. ``close()`` ends making tensors; the descriptor stays open while tensors made before use it.
 
 Knows nothing of training: ``offload.init`` builds a model's parameters here so the model never needs its size in
 RAM (see offload/_init.py).
@@ -30,12 +32,23 @@ _starts: list[int] = []  # start addresses of live regions, sorted
 _regions: dict[int, "weakref.ref[_FileRegion]"] = {}
 
 
+class _File:
+    """The arena's file descriptor, closed when the arena and every region using it are gone."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __del__(self) -> None:
+        os.close(self.fd)
+
+
 class _FileRegion:
     """One shared mapping of part of an arena's file; unmapped when the last tensor viewing it is gone."""
 
-    def __init__(self, fd: int, offset: int, nbytes: int) -> None:
+    def __init__(self, file: _File, offset: int, nbytes: int) -> None:
         self.length = round_up(max(nbytes, 1), PAGE)
-        self._map = mmap.mmap(fd, self.length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE,
+        self._file, self.offset = file, offset
+        self._map = mmap.mmap(file.fd, self.length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE,
                               offset=offset)
         self.address = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
         self.nbytes = nbytes
@@ -49,8 +62,12 @@ class _FileRegion:
         return torch.frombuffer(array, dtype=torch.uint8)[: self.nbytes]
 
     def evict(self) -> None:
+        """Writes the dirty pages to the file, unmaps them, and drops them from the page cache as well."""
+        self._map.flush()
         if hasattr(mmap, "MADV_DONTNEED"):
-            self._map.madvise(mmap.MADV_DONTNEED)  # shared file pages: written back, not lost
+            self._map.madvise(mmap.MADV_DONTNEED)
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self._file.fd, self.offset, self.length, os.POSIX_FADV_DONTNEED)
 
     def __del__(self) -> None:
         with _lock:  # no other region can start here until the mapping below is closed
@@ -94,30 +111,29 @@ class FileArena:
         root = Path(directory)
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
         try:
-            self._fd = os.open(root, os.O_TMPFILE | os.O_RDWR | getattr(os, "O_CLOEXEC", 0), 0o600)
+            fd = os.open(root, os.O_TMPFILE | os.O_RDWR | getattr(os, "O_CLOEXEC", 0), 0o600)
         except (AttributeError, OSError):  # no O_TMPFILE here: a named file, unlinked at once
             fd, name = tempfile.mkstemp(prefix=".arena-", dir=root)
             os.unlink(name)
-            self._fd = fd
+        self._file: _File | None = _File(fd)
         self.size = 0
         self.directory = root
 
     def tensor(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """A new file-backed tensor (zeros). Raises OSError (ENOSPC) when the disk cannot hold it."""
-        if self._fd < 0:
+        if self._file is None:
             raise RuntimeError("FileArena is closed")
         numel = 1
         for d in shape:
             numel *= d
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         offset, self.size = self.size, self.size + round_up(max(nbytes, 1), PAGE)
-        os.posix_fallocate(self._fd, offset, self.size - offset)  # the disk's space, now: ENOSPC here, not later
-        return _FileRegion(self._fd, offset, nbytes).tensor().view(dtype).view(tuple(shape))
+        os.posix_fallocate(self._file.fd, offset, self.size - offset)  # the disk's space now: ENOSPC here
+        return _FileRegion(self._file, offset, nbytes).tensor().view(dtype).view(tuple(shape))
 
     def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        """No more tensors from this arena; the file stays open while tensors made before use it."""
+        self._file = None
 
     def __enter__(self) -> "FileArena":
         return self
