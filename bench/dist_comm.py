@@ -6,7 +6,10 @@ stage 3 moves 3 Psi (parameters all-gathered in forward and again in backward, g
 runs N gloo ranks of this machine (it launches itself N times with torchrun's environment variables, or runs
 under torchrun), trains a bf16 GPT a few steps per stage, and reads ``engine.stats()["comm"]["last_step"]``:
 payload (the size of the buffers the collectives are about: the paper's measure) and ring wire bytes (what each
-rank sends with ring collectives: (N-1)/N of it).
+rank sends with ring collectives: (N-1)/N of it). Stages 1-2 run twice, with ``overlap_comm`` on and off: the
+time backward waits for gradient reduces with it on, against all of it waited for with it off, is the share of
+communication hidden behind backward. Per rank: the partition size (equal to within one alignment unit) and the
+optimizer's time per step.
 
     python bench/dist_comm.py [--ranks 2] [--layers 4] [--width 256] [--steps 3] [--out results/dist_comm.json]
     torchrun --nproc-per-node 2 bench/dist_comm.py --worker ...
@@ -17,9 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -29,49 +34,101 @@ import torch  # noqa: E402
 PAPER = {1: 2.0, 2: 2.0, 3: 3.0}
 
 
-def config(stage: int, width: int) -> dict:
-    zero = {"stage": stage, "sub_group_size": 1 << 20,
+def config(stage: int, width: int, overlap: bool = True) -> dict:
+    zero = {"stage": stage, "sub_group_size": 1 << 20, "overlap_comm": overlap, "reduce_bucket_size": 1 << 18,
             "offload_optimizer": {"device": "cpu"}}
     if stage == 3:  # every parameter partitioned; a window too small to keep forward's parameters for backward
         zero.update(offload_param={"device": "cpu"}, stage3_param_persistence_threshold=0,
                     stage3_max_live_parameters=8 * width * width, stage3_prefetch_bucket_size=4 * width * width)
     return {"bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-            "zero_optimization": zero, "offload": {"comm_timeout": 60}}
+            "zero_optimization": zero, "offload": {"comm_timeout": 60, "device": "cpu"}}
 
 
 def worker(args: argparse.Namespace) -> None:
     import offload
     from offload.models import GPT, GPTConfig
 
-    rank = int(os.environ.get("RANK", "0"))
+    import torch.distributed as dist
+
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:  # the engines join this group (and leave it up): rank 0 gathers every rank's figures over it
+        dist.init_process_group("gloo")
     rows = []
-    for stage in (1, 2, 3):
+    for stage, overlap in ((1, True), (1, False), (2, True), (2, False), (3, True)):
         torch.manual_seed(0)
         cfg = GPTConfig(vocab_size=512, context=64, layers=args.layers, heads=max(1, args.width // 64),
                         width=args.width)
         model = GPT(cfg)
         psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
         x = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(rank))
-        with offload.initialize(model, config(stage, args.width)) as engine:
-            for _ in range(args.steps):
-                engine.backward(GPT.loss(engine(x), x))
+        with offload.initialize(model, config(stage, args.width, overlap)) as engine:
+            backward = 0.0
+            for step in range(args.steps + 1):  # the first is a warm-up
+                if step == 1:
+                    stats0 = engine.stats()
+                loss = GPT.loss(engine(x), x)
+                t = time.perf_counter()
+                engine.backward(loss)
+                backward += time.perf_counter() - t if step else 0.0
                 engine.step()
-            last = engine.stats()["comm"]["last_step"]
-            world = engine.world_size
+            stats = engine.stats()
+            last, world = stats["comm"]["last_step"], engine.world_size
+            red0, red = stats0["reduce"], stats["reduce"]
+            exposed = (red["exposed_seconds"] - red0["exposed_seconds"]) / args.steps if red else None
+            adam = (stats["adam_seconds"] - stats0["adam_seconds"]) / args.steps
+            owned = sum(sg.numel for sg in engine.layout.sub_groups)
         size = 2  # bf16: parameters and gradients move in the training dtype
-        rows.append({"stage": stage, "ranks": world, "psi": psi, "payload_bytes": last["payload_bytes"],
-                     "wire_bytes": last["wire_bytes"], "payload_psi": last["payload_bytes"] / (psi * size),
-                     "wire_psi": last["wire_bytes"] / (psi * size), "paper_psi": PAPER[stage]})
+        mine = {"stage": stage, "overlap_comm": overlap, "ranks": world, "psi": psi,
+                "payload_bytes": last["payload_bytes"], "wire_bytes": last["wire_bytes"],
+                "payload_psi": last["payload_bytes"] / (psi * size), "wire_psi": last["wire_bytes"] / (psi * size),
+                "paper_psi": PAPER[stage], "backward_seconds": backward / args.steps, "exposed_seconds": exposed,
+                "adam_seconds": adam, "owned_numel": owned,
+                "peak_buffers": red["peak_buffers"] if red else None}
+        rows.append(gather_rows(mine, world))
     if rank == 0:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"bench": "dist_comm", "rows": rows}, indent=1))
-        print(f"{'stage':>5} {'ranks':>5} {'params (Psi)':>12} {'payload/step':>13} {'x Psi':>6} {'paper':>6} "
-              f"{'wire/step':>11} {'x Psi':>6}")
-        for r in rows:
-            print(f"{r['stage']:>5} {r['ranks']:>5} {r['psi']:>12,} {r['payload_bytes'] / 1e6:>10.2f} MB "
-                  f"{r['payload_psi']:>6.2f} {r['paper_psi']:>6.1f} {r['wire_bytes'] / 1e6:>8.2f} MB "
-                  f"{r['wire_psi']:>6.2f}")
-        print(f"wrote {args.out}")
+        report(rows, args.out)
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def gather_rows(mine: dict, world: int) -> list[dict]:
+    """Every rank's row (rank 0 reports the spread of partition sizes and optimizer time)."""
+    import torch.distributed as dist
+
+    if world == 1:
+        return [mine]
+    out: list = [None] * world
+    dist.all_gather_object(out, mine)
+    return out
+
+
+def report(rows: list[list[dict]], out: str) -> None:
+    by = {(r[0]["stage"], r[0]["overlap_comm"]): r for r in rows}
+    for ranks in rows:
+        r = ranks[0]
+        sync = by.get((r["stage"], False))
+        if r["overlap_comm"] and sync and r["exposed_seconds"] is not None and sync[0]["exposed_seconds"]:
+            # what backward hid: the wait left with overlap, against all of it waited for without
+            exposed = statistics.median(x["exposed_seconds"] for x in ranks)
+            waited = statistics.median(x["exposed_seconds"] for x in sync)
+            r["hidden_share"] = max(0.0, 1 - exposed / waited)
+        owned = [x["owned_numel"] for x in ranks]
+        adam = [x["adam_seconds"] for x in ranks]
+        r["owned_spread"] = max(owned) - min(owned)
+        r["adam_per_rank"] = adam
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps({"bench": "dist_comm", "rows": rows}, indent=1))
+    print(f"{'stage':>5} {'overlap':>7} {'ranks':>5} {'Psi':>10} {'payload/step':>13} {'x Psi':>6} {'paper':>6} "
+          f"{'wire x Psi':>10} {'reduce wait':>11} {'hidden':>7} {'owned spread':>12} {'adam s/rank':>16}")
+    for ranks in rows:
+        r = ranks[0]
+        wait = f"{r['exposed_seconds'] * 1e3:.1f} ms" if r["exposed_seconds"] is not None else "-"
+        hidden = f"{r['hidden_share']:.0%}" if "hidden_share" in r else "-"
+        adam = " ".join(f"{a:.3f}" for a in r["adam_per_rank"])
+        print(f"{r['stage']:>5} {'on' if r['overlap_comm'] else 'off':>7} {r['ranks']:>5} {r['psi']:>10,} "
+              f"{r['payload_bytes'] / 1e6:>10.2f} MB {r['payload_psi']:>6.2f} {r['paper_psi']:>6.1f} "
+              f"{r['wire_psi']:>10.2f} {wait:>11} {hidden:>7} {r['owned_spread']:>12} {adam:>16}")
+    print(f"wrote {out}")
 
 
 def main() -> None:

@@ -370,6 +370,7 @@ class OffloadConfig(_Section):
     gradient_accumulation_steps: int = 1
     train_batch_size: int | None = None
     gradient_clipping: float = 0.0
+    sparse_gradients: bool = False  # nn.Embedding gradients sent as rows where cheaper (stages 1-2, several ranks)
     fp16: FP16Config = field(default_factory=FP16Config)
     bf16: BF16Config = field(default_factory=BF16Config)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -391,6 +392,8 @@ class OffloadConfig(_Section):
             return None if value is None else _int(full, value, 0)
         if name == "gradient_clipping":
             return _float(full, value, 0.0)
+        if name == "sparse_gradients":
+            return _bool(full, value)
         if name == "fp16":
             return FP16Config.from_dict(value, full)
         if name == "bf16":

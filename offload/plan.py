@@ -324,9 +324,6 @@ def resolve(cfg: OffloadConfig, model: ModelSizes, *, device: torch.device, worl
     if delayed and param_tier is not Tier.DEVICE:
         raise ValueError("offload_optimizer.delayed_update cannot be combined with offload_param yet; turn one "
                          "of them off")
-    if world_size > 1 and delayed:
-        raise ValueError(f"offload_optimizer.delayed_update is not supported with several ranks (world size "
-                         f"{world_size}) yet; turn it off")
     if world_size > 1 and zero.stage == 3 and param_tier is Tier.DEVICE:
         raise ValueError(f"zero_optimization.stage 3 with several ranks (world size {world_size}) "
                          "partitions parameters into host or NVMe homes: set "

@@ -5,7 +5,8 @@ initializes torch.distributed, so the engine joins it; "engine": the engine init
 and ``runs``, each trained in turn: ``name``, ``config`` (the engine's), ``steps``, ``gas``, and optionally ``load``
 (a checkpoint folder to resume from), ``save`` (a folder to save into after ``save_after`` steps), ``die``
 ({"rank": r, "at_step": s, "how": "exit" | "hang"}: that rank stops mid-step, after its backward), ``staged``
-(gradients through the CUDA path's device buckets, on the CPU: offload.plan.STAGE_ON_CPU).
+(gradients through the CUDA path's device buckets, on the CPU: offload.plan.STAGE_ON_CPU), ``model`` ("bag": the
+50k-row embedding model of the sparse-gradient runs) and ``sparse_module`` (its nn.Embedding(sparse=True)).
 
 Each rank trains on its 1/N slice of a global batch of 6 sequences (so any N in 1, 2, 3 sees the same global
 batch), writes ``<name>.rank<r>.json`` (memory report, communication counters, the swap counters of stage 3's
@@ -30,16 +31,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import offload  # noqa: E402
 import offload.plan  # noqa: E402
-from models import batches, lm_loss, make  # noqa: E402
+from models import bag_batches, bag_loss, batches, lm_loss, make, make_bag  # noqa: E402
 
 GLOBAL_BATCH = 6
 GRAD_BUCKET = offload.plan.GRAD_BUCKET
 
 
 def run(spec: dict, r: dict, rank: int, world: int, out: Path) -> None:
-    data = batches(r["steps"] * r["gas"], bsz=GLOBAL_BATCH)
+    if r.get("model") == "bag":  # a 50k-row embedding (sparse gradients), ``sparse_module``: sparse=True
+        data, model, loss_fn = bag_batches(r["steps"] * r["gas"]), make_bag(sparse=r.get("sparse_module", False)), \
+            bag_loss
+    else:
+        data, model, loss_fn = batches(r["steps"] * r["gas"], bsz=GLOBAL_BATCH), make(), lm_loss
     per = GLOBAL_BATCH // world
-    model = make()
     offload.plan.STAGE_ON_CPU = bool(r.get("staged"))
     offload.plan.GRAD_BUCKET = 1000 if r.get("staged") else GRAD_BUCKET
     engine = offload.initialize(model, r["config"])
@@ -50,7 +54,7 @@ def run(spec: dict, r: dict, rank: int, world: int, out: Path) -> None:
         for step in range(start, r["steps"]):
             for m in range(r["gas"]):
                 x, y = data[step * r["gas"] + m]
-                loss = lm_loss(engine(x[rank * per : (rank + 1) * per]), y[rank * per : (rank + 1) * per])
+                loss = loss_fn(engine(x[rank * per : (rank + 1) * per]), y[rank * per : (rank + 1) * per])
                 engine.backward(loss)
                 die = r.get("die")
                 if die and die["rank"] == rank and die["at_step"] == step:
@@ -67,7 +71,7 @@ def run(spec: dict, r: dict, rank: int, world: int, out: Path) -> None:
         stats = engine.stats()
         (out / f"{r['name']}.rank{rank}.json").write_text(json.dumps({
             "report": engine.memory_report(), "comm": stats["comm"], "steps": engine.global_steps,
-            "pieces_nvme": stats["params"]["pieces_nvme"] if stats["params"] else None,
+            "pieces_nvme": stats["params"]["pieces_nvme"] if stats["params"] else None, "reduce": stats["reduce"],
             "numel": sum(p.numel() for p in engine.layout.params), "flat_numel": sum(engine.layout.group_numel)}))
     finally:
         engine.close()

@@ -18,9 +18,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import offload
-from models import batches, lm_loss, make
+from models import bag_batches, bag_loss, batches, lm_loss, make, make_bag
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -124,6 +126,16 @@ def reference(steps: int, gas: int = 1, clip: float = 0.0) -> dict[str, torch.Te
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def single_process(cfg: dict, steps: int, gas: int) -> dict[str, torch.Tensor]:
+    """The engine in this process (world size 1) on the whole global batch of 6."""
+    data = batches(steps * gas, bsz=6)
+    with offload.initialize(make(), cfg) as engine:
+        for x, y in data:
+            engine.backward(lm_loss(engine(x), y))
+            engine.step()
+        return engine.consolidated_state_dict()
+
+
 def assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], rel: float = 1e-5) -> None:
     assert set(got) == set(want)
     for k in want:
@@ -138,6 +150,10 @@ RUNS = [  # name, stage, optimizer state, accumulation, clipping
     ("s2-nvme", 2, "nvme", 1, 0.0),
     ("s1-host-gas2-clip", 1, "cpu", 2, 0.05),
     ("s2-nvme-gas2-clip", 2, "nvme", 2, 0.05),
+    ("s1-host-gas2-sync-b300", 1, "cpu", 2, 0.0),  # sync: overlap_comm off; b300: reduce buckets of 300
+    ("s2-nvme-b300", 2, "nvme", 1, 0.0),
+    ("s2-host-delayed", 2, "cpu", 1, 0.0),  # delayed: offload_optimizer.delayed_update (one step stale)
+    ("s1-nvme-gas2-clip-delayed", 1, "nvme", 2, 0.05),
     ("s3-host", 3, "cpu", 1, 0.0),
     ("s3-nvme", 3, "nvme", 1, 0.0),
     ("s3-host-gas2-clip-persist", 3, "cpu", 2, 0.05),
@@ -147,12 +163,30 @@ RUNS = [  # name, stage, optimizer state, accumulation, clipping
 ]
 
 
+def run_config(tmp: Path, name: str, stage: int, device: str, gas: int, clip: float) -> dict:
+    cfg = config(stage, device, tmp / "nvme", persist=100 if "persist" in name else 0,
+                 param="nvme" if "pnvme" in name else "cpu", gradient_accumulation_steps=gas, gradient_clipping=clip)
+    if "sync" in name:
+        cfg["zero_optimization"]["overlap_comm"] = False
+    if "delayed" in name:
+        cfg["zero_optimization"]["offload_optimizer"]["delayed_update"] = True
+    if "b300" in name:
+        cfg["zero_optimization"]["reduce_bucket_size"] = 300
+    return cfg
+
+
+SPARSE_RUNS = [  # the 50k-row embedding model with sparse_gradients: name, stage, nn.Embedding(sparse=True)
+    ("bag-s2-sparse-module", 2, True),
+    ("bag-s1-dense-module", 1, False),  # a dense gradient whose touched rows are found by a scan
+]
+
+
 def spec_runs(tmp: Path) -> list[dict]:
     return [{"name": name, "steps": STEPS, "gas": gas, "staged": "staged" in name,
-             "config": config(stage, device, tmp / "nvme", persist=100 if "persist" in name else 0,
-                              param="nvme" if "pnvme" in name else "cpu", gradient_accumulation_steps=gas,
-                              gradient_clipping=clip)}
-            for name, stage, device, gas, clip in RUNS]
+             "config": run_config(tmp, name, stage, device, gas, clip)}
+            for name, stage, device, gas, clip in RUNS] + \
+           [{"name": name, "steps": STEPS, "gas": 1, "model": "bag", "sparse_module": module,
+             "config": config(stage, "cpu", tmp / "nvme", sparse_gradients=True)} for name, stage, module in SPARSE_RUNS]
 
 
 def launch(tmp: Path, world: int, runs: list[dict], init: str = "self", timeout: float = 240) -> Path:
@@ -195,11 +229,38 @@ def test_ranks_match_single_process(world, two_ranks, three_ranks):
     out = two_ranks[0] if world == 2 else three_ranks
     refs: dict[tuple[int, float], dict[str, torch.Tensor]] = {}
     for name, stage, device, gas, clip in RUNS:
-        want = refs.setdefault((gas, clip), reference(STEPS, gas, clip))
+        if "delayed" in name:  # one process running the same delayed update on the whole batch
+            want = single_process(run_config(out.parent / "ref", name, stage, device, gas, clip), STEPS, gas)
+        else:
+            want = refs.setdefault((gas, clip), reference(STEPS, gas, clip))
         assert_close(torch.load(out / f"{name}.pt", weights_only=True), want)
         info = [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in range(world)]
         assert all(i["steps"] == STEPS for i in info)
         assert all(i["comm"]["world_size"] == world and i["comm"]["rank"] == r for r, i in enumerate(info))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sparse_gradients_match_dense_reference_and_send_rows(world, two_ranks, three_ranks):
+    """A 50k-row embedding touched at under 0.3% per batch: its gradient goes to its owners as rows, the trained
+    parameters equal torch's AdamW on the whole batch, and the rows cost a small fraction of the dense reduce."""
+    out = two_ranks[0] if world == 2 else three_ranks
+    data = bag_batches(STEPS)
+    model = make_bag()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, betas=(0.9, 0.99), eps=1e-8)
+    for x, y in data:
+        opt.zero_grad()
+        bag_loss(model(x), y).backward()
+        opt.step()
+    touched = max(len(torch.unique(x)) for x, _ in data) / 50_000
+    assert touched < 0.05
+    for name, stage, module in SPARSE_RUNS:
+        assert_close(torch.load(out / f"{name}.pt", weights_only=True), model.state_dict())
+        for r in range(world):
+            info = json.loads((out / f"{name}.rank{r}.json").read_text())
+            assert info["reduce"]["sparse_sent"] == {"rows": STEPS, "dense": 0}, (name, info["reduce"])
+            rows = info["comm"]["payload_bytes"]["all_to_all"] / STEPS  # bytes this rank sent as rows per step
+            dense = 4 * 50_000 * 16  # the embedding's dense gradient, fp32
+            assert rows < dense / 20, (name, rows, dense)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL puts one rank on each GPU: 2 ranks need 2 GPUs")
@@ -236,18 +297,38 @@ def test_optimizer_state_per_rank_is_one_nth(world, two_ranks, three_ranks, tmp_
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_bytes_communicated_per_step(world, two_ranks, three_ranks):
-    """Payload per step: the ZeRO paper's 2 x Psi for stage 1 (reduce-scatter + all-gather); stage 2 reduces each
-    micro-batch, so accumulating 2 costs 3 x Psi; clipping adds one 8-byte all-reduce."""
+    """Payload per step: the ZeRO paper's 2 x Psi for stages 1-2 (gradients reduced to their owners + parameters
+    all-gathered); gradients are reduced per micro-batch, so accumulating 2 costs 3 x Psi; clipping adds one 8-byte
+    all-reduce."""
     out = two_ranks[0] if world == 2 else three_ranks
     for name, stage, device, gas, clip in RUNS:
         info = json.loads((out / f"{name}.rank0.json").read_text())
         comm, psi = info["comm"], 4 * info["flat_numel"]  # fp32 bytes of the padded flat parameters
         last = comm["last_step"]["payload_bytes"] - (8 if clip else 0)
-        if stage < 3:
-            assert last == ((gas if stage == 2 else 1) + 1) * psi, (name, comm["last_step"], psi)
+        if stage < 3:  # each micro-batch's gradients reduced (the data, not the buffers' trailing padding), then
+            # one all-gather of the padded parameters
+            grads = last - psi
+            assert gas * 4 * info["numel"] <= grads <= gas * psi, (name, comm["last_step"], psi)
         else:  # per micro-batch: gathers in forward and (what the window dropped) in backward, gradients reduced
             assert 2.5 * psi * gas <= last <= 3 * psi * gas + 4 * 100 * 20, (name, last / psi)
         assert comm["last_step"]["wire_bytes"] <= comm["last_step"]["payload_bytes"] * (world - 1) / world + 16
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_stage_1_2_gradients_take_a_share_and_two_buckets(world, two_ranks, three_ranks):
+    """No rank holds a full-size gradient: the device tier peaks at the parameters, the room it keeps for autograd's
+    largest gradient, and at most two reduce buckets (gradients larger than a bucket are reduced from autograd's own
+    tensor); the host holds this rank's share."""
+    out = two_ranks[0] if world == 2 else three_ranks
+    largest = max(p.numel() for p in make().parameters())  # the device tier keeps room for one gradient
+    for name, stage, device, gas, clip in RUNS:
+        if stage == 3:
+            continue
+        for r in range(world):
+            info = json.loads((out / f"{name}.rank{r}.json").read_text())
+            red, dev = info["reduce"], info["report"]["device"]
+            assert red["peak_buffers"] <= 2 and red["buffer_bytes"] <= 2 * 4 * red["bucket_numel"], (name, red)
+            assert dev["peak"] <= 4 * (info["flat_numel"] + largest) + red["buffer_bytes"], (name, r, dev, red)
 
 
 def test_checkpoint_from_two_ranks_resumes_on_three_and_one(two_ranks, three_ranks, tmp_path):
@@ -317,7 +398,7 @@ TRAIN_SCRIPT = """
 import sys, torch
 sys.path.insert(0, {tests!r})
 import offload
-from models import batches, lm_loss, make
+from models import bag_batches, bag_loss, batches, lm_loss, make, make_bag
 model = make()
 engine = offload.initialize(model, {cfg!r})
 for x, y in batches(4, bsz=6):
@@ -389,3 +470,53 @@ def test_comm_timeout_is_validated_and_one_rank_communicates_nothing(tmp_path):
         assert comm["payload_bytes"] == {} and comm["last_step"] == {"payload_bytes": 0, "wire_bytes": 0}
         assert list((tmp_path / "nvme").iterdir()) != []  # one rank: nvme_path itself, no rank folder
         assert not (tmp_path / "nvme" / "rank0").exists()
+
+
+# reduce buckets, in one process (their order, buffers and zeros; the collectives are the 2- and 3-rank runs') ------
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sizes=st.lists(st.integers(1, 700), min_size=1, max_size=12), bucket=st.integers(1, 1500),
+       data=st.data())
+def test_reduce_buckets_deliver_every_gradient_once_in_any_order(sizes, bucket, data):
+    """Gradients arriving in any order, some never: each parameter's is delivered once (zeros for the missing),
+    buckets are issued in their fixed order, and in backward's usual order (reverse registration) two pool buffers
+    suffice."""
+    from offload.dist import Comm, ReduceBuckets, join
+    from offload.memory import Tier, TieredStore
+    from offload.optim._layout import FlatLayout
+
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
+    layout = FlatLayout([params], 4096)
+    store = TieredStore(torch.device("cpu"), {Tier.DEVICE: None}, pin_memory=False)
+    comm = Comm(join(60, "cpu"))
+    got: dict[int, torch.Tensor] = {}
+
+    def deliver(i: int, values: torch.Tensor, base: int) -> None:
+        assert i not in got and base == 0
+        got[i] = values.clone()
+
+    usual = data.draw(st.booleans())
+    order = list(reversed(range(len(sizes)))) if usual else data.draw(st.permutations(range(len(sizes))))
+    missing = set() if usual else set(data.draw(st.lists(st.sampled_from(range(len(sizes))), max_size=3)))
+    grads = [torch.randn(n) for n in sizes]
+    rb = ReduceBuckets(comm, layout, store, bucket=bucket, dtype=torch.float32, overlap=True, deliver=deliver)
+    try:
+        for _ in range(2):  # two micro-batches: the pool's buffers are reused
+            got.clear()
+            rb.begin_micro_batch()
+            for i in order:
+                if i not in missing:
+                    rb.add(i, grads[i].clone())
+            rb.end_backward()
+            assert sorted(got) == list(range(len(sizes)))
+            for i, g in enumerate(grads):
+                assert torch.equal(got[i], torch.zeros_like(g) if i in missing else g)
+        spans = sorted((b.start, b.end) for b in rb.buckets)
+        assert all(e <= s2 for (_, e), (s2, _) in zip(spans, spans[1:]))  # disjoint
+        assert all(b.end - b.start <= bucket or len(b.params) == 1 for b in rb.buckets)
+        if usual:
+            assert rb.peak_buffers <= 2
+    finally:
+        rb.close()
+        comm.close()
+        store.close()

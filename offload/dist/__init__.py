@@ -3,13 +3,16 @@
 * :mod:`._group` finds the ranks (an initialized torch.distributed, torchrun's environment, or one process) and
   owns the group's lifetime;
 * :mod:`._comm` runs the collectives, counts their bytes, and turns a dead or hung peer into an error naming it;
-* :mod:`._zero` moves gradients to their owners (reduce-scatter) and updated parameters back (all-gather).
+* :mod:`._buckets` sums gradients onto their owners in buckets while backward runs (stages 1-2);
+* :mod:`._zero` holds stage 3's per-parameter pieces and reduce-scatters, and gathers updated parameters back.
 
 The engine uses them on every run: with world size 1 the collectives are copies or nothing.
 """
 
+from ._buckets import BucketState, ReduceBuckets
 from ._comm import Comm, CommError, CommState
 from ._group import Origin, ProcessGroup, join
 from ._zero import GradPartition, ParamShards
 
-__all__ = ["Comm", "CommError", "CommState", "GradPartition", "Origin", "ParamShards", "ProcessGroup", "join"]
+__all__ = ["BucketState", "Comm", "CommError", "CommState", "GradPartition", "Origin", "ParamShards", "ProcessGroup", "ReduceBuckets",
+           "join"]

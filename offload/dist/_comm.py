@@ -73,6 +73,27 @@ class Comm:
         self._run("reduce_scatter", inp, 1.0,
                   lambda: dist.reduce_scatter_tensor(out, inp, group=self.pg.group))
 
+    def reduce(self, t: torch.Tensor, dst: int) -> Any:
+        """Starts summing every rank's ``t`` into rank ``dst``'s ``t`` (the others' are left undefined); returns a
+        handle whose ``wait()`` completes it. One reduce per owner of a bucket's range is how stages 1-2 move each
+        gradient element once (the reduce-scatter volume) with buckets of any size."""
+        if self.world_size == 1:
+            return _Done()
+        seq, t0 = self._enter("reduce", t, 1.0)
+        work = self._call("reduce", seq, t0, lambda: dist.reduce(t, group_dst=dst, group=self.pg.group, async_op=True))
+        return _Pending(self, work, "reduce", seq, t0)
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> None:
+        """Rank r's ``in_splits[q]`` elements for q land in rank q's ``out`` (in rank order). Payload and wire are
+        what this rank sends to the others (its own part never leaves it)."""
+        if self.world_size == 1:
+            out.copy_(inp)
+            return
+        sent = (inp.numel() - in_splits[self.rank]) * inp.element_size()
+        seq, t0 = self._enter("all_to_all", inp, 0.0, sent=sent)
+        self._call("all_to_all", seq, t0, lambda: dist.all_to_all_single(
+            out, inp, output_split_sizes=out_splits, input_split_sizes=in_splits, group=self.pg.group))
+
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, *, async_op: bool = False) -> Any:
         """``out`` = every rank's ``inp`` end to end (``inp`` may be this rank's chunk of ``out``). With
         ``async_op`` returns a handle whose ``wait()`` completes it."""
@@ -111,14 +132,17 @@ class Comm:
 
     # accounting and failure ----------------------------------------------------------------------------------------
 
-    def _enter(self, op: str, t: torch.Tensor, wire_factor: float) -> tuple[int, float]:
+    def _enter(self, op: str, t: torch.Tensor, wire_factor: float, *, sent: int | None = None) -> tuple[int, float]:
+        """Counts a collective about ``t`` (``sent``: the bytes this rank sends, payload and wire, for
+        collectives whose size differs per rank) and returns its sequence number and start time."""
         if self.state is not CommState.OPEN:
             raise self._error or RuntimeError("the engine's process group is closed")
-        nbytes = t.numel() * t.element_size()
+        nbytes = t.numel() * t.element_size() if sent is None else sent
         self.seq += 1
         self.calls[op] += 1
         self.payload_bytes[op] += nbytes
-        self.wire_bytes[op] += int(nbytes * wire_factor * (self.world_size - 1) / self.world_size)
+        self.wire_bytes[op] += nbytes if sent is not None else \
+            int(nbytes * wire_factor * (self.world_size - 1) / self.world_size)
         return self.seq, time.monotonic()
 
     def _call(self, op: str, seq: int, t0: float, fn: Callable[[], Any]) -> Any:

@@ -7,11 +7,9 @@ back to everyone:
 
 * world size 1: the engine's hooks write gradients straight into the host buffer (the owned range is everything)
   and nothing is communicated. Same code, no copies.
-* stage 1 (and 0): each rank accumulates its full gradient, over the accumulation window, in one flat buffer per
-  group on the DEVICE tier (fp32 when micro-batches accumulate); at the step boundary one reduce-scatter sums it
-  into the owners' host buffers (Psi per step, whatever the accumulation).
-* stage 2: the flat buffer holds one micro-batch's gradient; after each backward a reduce-scatter sums it straight
-  into the owners' host buffers, where micro-batches accumulate (Psi per micro-batch).
+* stages 1-2 (and 0): gradients are summed onto their owners in buckets while backward runs
+  (:class:`~._buckets.ReduceBuckets`), and micro-batches accumulate in the owner's host buffer (Psi per
+  micro-batch); no rank holds a full-size gradient.
 * after the optimizer step, every rank's updated range of the device parameters is all-gathered (Psi).
 * stage 3 (the layout's ``per_param``): each parameter is cut into N equal pieces; rank r's home holds piece r of
   every parameter (:class:`ParamShards`: a view of its partitioned host buffer that the optimizer updates in
@@ -195,74 +193,12 @@ class ParamShards:
 
 
 class GradPartition:
-    """Owns the full-size gradient buffers of stages 1-2 (world size > 1) and the gradient and parameter
-    collectives."""
+    """The gradient and parameter collectives that are not bucketed: stage 3's reduce-scatter of each parameter's
+    gradient, and the all-gather of updated parameters after a step (stages 1-2). Stages 1-2 reduce gradients
+    in :class:`~._buckets.ReduceBuckets`."""
 
-    def __init__(self, comm: Comm, layout: FlatLayout, store: TieredStore, copies: CopyStreams, *, stage: int,
-                 dtype: torch.dtype, accumulate: bool) -> None:
-        self.comm, self.layout, self.store, self.copies, self.stage = comm, layout, store, copies, stage
-        # stages 1-2 on several ranks: gradients gather in full-size buffers and are reduced to their owners later;
-        # otherwise each goes straight to this rank's buffer in its hook (stage 3 reduces it there: reduce_param)
-        self.buffered = comm.world_size > 1 and not layout.per_param
-        self.full: list[torch.Tensor] = []
-        self._scratch: list[torch.Tensor] = []
-        self._landing: list[torch.Tensor] = []
-        if not self.buffered:
-            return
-        # stage 1 accumulates micro-batches in the full buffer, stage 2 in the host buffer
-        self.dtype = torch.float32 if accumulate and stage <= 1 else dtype
-        fix = "raise offload.device_memory_budget, or use more ranks"
-        self.full = [store.allocate(Tier.DEVICE, n, self.dtype, f"the full {self.dtype} gradient of param group {g} "
-                                    "(reduced across ranks)", fix) for g, n in enumerate(layout.group_numel)]
-
-    def add(self, i: int, grad: torch.Tensor, first: bool) -> None:
-        """Parameter ``i``'s gradient (flat, on the device) into the full buffer: copied the first time in the
-        window (stage 1) or micro-batch (stage 2), added after."""
-        layout = self.layout
-        off = layout.param_offset[i]
-        dst = self.full[layout.param_group[i]][off : off + grad.numel()]
-        if first:
-            dst.copy_(grad)
-        else:
-            dst.add_(grad.to(dst.dtype))
-
-    def reduce(self, host: list[torch.Tensor], seen: set[int], accumulate: bool) -> None:
-        """Sums every rank's full buffers into the owners' ``host`` buffers (added to them with ``accumulate``).
-        Parameters not in ``seen`` got no gradient: their range is zeroed first."""
-        layout = self.layout
-        for i in range(len(layout.params)):
-            if i not in seen:
-                off = layout.param_offset[i]
-                self.full[layout.param_group[i]][off : off + layout.params[i].numel()].zero_()
-        for g, full in enumerate(self.full):
-            dst = host[g]
-            direct = not accumulate and dst.dtype == full.dtype and dst.device == full.device
-            out = dst if direct else self._scratch_for(g, full)
-            self.comm.reduce_scatter(out, full)
-            if direct:
-                continue
-            src = out
-            if dst.device != out.device:  # to the host, through the copy streams
-                src = dst if not accumulate and dst.dtype == out.dtype else self._landing_for(g, out)
-                self.copies.to_host(src, out).wait()
-            if accumulate:
-                dst.add_(src)
-            elif src is not dst:
-                dst.copy_(src)
-
-    def _landing_for(self, g: int, out: torch.Tensor) -> torch.Tensor:
-        while len(self._landing) <= g:
-            n = self.layout.owned_numel(len(self._landing))
-            self._landing.append(self.store.allocate(Tier.HOST, n, out.dtype, "a reduced gradient partition on "
-                                                     "the host", "raise offload.host_memory_budget"))
-        return self._landing[g]
-
-    def _scratch_for(self, g: int, full: torch.Tensor) -> torch.Tensor:
-        while len(self._scratch) <= g:
-            n = self.layout.owned_numel(len(self._scratch))
-            self._scratch.append(self.store.allocate(Tier.DEVICE, n, full.dtype, "a reduced gradient partition",
-                                                     "raise offload.device_memory_budget"))
-        return self._scratch[g]
+    def __init__(self, comm: Comm, layout: FlatLayout) -> None:
+        self.comm, self.layout = comm, layout
 
     def reduce_param(self, i: int, grad: torch.Tensor) -> torch.Tensor:
         """Stage 3: parameter ``i``'s gradient summed over ranks, this rank's piece of it (a new tensor)."""
@@ -280,10 +216,3 @@ class GradPartition:
         for g, flat in enumerate(flats):
             lo, hi = self.layout.owned[g]
             self.comm.all_gather(flat, flat[lo:hi])
-
-    def close(self) -> None:
-        for t in self.full + self._scratch:
-            self.store.free(Tier.DEVICE, t)
-        for t in self._landing:
-            self.store.free(Tier.HOST, t)
-        self.full, self._scratch, self._landing = [], [], []

@@ -43,7 +43,7 @@ from .. import _checkpoint
 from .._cleanup import close_after_failure
 from .._precision import LossScaler
 from ..config import OffloadConfig
-from ..dist import Comm, GradPartition, join
+from ..dist import Comm, GradPartition, ReduceBuckets, join
 from ..memory import CopyStreams, Tier, TieredStore, prepare_nvme_path
 from ..optim._layout import FlatLayout
 from ..optim.offloaded import OffloadedAdam
@@ -93,8 +93,7 @@ class Engine:
         self.scaler = LossScaler(cfg.fp16)
         self._hooks: list[Any] = []
         self._rank_dirs: list[Path] = []
-        self._seen: set[int] = set()  # parameters with a gradient in this accumulation window (stages 1-2, ranks)
-        self._seen_micro: set[int] = set()  # ... in this micro-batch
+        self._seen_micro: set[int] = set()  # parameters with a gradient in this micro-batch
         self._last_micro = True
         self.store: TieredStore | None = None
         self.copies: CopyStreams | None = None
@@ -102,6 +101,7 @@ class Engine:
         self.weights: Weights | None = None
         self.grads: GradientStream | None = None
         self._zero: GradPartition | None = None
+        self._reduce: ReduceBuckets | None = None  # stages 1-2 on several ranks
         self.comm = Comm(join(cfg.offload.comm_timeout, cfg.offload.device))
         try:
             self._build(param_groups, _file_io)
@@ -133,13 +133,19 @@ class Engine:
                                        group_options=options, nvme_path=nvme["offload_optimizer"],
                                        buffer_count=plan.buffer_count, aio=cfg.aio, grad_dtype=plan.grad_dtype,
                                        grad_buffers=2 if plan.delayed else 1)
-        self._zero = GradPartition(self.comm, self.layout, self.store, self.copies, stage=plan.stage,
-                                   dtype=plan.dtype, accumulate=plan.accumulate)
+        self._zero = GradPartition(self.comm, self.layout)
         self.weights = Weights(plan, self.module, self.layout, self.store, self.copies, self.comm, self.optimizer,
                                aio=cfg.aio, nvme_path=nvme["offload_param"])
         self.grads = GradientStream(plan, self.layout, self.store, self.copies, host=lambda: self.optimizer.grads,
                                     on_ready=self._sub_group_ready)
         self.optimizer.grad_handles = self.grads.handles
+        if plan.world_size > 1 and not self.layout.per_param:
+            embeddings = {id(m.weight) for m in self.module.modules() if isinstance(m, torch.nn.Embedding)}
+            sparse = frozenset(i for i, p in enumerate(self.layout.params) if id(p) in embeddings) \
+                if cfg.sparse_gradients else frozenset()
+            self._reduce = ReduceBuckets(self.comm, self.layout, self.store, bucket=plan.grad_bucket,
+                                         dtype=plan.dtype, overlap=cfg.zero_optimization.overlap_comm,
+                                         deliver=self.grads.receive, sparse=sparse)
         self._install_hooks()
 
     def _prepare_nvme(self, name: str) -> str | None:
@@ -207,13 +213,14 @@ class Engine:
         self.phase = Phase.BACKWARD
         self.optimizer.begin_backward()
         self.grads.begin_micro_batch()
+        if self._reduce is not None:
+            self._reduce.begin_micro_batch()
         self._seen_micro.clear()
         try:
             (loss.float() * (self.scaler.scale / gas)).backward()
+            if self._reduce is not None:
+                self._reduce.end_backward()  # the last buckets reach their owners
             self.grads.end_backward()
-            if self._zero.buffered and self.stage == 2:
-                # stage 2: this micro-batch's gradients go to their owners now, accumulating there
-                self._zero.reduce(self.optimizer.grads, self._seen_micro, accumulate=self.micro_steps % gas != 0)
         finally:
             self.optimizer.end_backward()
             if self.weights.params is not None:
@@ -222,18 +229,24 @@ class Engine:
         self.micro_steps += 1
 
     def _on_grad(self, i: int, p: torch.Tensor) -> None:
-        """Parameter ``i``'s gradient is final: to its owner's host buffer (or the full buffer of stages 1-2 on
-        several ranks), then freed."""
+        """Parameter ``i``'s gradient is final: to its owner's host buffer (through a reduce bucket with stages
+        1-2 on several ranks), then freed."""
         grad = p.grad
         assert grad is not None
-        flat = grad.detach().reshape(-1)
-        if self._zero.buffered:  # several ranks, stages 0-2: into the full buffer, reduced to the owners later
-            self._zero.add(i, flat, i not in self._seen if self.stage <= 1 else i not in self._seen_micro)
-        elif self.layout.per_param:  # stage 3 on several ranks: summed over ranks now, this rank's piece kept
-            self.grads.receive(i, self._zero.reduce_param(i, flat), base=self.rank * self.layout.piece[i])
+        if i in self._seen_micro:
+            raise RuntimeError(
+                f"parameter {i} (shape {tuple(p.shape)}) got its gradient twice in one backward: reentrant "
+                "activation checkpointing over a parameter also used outside the checkpointed segment; use "
+                "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)")
+        grad = grad.detach()
+        if self._reduce is not None:  # several ranks, stages 0-2: summed onto the owners bucket by bucket
+            self._reduce.add(i, grad if grad.is_sparse else grad.reshape(-1))
         else:
-            self.grads.receive(i, flat)
-        self._seen.add(i)
+            flat = (grad.to_dense() if grad.is_sparse else grad).reshape(-1)  # nn.Embedding(sparse=True)
+            if self.layout.per_param:  # stage 3 on several ranks: summed over ranks now, this rank's piece kept
+                self.grads.receive(i, self._zero.reduce_param(i, flat), base=self.rank * self.layout.piece[i])
+            else:
+                self.grads.receive(i, flat)
         self._seen_micro.add(i)
         if self.weights.params is not None:
             self.weights.params.grad_done(p)
@@ -258,7 +271,6 @@ class Engine:
             self._step()
         finally:
             self.grads.new_window()
-            self._seen.clear()
             self.phase = Phase.IDLE
             totals = self._comm_totals()
             self.last_step_comm = {k: totals[k] - self._comm_mark[k] for k in totals}
@@ -270,9 +282,7 @@ class Engine:
         self.grads.wait()  # every gradient of the window has landed (and an error of its thread surfaces here)
         if plan.delayed:
             opt.finish()  # the previous step's update, which ran beside this forward/backward
-            uploads = self.weights.apply_update()
-        if self._zero.buffered and self.stage <= 1:  # stage 1: the window's gradients go to their owners now
-            self._zero.reduce(opt.grads, self._seen, accumulate=False)
+            uploads = self.weights.apply_update(self._zero)
         grad_scale = self.scaler.scale * self.world_size  # the kernel divides: the mean over ranks
         if self.config.fp16.enabled or self.config.gradient_clipping > 0:
             opt.wait()
@@ -311,7 +321,7 @@ class Engine:
         does this itself; call it to see the newest parameters before the next step)."""
         self._check_open()
         self.optimizer.finish()
-        for copy in self.weights.apply_update():
+        for copy in self.weights.apply_update(self._zero):
             copy.wait()
 
     def _grad_norm(self) -> float:
@@ -374,6 +384,7 @@ class Engine:
             "gradient_copies": dict(self.grads.sends),
             "nvme": self.store.swap_stats(),
             "params": self.weights.stats(),
+            "reduce": self._reduce.stats() if self._reduce is not None else None,  # stages 1-2 on several ranks
             # collectives (none with one rank): totals since initialize, and the last optimizer step's (the
             # reduce-scatters of its micro-batches included); payload: the ZeRO paper's measure, wire: ring sends
             "comm": {**self.comm.stats(), "last_step": dict(self.last_step_comm)},
@@ -444,7 +455,7 @@ class Engine:
             return
         try:
             self.optimizer.finish()
-            for copy in self.weights.apply_update():  # the model keeps every update it was given
+            for copy in self.weights.apply_update(self._zero):  # the model keeps every update it was given
                 copy.wait()
         finally:
             self.phase = Phase.CLOSED
@@ -467,8 +478,8 @@ class Engine:
                     self.weights.close()  # the model gets its current parameters back as plain tensors
                 if self.optimizer is not None:
                     self.optimizer.close()
-                if self._zero is not None:
-                    self._zero.close()
+                if self._reduce is not None:
+                    self._reduce.close()
             finally:
                 if self.copies is not None:
                     self.copies.synchronize()

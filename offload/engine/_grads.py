@@ -1,7 +1,8 @@
 """GradientStream: each gradient leaves the device as soon as autograd has finished it, without stalling backward.
 
-The engine's post-accumulate-grad hook hands each trainable parameter's gradient (flattened; with stage 3 on several
-ranks, this rank's piece after the reduce-scatter) to :meth:`GradientStream.receive`. This rank's range of each
+The engine's post-accumulate-grad hook hands each trainable parameter's gradient (flattened; on several ranks, this
+rank's part of it once summed over ranks: stage 3's piece after its reduce-scatter, or stages 1-2's owned range
+out of a reduce bucket) to :meth:`GradientStream.receive`. This rank's range of each
 flat buffer is cut into buckets of at most ``plan.grad_bucket`` elements that never cross an optimizer sub-group,
 and each gradient into its pieces per bucket. Where a bucket's bytes go:
 
@@ -147,11 +148,7 @@ class GradientStream:
         """Parameter ``i``'s final gradient (flat, on the device; its elements from ``base`` of the flattened
         parameter). May be freed when this returns."""
         for bucket, piece in self._of_param[i]:
-            if bucket.arrived[piece.index]:
-                raise RuntimeError(
-                    f"parameter {i} (shape {tuple(self.layout.params[i].shape)}) got its gradient twice in one "
-                    "backward: reentrant activation checkpointing over a parameter also used outside the "
-                    "checkpointed segment; use torch.utils.checkpoint.checkpoint(..., use_reentrant=False)")
+            assert not bucket.arrived[piece.index], "a gradient piece arrived twice (the engine checks this)"
             src = grad[piece.param_start - base : piece.param_start - base + piece.numel]
             if self.staged:
                 if bucket.staging is None and not bucket.single and not self._open(bucket):

@@ -7,7 +7,7 @@ The plan's parameter tier decides the shape:
   optimizer writes new values into it (the CPU device tier: in the kernel's own pass; CUDA: through pinned staging
   and the host-to-device stream). With the delayed update the optimizer writes a HOST copy instead, which
   :meth:`Weights.apply_update` copies to the device at the next step. With several ranks (stages 0-2) each rank
-  updates its range and :meth:`after_step` all-gathers the rest.
+  updates its range and :meth:`after_step` (delayed: :meth:`apply_update`) all-gathers the rest.
 * HOST: flat host buffers that the optimizer updates in place (stage 3 on several ranks: this rank's pieces only,
   :class:`~offload.dist.ParamShards`); :class:`~offload.params.ParameterOffload` fetches a window to the device.
 * NVME: a swap key per parameter (several ranks: per piece, in the rank's own folder), rewritten from the
@@ -207,15 +207,20 @@ class Weights:
 
     # steps ------------------------------------------------------------------------------------------------------
 
-    def apply_update(self) -> list[Copy]:
+    def apply_update(self, zero: GradPartition) -> list[Copy]:
         """Delayed update: the parameters of the last finished update go to the device (the compute stream sees
-        them from now on). Returns the copies that still read the host copy: the next update waits for them."""
+        them from now on): this rank's range from its host copy, the others' by an all-gather (a collective, so
+        every rank calls this at the same point). Returns the copies that still read the host copy: the next
+        update waits for them."""
         if not self.pending:
             return []
         after = self.copies.mark()
-        copies = [self.copies.to_device(dst, src, after=after) for dst, src in zip(self.flats, self._host)]
+        owned = self.layout.owned
+        copies = [self.copies.to_device(dst[lo:hi], src[lo:hi], after=after)
+                  for dst, src, (lo, hi) in zip(self.flats, self._host, owned)]
         for copy in copies:
             self.copies.use(copy)
+        zero.gather_params(self.flats)
         self.pending = False
         return copies
 
