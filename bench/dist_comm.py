@@ -9,7 +9,8 @@ payload (the size of the buffers the collectives are about: the paper's measure)
 rank sends with ring collectives: (N-1)/N of it). Stages 1-2 run twice, with ``overlap_comm`` on and off: the
 time backward waits for gradient reduces with it on, against all of it waited for with it off, is the share of
 communication hidden behind backward. Per rank: the partition size (equal to within one alignment unit) and the
-optimizer's time per step.
+optimizer's time per step. Last, a 50k-row embedding whose batch touches 5% of its rows, with
+``sparse_gradients`` on and off: the gradient bytes each rank sends per step, as rows against dense.
 
     python bench/dist_comm.py [--ranks 2] [--layers 4] [--width 256] [--steps 3] [--out results/dist_comm.json]
     torchrun --nproc-per-node 2 bench/dist_comm.py --worker ...
@@ -85,10 +86,47 @@ def worker(args: argparse.Namespace) -> None:
                 "adam_seconds": adam, "owned_numel": owned,
                 "peak_buffers": red["peak_buffers"] if red else None}
         rows.append(gather_rows(mine, world))
+    sparse = [gather_rows(embedding_run(rank, world, args.steps, sparse), world)[0] for sparse in (True, False)]
     if rank == 0:
-        report(rows, args.out)
+        report(rows, args.out, sparse)
     if world > 1:
         dist.destroy_process_group()
+
+
+class _Embedding(torch.nn.Module):
+    """A 50k x 64 embedding and a small head: each rank's batch touches 5% of the rows (2,500 distinct ids)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(ROWS, 64)
+        self.head = torch.nn.Linear(64, 8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(ids).mean(0, keepdim=True))
+
+
+ROWS = 50_000
+
+
+def embedding_run(rank: int, world: int, steps: int, sparse: bool) -> dict:
+    """Stage 2 on the embedding model, gradients synced as rows (``sparse_gradients``) or dense: bytes sent per
+    step for gradients, counted on this rank."""
+    import offload
+
+    torch.manual_seed(0)
+    cfg = config(2, 64)
+    cfg["sparse_gradients"] = sparse
+    ids = torch.randperm(ROWS, generator=torch.Generator().manual_seed(rank))[: ROWS // 20]
+    with offload.initialize(_Embedding(), cfg) as engine:
+        for step in range(steps + 1):
+            if step == 1:
+                before = dict(engine.stats()["comm"]["payload_bytes"])
+            engine.backward(engine(ids).float().pow(2).mean())
+            engine.step()
+        after = engine.stats()["comm"]["payload_bytes"]
+    grads = sum(after.get(op, 0) - before.get(op, 0) for op in ("reduce", "all_to_all", "all_reduce")) / steps
+    return {"sparse": sparse, "ranks": world, "rows": ROWS, "occupancy": 0.05, "grad_bytes_per_step": grads,
+            "dense_embedding_bytes": ROWS * 64 * 2}
 
 
 def gather_rows(mine: dict, world: int) -> list[dict]:
@@ -102,7 +140,7 @@ def gather_rows(mine: dict, world: int) -> list[dict]:
     return out
 
 
-def report(rows: list[list[dict]], out: str) -> None:
+def report(rows: list[list[dict]], out: str, sparse: list[dict]) -> None:
     by = {(r[0]["stage"], r[0]["overlap_comm"]): r for r in rows}
     for ranks in rows:
         r = ranks[0]
@@ -117,7 +155,9 @@ def report(rows: list[list[dict]], out: str) -> None:
         r["owned_spread"] = max(owned) - min(owned)
         r["adam_per_rank"] = adam
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text(json.dumps({"bench": "dist_comm", "rows": rows}, indent=1))
+    saved = sparse[1]["grad_bytes_per_step"] / max(sparse[0]["grad_bytes_per_step"], 1)
+    Path(out).write_text(json.dumps({"bench": "dist_comm", "rows": rows, "sparse": sparse,
+                                     "sparse_saving": saved}, indent=1))
     print(f"{'stage':>5} {'overlap':>7} {'ranks':>5} {'Psi':>10} {'payload/step':>13} {'x Psi':>6} {'paper':>6} "
           f"{'wire x Psi':>10} {'reduce wait':>11} {'hidden':>7} {'owned spread':>12} {'adam s/rank':>16}")
     for ranks in rows:
@@ -128,6 +168,9 @@ def report(rows: list[list[dict]], out: str) -> None:
         print(f"{r['stage']:>5} {'on' if r['overlap_comm'] else 'off':>7} {r['ranks']:>5} {r['psi']:>10,} "
               f"{r['payload_bytes'] / 1e6:>10.2f} MB {r['payload_psi']:>6.2f} {r['paper_psi']:>6.1f} "
               f"{r['wire_psi']:>10.2f} {wait:>11} {hidden:>7} {r['owned_spread']:>12} {adam:>16}")
+    print(f"embedding {ROWS:,} x 64, each rank's batch touching 5% of the rows, stage 2: gradient bytes sent per "
+          f"step and rank {sparse[0]['grad_bytes_per_step'] / 1e6:.3f} MB as rows, "
+          f"{sparse[1]['grad_bytes_per_step'] / 1e6:.3f} MB dense ({saved:.1f}x fewer)")
     print(f"wrote {out}")
 
 
