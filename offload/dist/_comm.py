@@ -58,6 +58,10 @@ class Comm:
         self._beat: _Heartbeat | None = None
         self.interval = min(1.0, max(0.05, pg.timeout / 10))
         self._scalar_device = pg.device  # the backend follows the device (NCCL: CUDA tensors, gloo: CPU ones)
+        # collectives deferred by their owner (stage 3's NVMe pieces wait for their reads) are issued by this hook
+        # before any other collective, so every rank issues them all in the same order
+        self.before_collective: Callable[[], None] | None = None
+        self._in_hook = False
         if pg.distributed and pg.store is not None:
             store = dist.PrefixStore(f"offload/{next(_generation)}", pg.store)
             self._beat = _Heartbeat(store, self, self.interval)
@@ -137,6 +141,12 @@ class Comm:
         collectives whose size differs per rank) and returns its sequence number and start time."""
         if self.state is not CommState.OPEN:
             raise self._error or RuntimeError("the engine's process group is closed")
+        if self.before_collective is not None and not self._in_hook:
+            self._in_hook = True
+            try:
+                self.before_collective()
+            finally:
+                self._in_hook = False
         nbytes = t.numel() * t.element_size() if sent is None else sent
         self.seq += 1
         self.calls[op] += 1

@@ -24,6 +24,7 @@ loss scale and the clipping coefficient), and all-reduces the squared norm for c
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,20 @@ class _Gathered:
         self.dst.view(-1).copy_(self.out[: self.dst.numel()])
 
 
+class _PieceRead:
+    """Stage 3, NVMe pieces: a fetch whose reads are in flight and whose all-gather is not issued yet."""
+
+    def __init__(self, shards: "ParamShards", out: torch.Tensor, inp: torch.Tensor, dst: torch.Tensor,
+                 staging: torch.Tensor, reads: list[SwapHandle]) -> None:
+        self.shards, self.out, self.inp, self.dst, self.staging, self.reads = shards, out, inp, dst, staging, reads
+        self.gathered: _Gathered | None = None
+
+    def wait(self) -> None:
+        while self.gathered is None:  # the gathers before it first, in order; later reads keep running
+            self.shards.issue_next()
+        self.gathered.wait()
+
+
 class ParamShards:
     """Stage 3 on several ranks: this rank's piece of every trainable parameter, kept in one of two places.
 
@@ -54,22 +69,29 @@ class ParamShards:
       updates in place.
     * NVMe (``nvme_path``, this rank's own directory): one swap key per part of a piece that lies in one optimizer
       sub-group, so a sub-group's update writes its parts straight from the optimizer's staging buffer (no
-      read-modify-write of pieces cut by sub-group boundaries). Host RAM holds one staging piece (the largest),
-      counted on the HOST tier; the keys are counted on this rank's NVME tier. A fetch reads the piece
-      synchronously on the calling thread, then starts the all-gather, so collectives keep the fetch order that is
-      the same on every rank.
+      read-modify-write of pieces cut by sub-group boundaries). Host RAM holds a staging piece per fetch in flight
+      (a pool, counted on the HOST tier); the keys are counted on this rank's NVME tier. A fetch starts reading the
+      piece and returns; its all-gather is issued once the read is done, in fetch order (the same on every rank),
+      at the latest before any other collective (see :meth:`fetch`), so the reads overlap compute.
     """
 
     def __init__(self, comm: Comm, layout: FlatLayout, copies: CopyStreams, *,
                  flats: list[torch.Tensor] | None = None, store: TieredStore | None = None,
                  dtype: torch.dtype | None = None, nvme_path: str | None = None,
-                 aio: AioConfig | None = None) -> None:
+                 aio: AioConfig | None = None, staging_cap: int = 0) -> None:
+        """``staging_cap``: elements of staging pieces kept for reuse (NVMe), at least the pieces of a window of
+        fetches in flight; more are freed when given back."""
         assert layout.per_param and (flats is None) != (nvme_path is None)
         self.comm, self.layout, self.copies, self.store = comm, layout, copies, store
         self.device = copies.device
         self.pieces: list[torch.Tensor] = []
         self._swap: SwapEngine | None = None
-        self._staging: torch.Tensor | None = None
+        self._queue: list[_PieceRead] = []  # NVMe fetches whose all-gather waits for their reads, in fetch order
+        self._issuing = False  # an all-gather of the queue is being started
+        # NVMe fetches, those whose read had finished when their all-gather was due, and the seconds waited for reads
+        self.read_stats: dict[str, float] = {"fetches": 0, "read_before_needed": 0, "wait_seconds": 0.0}
+        self._staging_free: dict[int, list[torch.Tensor]] = {}  # staging pieces by size, free
+        self._staging_cap, self._staging_kept = staging_cap, 0  # elements: the most kept, those kept now
         self._nvme_bytes = 0
         if flats is not None:
             self.dtype = flats[0].dtype
@@ -95,13 +117,11 @@ class ParamShards:
                          f"free disk space at {root} or raise offload.nvme_memory_budget")
         self._nvme_bytes = nvme_bytes
         try:
-            self._staging = store.allocate(Tier.HOST, max(layout.piece, default=0), dtype,
-                                           "the staging piece of parameters read from NVMe",
-                                           "raise offload.host_memory_budget")
             self._swap = SwapEngine(root, aio or AioConfig())
         except BaseException:
             self.close()
             raise
+        comm.before_collective = self.issue_all
 
     def covers(self, i: int) -> bool:
         return i < len(self.layout.params)
@@ -142,20 +162,27 @@ class ParamShards:
         wait_all(handles)
         self.store.count(src, dst, sum(h.nbytes for h in handles))
 
-    def fetch(self, i: int, dst: torch.Tensor) -> _Gathered:
-        """Starts gathering parameter ``i`` into ``dst`` (its device buffer)."""
+    def fetch(self, i: int, dst: torch.Tensor) -> Any:
+        """Starts gathering parameter ``i`` into ``dst`` (its device buffer); returns a handle to ``wait()`` on.
+        Host pieces: the all-gather starts now. NVMe pieces: the reads of this rank's piece start now, into a
+        staging piece of their own, and the all-gather is issued once they are done, in fetch order, at the
+        latest when this or a later fetch is waited on or any other collective starts (``Comm.before_collective``):
+        so the reads overlap the compute before the parameter is needed, and every rank issues the gathers in the
+        order it fetched, which is the same everywhere."""
         piece, r = self.layout.piece[i], self.comm.rank
         out = torch.empty(piece * self.comm.world_size, dtype=self.dtype, device=self.device)
         inp = out[r * piece : (r + 1) * piece]  # the all-gather takes this rank's chunk of out in place
         if self._swap is None:
-            source = self.pieces[i]
-        else:
-            assert self._staging is not None
-            source = self._staging[:piece]
-            handles = [self._swap.read(self._key(i, start), source[start : start + n]) for start, n in self._parts[i]]
-            filled = sum(n for _, n in self._parts[i])
-            source[filled:].zero_()
-            self._wait(handles, Tier.NVME, Tier.HOST)
+            return self._gather(out, inp, self.pieces[i], dst)
+        self.issue_ready()
+        staging = self._take_staging(piece)
+        reads = [self._swap.read(self._key(i, start), staging[start : start + n]) for start, n in self._parts[i]]
+        staging[sum(n for _, n in self._parts[i]) :].zero_()
+        pending = _PieceRead(self, out, inp, dst, staging, reads)
+        self._queue.append(pending)
+        return pending
+
+    def _gather(self, out: torch.Tensor, inp: torch.Tensor, source: torch.Tensor, dst: torch.Tensor) -> _Gathered:
         if self.device.type == "cpu":
             inp.copy_(source)
         else:
@@ -163,8 +190,60 @@ class ParamShards:
             # stream's, which may have freed it moments ago
             self.copies.use(copy)  # the collective, issued behind the current stream, sees it
             if self._swap is not None:
-                copy.wait()  # the staging piece is refilled by the next fetch
+                copy.wait()  # the staging piece is refilled by a later fetch
         return _Gathered(self.comm.all_gather(out, inp, async_op=True), out, dst)
+
+    def _issue(self, pending: "_PieceRead") -> None:
+        """The oldest queued fetch: waits for its reads, then starts its all-gather (during which the
+        ``before_collective`` hook must not issue the ones queued after it)."""
+        assert self._queue and self._queue[0] is pending and not self._issuing
+        self._queue.pop(0)
+        self._issuing = True
+        try:
+            self.read_stats["fetches"] += 1
+            if all(h.done() for h in pending.reads):
+                self.read_stats["read_before_needed"] += 1
+            t = time.perf_counter()
+            self._wait(pending.reads, Tier.NVME, Tier.HOST)
+            self.read_stats["wait_seconds"] += time.perf_counter() - t
+            pending.gathered = self._gather(pending.out, pending.inp, pending.staging[: pending.inp.numel()],
+                                            pending.dst)
+        finally:
+            self._issuing = False
+            self._give_staging(pending.staging)
+
+    def issue_ready(self) -> None:
+        """Starts the all-gathers of the oldest queued fetches whose reads are done (never blocks on a read)."""
+        while self._queue and all(h.done() for h in self._queue[0].reads):
+            self._issue(self._queue[0])
+
+    def issue_next(self) -> None:
+        """Starts the oldest queued all-gather, waiting for its reads."""
+        self._issue(self._queue[0])
+
+    def issue_all(self) -> None:
+        """Starts every queued all-gather, in fetch order, waiting for reads as needed (before another collective,
+        and when a fetch is waited on); nothing while one of them is being issued."""
+        while self._queue and not self._issuing:
+            self.issue_next()
+
+    def _take_staging(self, numel: int) -> torch.Tensor:
+        free = self._staging_free.get(numel)
+        if free:
+            self._staging_kept -= numel
+            return free.pop()
+        assert self.store is not None
+        return self.store.allocate(Tier.HOST, numel, self.dtype, "a staging piece of parameters read from NVMe",
+                                   "raise offload.host_memory_budget or lower "
+                                   "zero_optimization.stage3_prefetch_bucket_size")
+
+    def _give_staging(self, staging: torch.Tensor) -> None:
+        if self._staging_kept + staging.numel() > self._staging_cap:
+            assert self.store is not None
+            self.store.free(Tier.HOST, staging)
+            return
+        self._staging_kept += staging.numel()
+        self._staging_free.setdefault(staging.numel(), []).append(staging)
 
     def read(self, i: int) -> torch.Tensor:
         """Parameter ``i``'s full value as a new host tensor in its shape (a collective)."""
@@ -174,18 +253,30 @@ class ParamShards:
         return self.copies.download(dst).view(p.shape)
 
     def swap_stats(self) -> dict[str, Any] | None:
-        """The NVMe pieces' swap engine (bytes read and written, ...); None for host pieces."""
-        return self._swap.stats() if self._swap is not None else None
+        """The NVMe pieces' swap engine (bytes read and written, ...) and ``read_stats``; None for host pieces."""
+        return {**self._swap.stats(), **self.read_stats} if self._swap is not None else None
 
     def close(self) -> None:
-        """Removes the NVMe pieces' swap file and returns their bytes and the staging piece to the tiers."""
+        """Drops fetches never gathered (their reads waited for, no collective: peers may be gone), removes the
+        NVMe pieces' swap file and returns their bytes and the staging pieces to the tiers."""
+        if self.comm.before_collective == self.issue_all:
+            self.comm.before_collective = None
+        for pending in self._queue:
+            for h in pending.reads:
+                try:
+                    h.wait()
+                except Exception:  # noqa: BLE001 - closing: the read's error no longer matters
+                    pass
+            self._give_staging(pending.staging)
+        self._queue = []
         if self._swap is not None:
             self._swap.close()
             self._swap = None
-        if self._staging is not None:
-            assert self.store is not None
-            self.store.free(Tier.HOST, self._staging)
-            self._staging = None
+        for pieces in self._staging_free.values():
+            for t in pieces:
+                assert self.store is not None
+                self.store.free(Tier.HOST, t)
+        self._staging_free, self._staging_kept = {}, 0
         if self._nvme_bytes:
             assert self.store is not None
             self.store.accounts[Tier.NVME].release(self._nvme_bytes)

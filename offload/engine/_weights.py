@@ -137,7 +137,8 @@ class Weights:
         if plan.partition is Partition.PER_PARAM:
             if plan.param_tier is Tier.NVME:  # pieces in this rank's NVMe folder
                 self.shards = ParamShards(comm, layout, self.copies, store=self.store, dtype=plan.dtype,
-                                          nvme_path=nvme_path, aio=aio)
+                                          nvme_path=nvme_path, aio=aio,  # staging kept: the pieces in flight
+                                          staging_cap=plan.prefetch_bucket // plan.world_size + max(layout.piece))
                 optimizer.attach_device([], on_updated=self.shards.write_updated, dtype=plan.dtype)
             else:  # each home holds this rank's piece of every parameter
                 flats = [self._allocate_host(layout.owned_numel(g), f"this rank's share of the parameters of param "
