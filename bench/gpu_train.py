@@ -47,6 +47,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
+from _common import peak_rss, shape_for  # noqa: E402
 
 import offload  # noqa: E402
 from nvme_swapper import aligned_tensor, pinned_bytes  # noqa: E402
@@ -60,23 +61,6 @@ PLACEMENTS = {  # name: (ZeRO stage, offload_optimizer.device, offload_param.dev
     "opt+params-nvme": (3, "nvme", "nvme"),
 }
 LR = 3e-4
-
-
-def shape_for(params: float, vocab: int, context: int) -> tuple[int, int]:
-    """(layers, width) of a GPT with about ``params`` parameters; widths as in published models of that size."""
-    width = 512 if params < 5e7 else 768 if params < 2e8 else 1536 if params < 1e9 else 2560 if params < 4e9 \
-        else 4096
-    layers = max(1, round((params - (vocab + context) * width) / (12 * width * width + 13 * width)))
-    return layers, width
-
-
-def host_peak() -> int:
-    """This process's peak resident set (VmHWM), bytes."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def config_for(placement: str, work: Path, batch: int) -> dict[str, Any]:
@@ -161,7 +145,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     result.update(step_seconds=statistics.median(measured), seconds=times, losses=losses,
                   tokens_per_s=spec["batch"] * spec["tokens"] / statistics.median(measured),
                   gpu_peak=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
-                  host_peak_rss=host_peak(), pinned=pinned_bytes() if kind == "ours" else _torch_pinned(),
+                  host_peak_rss=peak_rss(), pinned=pinned_bytes() if kind == "ours" else _torch_pinned(),
                   parts={k: statistics.median(s[k] for s in per_step) for k in per_step[0]} if per_step else None)
     return result
 

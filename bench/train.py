@@ -48,6 +48,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
+from _common import huge_pages, mem_available, peak_rss, shape_for  # noqa: E402
 
 import offload  # noqa: E402
 from nvme_swapper import AioConfig, aligned_tensor  # noqa: E402
@@ -55,44 +56,6 @@ from nvme_swapper._tune import measure  # noqa: E402
 from offload.config import parse_bytes  # noqa: E402
 from offload.memory import fmt_bytes  # noqa: E402
 from offload.models import GPT, GPTConfig, synthetic_batches  # noqa: E402
-
-
-def shape_for(params: float, vocab: int, context: int) -> tuple[int, int]:
-    """(layers, width) of a GPT with about ``params`` parameters; widths as in published models of that size."""
-    width = 512 if params < 5e7 else 768 if params < 2e8 else 1536 if params < 1e9 else 2560 if params < 5e9 else 4096
-    per_block = 12 * width * width + 13 * width
-    layers = max(1, round((params - (vocab + context) * width) / per_block))
-    return layers, width
-
-
-def mem_available() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("MemAvailable not found in /proc/meminfo")
-
-
-def huge_pages() -> tuple[int, int]:
-    """(anonymous bytes, of them in transparent huge pages) of this process: I/O buffers on 4 KiB pages move at
-    about half the speed of huge-paged ones on this disk, so the bench reports how many were granted."""
-    anon = huge = 0
-    with open("/proc/self/smaps_rollup") as f:
-        for line in f:
-            if line.startswith("Anonymous:"):
-                anon = int(line.split()[1]) * 1024
-            elif line.startswith("AnonHugePages:"):
-                huge = int(line.split()[1]) * 1024
-    return anon, huge
-
-
-def peak_rss() -> int:
-    """This process's peak resident set so far (VmHWM), bytes."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("VmHWM not found in /proc/self/status")
 
 
 def probe(directory: Path, aio: AioConfig, nbytes: int) -> tuple[float, float]:

@@ -67,6 +67,13 @@ def lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.to(logits.device).reshape(-1))
 
 
+def train_steps(engine, data, loss=None) -> None:
+    """One engine step per batch of ``data`` ((inputs, targets) pairs), with ``loss`` (default: lm_loss)."""
+    for x, y in data:
+        engine.backward((loss or lm_loss)(engine(x), y))
+        engine.step()
+
+
 def close_enough(a: torch.Tensor, b: torch.Tensor, rel: float) -> float:
     """Largest |a - b| / max(1, |b|), compared on the CPU in float64; asserts it is within ``rel``."""
     a, b = a.detach().cpu().double(), b.detach().cpu().double()

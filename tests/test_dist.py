@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import offload
-from models import bag_batches, bag_loss, batches, lm_loss, make, make_bag
+from models import bag_batches, bag_loss, batches, lm_loss, make, make_bag, train_steps
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -130,9 +130,7 @@ def single_process(cfg: dict, steps: int, gas: int) -> dict[str, torch.Tensor]:
     """The engine in this process (world size 1) on the whole global batch of 6."""
     data = batches(steps * gas, bsz=6)
     with offload.initialize(make(), cfg) as engine:
-        for x, y in data:
-            engine.backward(lm_loss(engine(x), y))
-            engine.step()
+        train_steps(engine, data)
         return engine.consolidated_state_dict()
 
 

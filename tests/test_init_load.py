@@ -15,7 +15,7 @@ import torch
 
 import offload
 from nvme_swapper import in_arena
-from models import batches, close_enough, lm_loss, make
+from models import batches, close_enough, make, train_steps
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -27,12 +27,6 @@ def config(tmp_path: Path, opt: str = "nvme", param: str = "nvme", **zero) -> di
                                   "stage3_param_persistence_threshold": 100, **zero},
             "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
             "aio": {"block_size": 1 << 16}}
-
-
-def train(engine, data) -> None:
-    for x, y in data:
-        engine.backward(lm_loss(engine(x), y))
-        engine.step()
 
 
 def test_a_model_built_in_the_arena_trains_like_one_built_plainly(tmp_path):
@@ -51,7 +45,7 @@ def test_a_model_built_in_the_arena_trains_like_one_built_plainly(tmp_path):
     results = []
     for m, sub in ((model, "a"), (plain, "b")):
         with offload.initialize(m, config(tmp_path / sub)) as engine:
-            train(engine, data)
+            train_steps(engine, data)
             results.append(engine.consolidated_state_dict())
     for k in results[0]:
         assert torch.equal(results[0][k], results[1][k]), k
@@ -138,7 +132,7 @@ def test_load_into_an_engine_keeps_the_moments(tmp_path, opt, param):
     cfg = config(tmp_path, opt, param, sub_group_size=1000)
     cfg["bf16"] = {"enabled": True}
     with offload.initialize(make(), cfg) as engine:
-        train(engine, batches(2))
+        train_steps(engine, batches(2))
         before = []
         for sg in engine.layout.sub_groups:  # one staged block at a time (NVMe state)
             before.append(engine.optimizer.read_state(sg)[sg.numel:].clone())
@@ -152,7 +146,7 @@ def test_load_into_an_engine_keeps_the_moments(tmp_path, opt, param):
             if name in want:
                 assert torch.equal(engine.read_parameter(p), want[name].to(torch.bfloat16)), name
         assert engine.global_steps == 2
-        train(engine, batches(1, seed=3))  # and it trains on from there
+        train_steps(engine, batches(1, seed=3))  # and it trains on from there
     for k, v in want.items():
         assert torch.equal(state[k], v), k
 

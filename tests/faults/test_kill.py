@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 import offload
-from models import batches, lm_loss, make
+from models import batches, lm_loss, make, train_steps
 
 STEPS, SAVED_AT = 6, 2
 SHAPE = {"d": 128, "layers": 3}
@@ -48,12 +48,6 @@ def config(nvme: Path) -> dict:
             "aio": {"block_size": 1 << 16}}
 
 
-def run(engine, data) -> None:
-    for x, y in data:
-        engine.backward(lm_loss(engine(x), y))
-        engine.step()
-
-
 def test_sigkill_mid_step_then_resume_is_bitwise_identical(tmp_path):
     nvme, ckpt, marker = tmp_path / "nvme", tmp_path / "ckpt", tmp_path / "in-step"
     script = CHILD.format(tests=str(Path(__file__).resolve().parent.parent), shape=SHAPE, cfg=config(nvme),
@@ -76,11 +70,11 @@ def test_sigkill_mid_step_then_resume_is_bitwise_identical(tmp_path):
     model = make(seed=7, **SHAPE)  # other initial weights: everything must come from the checkpoint
     with offload.initialize(model, config(nvme)) as engine:
         assert engine.load_checkpoint(ckpt) == f"step{SAVED_AT}"
-        run(engine, data[SAVED_AT:])
+        train_steps(engine, data[SAVED_AT:])
         resumed = engine.consolidated_state_dict()
     reference = make(**SHAPE)
     with offload.initialize(reference, config(tmp_path / "ref")) as engine:
-        run(engine, data)
+        train_steps(engine, data)
         expected = engine.consolidated_state_dict()
     assert resumed.keys() == expected.keys()
     for k in expected:

@@ -1,0 +1,41 @@
+"""What the bench scripts share: the shape of a GPT of a given size, and this process's memory as /proc tells it."""
+
+from __future__ import annotations
+
+
+def shape_for(params: float, vocab: int, context: int) -> tuple[int, int]:
+    """(layers, width) of a GPT with about ``params`` parameters; widths as in published models of that size."""
+    width = 512 if params < 5e7 else 768 if params < 2e8 else 1536 if params < 1e9 else 2560 if params < 5e9 else 4096
+    per_block = 12 * width * width + 13 * width
+    layers = max(1, round((params - (vocab + context) * width) / per_block))
+    return layers, width
+
+
+def proc_bytes(path: str, *keys: str) -> list[int]:
+    """The ``key: N kB`` values of a /proc file, in bytes, in the order asked; raises naming a key not there."""
+    found: dict[str, int] = {}
+    with open(path) as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name in keys:
+                found[name] = int(rest.split()[0]) * 1024
+    missing = [k for k in keys if k not in found]
+    if missing:
+        raise RuntimeError(f"{', '.join(missing)} not found in {path}")
+    return [found[k] for k in keys]
+
+
+def mem_available() -> int:
+    return proc_bytes("/proc/meminfo", "MemAvailable")[0]
+
+
+def peak_rss() -> int:
+    """This process's peak resident set so far (VmHWM), bytes."""
+    return proc_bytes("/proc/self/status", "VmHWM")[0]
+
+
+def huge_pages() -> tuple[int, int]:
+    """(anonymous bytes, of them in transparent huge pages) of this process: I/O buffers on 4 KiB pages move at
+    about half the speed of huge-paged ones on this disk, so the train bench reports how many were granted."""
+    anon, huge = proc_bytes("/proc/self/smaps_rollup", "Anonymous", "AnonHugePages")
+    return anon, huge
