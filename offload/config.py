@@ -370,7 +370,9 @@ class OffloadConfig(_Section):
     gradient_accumulation_steps: int = 1
     train_batch_size: int | None = None
     gradient_clipping: float = 0.0
-    sparse_gradients: bool = False  # nn.Embedding gradients sent as rows where cheaper (stages 1-2, several ranks)
+    # nn.Embedding gradients sent as rows where cheaper (stages 0-2, several ranks); "lazy" also leaves the rows a
+    # step did not touch as they are (lazy Adam)
+    sparse_gradients: bool | str = False
     fp16: FP16Config = field(default_factory=FP16Config)
     bf16: BF16Config = field(default_factory=BF16Config)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -393,7 +395,10 @@ class OffloadConfig(_Section):
         if name == "gradient_clipping":
             return _float(full, value, 0.0)
         if name == "sparse_gradients":
-            return _bool(full, value)
+            if value == "lazy":
+                return value
+            _check_type(full, value, bool, 'true, false or "lazy"')
+            return value
         if name == "fp16":
             return FP16Config.from_dict(value, full)
         if name == "bf16":

@@ -108,3 +108,25 @@ def bag_batches(n: int, bsz: int = 6, t: int = 20, rows: int = 50_000, seed: int
 
 def bag_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out.float(), y.to(out.device))
+
+
+def lazy_adamw_reference(data, steps: int) -> dict[str, torch.Tensor]:
+    """Lazy AdamW by hand (float64 on the CPU): rows of the embedding with a zero gradient in a step keep their
+    value and moments (no decay either); everything else is AdamW."""
+    model = make_bag().double()
+    lr, wd, (b1, b2), eps = 3e-3, 0.01, (0.9, 0.99), 1e-8
+    moments = {n: (torch.zeros_like(p), torch.zeros_like(p)) for n, p in model.named_parameters()}
+    for t, (x, y) in enumerate(data[:steps], 1):
+        model.zero_grad()
+        bag_loss(model(x), y).backward()
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                g, (m, v) = p.grad, moments[n]
+                keep = g.ne(0).any(1, keepdim=True) if n == "emb.weight" else torch.ones_like(g, dtype=torch.bool)
+                m_new, v_new = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+                step = lr * (m_new / (1 - b1**t)) / ((v_new / (1 - b2**t)).sqrt() + eps)
+                p_new = p * (1 - lr * wd) - step
+                m.copy_(torch.where(keep, m_new, m))
+                v.copy_(torch.where(keep, v_new, v))
+                p.copy_(torch.where(keep, p_new, p))
+    return {k: v.float() for k, v in model.state_dict().items()}

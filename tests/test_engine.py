@@ -20,7 +20,8 @@ import torch
 
 import offload
 import offload.plan
-from models import DEVICE, batches, close_enough, lm_loss, make, on_device, reference_model
+from models import (DEVICE, bag_batches, bag_loss, batches, close_enough, lazy_adamw_reference, lm_loss, make,
+                    make_bag, on_device, reference_model, train_steps)
 
 LR, WD = 3e-3, 0.01
 
@@ -447,3 +448,36 @@ def test_a_gradient_that_arrives_twice_in_one_backward_is_named(tmp_path):
     with offload.initialize(Twice(), config(tmp_path, "cpu")) as engine:
         with pytest.raises(RuntimeError, match="got its gradient twice in one backward.*use_reentrant=False"):
             engine.backward(engine(torch.randn(4, 8)))
+
+
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+@pytest.mark.parametrize("sparse_module", [False, True])
+def test_lazy_sparse_gradients_leave_untouched_rows_alone(tmp_path, device, sparse_module):
+    """sparse_gradients "lazy": an embedding's untouched rows keep their values and moments (lazy Adam), touched
+    rows and the other parameters follow AdamW; with nn.Embedding(sparse=True) as with a dense gradient."""
+    data = bag_batches(4)
+    cfg = {"optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01, "betas": [0.9, 0.99],
+                                                      "eps": 1e-8}},
+           "sparse_gradients": "lazy",
+           "zero_optimization": {"stage": 2, "sub_group_size": 1 << 16,
+                                 "offload_optimizer": {"device": device, "nvme_path": str(tmp_path)}}}
+    model = make_bag(sparse=sparse_module)
+    initial = model.emb.weight.detach().clone()
+    with offload.initialize(model, cfg) as engine:
+        train_steps(engine, data, bag_loss)
+        got = engine.consolidated_state_dict()
+    want = lazy_adamw_reference(data, 4)
+    for k in want:
+        close_enough(got[k], want[k], 1e-5)
+    untouched = torch.ones(initial.shape[0], dtype=torch.bool)
+    untouched[torch.cat([x.reshape(-1) for x, _ in data])] = False
+    assert untouched.sum() > 0.99 * len(untouched)
+    assert torch.equal(got["emb.weight"][untouched], initial[untouched])
+
+
+def test_lazy_sparse_gradients_need_offloaded_state(tmp_path):
+    cfg = {"sparse_gradients": "lazy", "zero_optimization": {"offload_optimizer": {"device": "none"}}}
+    with pytest.raises(ValueError, match='sparse_gradients "lazy"'):
+        offload.initialize(make_bag(), cfg)
+    with pytest.raises(ValueError, match="sparse_gradients must be true, false or \"lazy\""):
+        offload.initialize(make_bag(), {"sparse_gradients": "yes"})

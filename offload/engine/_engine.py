@@ -129,10 +129,15 @@ class Engine:
         self.copies = CopyStreams(plan.device, self.store.count)
         self.layout = FlatLayout(groups, plan.sub_group_size, world_size=plan.world_size, rank=plan.rank,
                                  per_param=plan.partition is Partition.PER_PARAM, align=plan.align)
+        embeddings = {id(m.weight): m.weight.shape[-1] for m in self.module.modules()
+                      if isinstance(m, torch.nn.Embedding)}
+        sparse = {i: embeddings[id(p)] for i, p in enumerate(self.layout.params) if id(p) in embeddings} \
+            if cfg.sparse_gradients else {}
         self.optimizer = OffloadedAdam(self.layout, self.store, self.copies, cfg.optimizer, plan.optimizer_tier,
                                        group_options=options, nvme_path=nvme["offload_optimizer"],
                                        buffer_count=plan.buffer_count, aio=cfg.aio, grad_dtype=plan.grad_dtype,
-                                       grad_buffers=2 if plan.delayed else 1)
+                                       grad_buffers=2 if plan.delayed else 1,
+                                       lazy_rows=sparse if cfg.sparse_gradients == "lazy" else None)
         self._zero = GradPartition(self.comm, self.layout)
         self.weights = Weights(plan, self.module, self.layout, self.store, self.copies, self.comm, self.optimizer,
                                aio=cfg.aio, nvme_path=nvme["offload_param"])
@@ -140,12 +145,9 @@ class Engine:
                                     on_ready=self._sub_group_ready)
         self.optimizer.grad_handles = self.grads.handles
         if plan.world_size > 1 and not self.layout.per_param:
-            embeddings = {id(m.weight) for m in self.module.modules() if isinstance(m, torch.nn.Embedding)}
-            sparse = frozenset(i for i, p in enumerate(self.layout.params) if id(p) in embeddings) \
-                if cfg.sparse_gradients else frozenset()
             self._reduce = ReduceBuckets(self.comm, self.layout, self.store, bucket=plan.grad_bucket,
                                          dtype=plan.dtype, overlap=cfg.zero_optimization.overlap_comm,
-                                         deliver=self.grads.receive, sparse=sparse)
+                                         deliver=self.grads.receive, sparse=frozenset(sparse))
         self._install_hooks()
 
     def _prepare_nvme(self, name: str) -> str | None:

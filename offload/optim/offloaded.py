@@ -44,7 +44,10 @@ class OffloadedAdam(torch.optim.Optimizer):
     def __init__(self, layout: FlatLayout, store: TieredStore, copies: CopyStreams, cfg: OptimizerConfig,
                  placement: Tier, *, group_options: list[dict[str, Any]] | None = None, nvme_path: str | None = None,
                  buffer_count: int = 4, aio: Any = None, grad_dtype: torch.dtype = torch.float32,
-                 grad_buffers: int = 1) -> None:
+                 grad_buffers: int = 1, lazy_rows: dict[int, int] | None = None) -> None:
+        """``lazy_rows``: {parameter index: row width} of parameters (embeddings) whose rows with a zero gradient
+        are left as they are by a step (parameter, moments and weight decay: lazy Adam) instead of updated as
+        dense Adam does; only with the state offloaded (the CPU kernel)."""
         n_groups = len(layout.group_numel)
         options = group_options or [{} for _ in range(n_groups)]
         groups = [{"params": [p for p, pg in zip(layout.params, layout.param_group) if pg == g], **options[g]}
@@ -53,6 +56,11 @@ class OffloadedAdam(torch.optim.Optimizer):
                         bias_correction=cfg.bias_correction, adamw_mode=cfg.adamw_mode)
         super().__init__(groups, defaults)
         self.layout, self.store, self.copies, self.placement = layout, store, copies, placement
+        self._lazy = lazy_rows or {}
+        if self._lazy and placement is Tier.DEVICE:
+            raise ValueError('sparse_gradients "lazy" updates embedding rows with the CPU Adam kernel: offload the '
+                             "optimizer (zero_optimization.offload_optimizer.device \"cpu\" or \"nvme\"), or set "
+                             "sparse_gradients to true")
         self.step_count = 0  # completed steps; the update in progress uses step_count + 1
         self.adam_seconds = 0.0
         self.adam_seconds_overlapped = 0.0
@@ -245,10 +253,15 @@ class OffloadedAdam(torch.optim.Optimizer):
                 slot, staged = self._uploads.take()
                 out = staged[:n]
             lowp = out.dtype != torch.float32
-            adam_step(master, self.grad_slice(sg, grads), exp_avg, exp_avg_sq, step=step, lr=group["lr"],
-                      beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],
-                      weight_decay=group["weight_decay"], adamw_mode=group["adamw_mode"],
-                      bias_correction=group["bias_correction"], grad_scale=grad_scale, out=out if lowp else None)
+            hyper = dict(step=step, lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
+                         eps=group["eps"], weight_decay=group["weight_decay"], adamw_mode=group["adamw_mode"],
+                         bias_correction=group["bias_correction"], grad_scale=grad_scale)
+            state = (master, self.grad_slice(sg, grads), exp_avg, exp_avg_sq, out if lowp else None)
+            lazy = [seg for seg in sg.segments if seg.param in self._lazy]
+            if lazy:
+                self._lazy_step(sg, lazy, *state, hyper)
+            else:
+                adam_step(*state[:4], out=state[4], **hyper)
             if not lowp:
                 out.copy_(master)  # fp32 training: the new parameters are the masters
         elapsed = time.perf_counter() - t
@@ -261,6 +274,39 @@ class OffloadedAdam(torch.optim.Optimizer):
             self._on_updated(sg, out)
         if self.placement is Tier.NVME:
             self.store.evict(self._key(sg))
+
+    def _lazy_step(self, sg: SubGroup, lazy: list[Any], master: torch.Tensor, grad: torch.Tensor,
+                   exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, out: torch.Tensor | None,
+                   hyper: dict[str, Any]) -> None:
+        """Adam over a sub-group holding lazy parameters: dense between them; on each lazy segment, only the rows
+        with a non-zero gradient, gathered into compact tensors, updated, and scattered back (the other rows keep
+        their parameter and moments, and their low-precision copy is the unchanged master rounded)."""
+        pos = 0
+        for seg in lazy:
+            lo, hi = seg.flat_start - sg.start, seg.flat_start - sg.start + seg.numel
+            if pos < lo:
+                adam_step(master[pos:lo], grad[pos:lo], exp_avg[pos:lo], exp_avg_sq[pos:lo],
+                          out=None if out is None else out[pos:lo], **hyper)
+            width = self._lazy[seg.param]
+            first = seg.param_start  # element of the flattened parameter at ``lo``
+            touched = torch.unique((first + grad[lo:hi].nonzero().reshape(-1)) // width)
+            cols = torch.arange(width)
+            idx = (touched[:, None] * width + cols[None, :]).reshape(-1) - first
+            idx = idx[(idx >= 0) & (idx < hi - lo)] + lo
+            if out is not None:
+                out[lo:hi].copy_(master[lo:hi])
+            if idx.numel():
+                parts = [t.index_select(0, idx) for t in (master, grad, exp_avg, exp_avg_sq)]
+                low = torch.empty(idx.numel(), dtype=out.dtype) if out is not None else None
+                adam_step(*parts, out=low, **hyper)
+                for t, part in zip((master, exp_avg, exp_avg_sq), (parts[0], parts[2], parts[3])):
+                    t.index_copy_(0, idx, part)
+                if out is not None:
+                    out.index_copy_(0, idx, low)
+            pos = hi
+        if pos < sg.numel:
+            adam_step(master[pos:], grad[pos:], exp_avg[pos:], exp_avg_sq[pos:],
+                      out=None if out is None else out[pos:], **hyper)
 
     def _prefetch(self, current: int) -> None:
         """Starts reads of the sub-groups expected next, as far as free staging buffers allow."""
