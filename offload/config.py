@@ -395,8 +395,8 @@ class OffloadConfig(_Section):
         if name == "gradient_clipping":
             return _float(full, value, 0.0)
         if name == "sparse_gradients":
-            if value == "lazy":
-                return value
+            if isinstance(value, str) and value.lower() == "lazy":
+                return "lazy"
             _check_type(full, value, bool, 'true, false or "lazy"')
             return value
         if name == "fp16":

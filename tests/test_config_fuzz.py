@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 from offload import OffloadConfig
 
-BOOL, INT, FLOAT, CHOICE, BYTES, BETAS, PATH, POW2, DEVICE, DERIVED = \
-    "bool int float choice bytes betas path pow2 device derived".split()
+BOOL, INT, FLOAT, CHOICE, BYTES, BETAS, PATH, POW2, DEVICE, DERIVED, SPARSE = \
+    "bool int float choice bytes betas path pow2 device derived sparse".split()
 
 # dotted key -> (kind, arguments); ints and floats: (lo, hi or None), floats also whether lo itself is excluded
 SCHEMA: dict[str, tuple] = {
@@ -27,6 +27,7 @@ SCHEMA: dict[str, tuple] = {
     "train_batch_size": (INT, 1, None),
     "seed": (INT, 0, None),
     "gradient_clipping": (FLOAT, 0.0, None, False),
+    "sparse_gradients": (SPARSE,),
     "fp16.enabled": (BOOL,),
     "fp16.loss_scale": (FLOAT, 0.0, None, False),
     "fp16.initial_scale_power": (INT, 0, 64),
@@ -111,6 +112,8 @@ def valid_value(key: str) -> st.SearchStrategy:
                 | st.none())
     if kind == DEVICE:
         return st.sampled_from(["auto", "cpu", "cuda", "CUDA", "Auto"]) | st.integers(0, 99).map(lambda i: f"cuda:{i}")
+    if kind == SPARSE:
+        return st.booleans() | st.sampled_from(["lazy", "Lazy"])
     raise AssertionError(kind)
 
 
@@ -149,6 +152,8 @@ def invalid_value(key: str) -> st.SearchStrategy:
     if kind == DEVICE:
         return (junk | st.booleans() | st.integers() | st.sampled_from(["gpu", "cuda:", "cuda:-1", "cuda:0:1", " cpu",
                                                                         "tpu", "", None]))
+    if kind == SPARSE:
+        return junk | st.integers() | st.sampled_from(["true", "lazyy", "", None])
     raise AssertionError(kind)
 
 
