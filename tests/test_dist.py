@@ -239,6 +239,26 @@ def test_ranks_match_single_process(world, two_ranks, three_ranks):
         assert all(i["comm"]["world_size"] == world and i["comm"]["rank"] == r for r, i in enumerate(info))
 
 
+def test_two_ranks_delayed_update_is_bit_identical_to_one_rank(two_ranks, tmp_path):
+    """The delayed update on 2 ranks against one process accumulating the same two halves of each global batch, on
+    one thread as the ranks run: bit for bit (the sum of two gradients and the halving are exact in the same order;
+    with 3 ranks the mean's 1/3 rounds, and clipping's norm is summed per rank, so those agree to 1e-5 only)."""
+    name, stage, device, gas, clip = next(r for r in RUNS if r[0] == "s2-host-delayed")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with offload.initialize(make(), run_config(tmp_path, name, stage, device, 2, clip)) as engine:
+            for x, y in batches(STEPS, bsz=6):
+                for half in (slice(0, 3), slice(3, 6)):
+                    engine.backward(lm_loss(engine(x[half]), y[half]))
+                    engine.step()
+            want = engine.consolidated_state_dict()
+    finally:
+        torch.set_num_threads(threads)
+    got = torch.load(two_ranks[0] / f"{name}.pt", weights_only=True)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_sparse_gradients_match_dense_reference_and_send_rows(world, two_ranks, three_ranks):
     """A 50k-row embedding touched at under 0.3% per batch: its gradient goes to its owners as rows, the trained
