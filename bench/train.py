@@ -29,7 +29,8 @@ needs about 57 GiB of disk and 11 GiB of RAM.
 
     python bench/train.py [--params 1e8 | --layers L --width W] [--steps 4] [--warmup 1] [--tokens 64] [--batch 1]
                           [--nvme-dir DIR] [--aio FILE] [--sub-group N] [--buffers N] [--live N] [--prefetch N]
-                          [--build init|bf16] [--probe-size 1GiB] [--no-overlap] [--one-batch] [--out results/train.json]
+                          [--build init|bf16] [--probe-size 1GiB] [--no-overlap] [--one-batch]
+                          [--out results/train.json]
 """
 
 from __future__ import annotations
@@ -94,7 +95,8 @@ def main() -> None:
     ap.add_argument("--prefetch", type=float, default=None,
                     help="stage3_prefetch_bucket_size (elements; default: the plan's)")
     ap.add_argument("--build", choices=["init", "bf16"], default="init",
-                    help="init: inside offload.init (fp32 in a file arena); bf16: in RAM in bf16, as before offload.init")
+                    help="init: inside offload.init (fp32 in a file arena); bf16: in RAM in bf16 (as before "
+                         "offload.init)")
     ap.add_argument("--probe-size", default="1GiB", help="bytes of the disk probe before and after training")
     ap.add_argument("--no-overlap", action="store_true", help="offload_optimizer.overlap_step false")
     ap.add_argument("--seed", type=int, default=0)
@@ -137,7 +139,8 @@ def main() -> None:
           f"{args.batch}; plan per tier: device {fmt_bytes(plan.device)}, host {fmt_bytes(plan.host)}, nvme "
           f"{fmt_bytes(plan.nvme)}; the model is built "
           + (f"inside offload.init (fp32 in a file arena, {fmt_bytes(4 * n)})" if args.build == "init" else
-             f"in RAM in bf16 ({fmt_bytes(2 * n)})") + f"; RAM available {fmt_bytes(avail)}, disk free {fmt_bytes(free)} at {base}", flush=True)
+             f"in RAM in bf16 ({fmt_bytes(2 * n)})")
+          + f"; RAM available {fmt_bytes(avail)}, disk free {fmt_bytes(free)} at {base}", flush=True)
     need_ram = plan.host + plan.device + probe_bytes + (2 * n if args.build == "bf16" else 0)
     if need_ram > avail:
         sys.exit(f"error: the run needs about {fmt_bytes(need_ram)} of RAM (host plan + device window + the probe "

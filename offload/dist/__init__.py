@@ -14,5 +14,5 @@ from ._comm import Comm, CommError, CommState
 from ._group import Origin, ProcessGroup, join
 from ._zero import GradPartition, ParamShards
 
-__all__ = ["BucketState", "Comm", "CommError", "CommState", "GradPartition", "Origin", "ParamShards", "ProcessGroup", "ReduceBuckets",
-           "join"]
+__all__ = ["BucketState", "Comm", "CommError", "CommState", "GradPartition", "Origin", "ParamShards", "ProcessGroup",
+           "ReduceBuckets", "join"]

@@ -2,8 +2,9 @@
 
 The buckets are fixed when the engine is built: each param group's flat buffer (see
 :class:`~offload.optim._layout.FlatLayout`) is cut, from its end, into runs of consecutive parameters spanning at
-most ``bucket`` elements (the alignment gaps between them included, the buffer's trailing padding not), so the first bucket holds the parameters backward usually finishes first. A parameter
-larger than a bucket is a bucket of its own and is reduced from its own gradient tensor, with no copy. When the last
+most ``bucket`` elements (the alignment gaps between them included, the buffer's trailing padding not), so the
+first bucket holds the parameters backward usually finishes first. A parameter larger than a bucket is a bucket of
+its own and is reduced from its own gradient tensor, with no copy. When the last
 gradient of a bucket has arrived, its range is summed onto the ranks owning parts of it: one ``reduce`` per owner,
 of that owner's slice (usually one or two per bucket), so every element crosses the wire once per micro-batch, the
 reduce-scatter volume of the ZeRO paper (Psi), and no rank ever holds a full-size gradient.

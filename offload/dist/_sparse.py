@@ -14,7 +14,8 @@ the engine sends the gradient of every ``nn.Embedding`` weight (stages 1-2 on se
    result is the same sum as the dense reduce, and hands its owned part on like any other gradient.
 
 The optimizer then runs dense Adam over those rows (untouched rows have a zero gradient, and their moments decay
-as dense Adam's do), so the trained parameters equal a dense run's.
+as dense Adam's do), so the trained parameters equal a dense run's; with ``sparse_gradients: "lazy"`` it leaves the
+untouched rows as they are instead (``OffloadedAdam``'s lazy rows).
 """
 
 from __future__ import annotations
@@ -56,13 +57,19 @@ def exchange_rows(comm: Comm, layout: FlatLayout, i: int, idx: torch.Tensor, val
     world, off = comm.world_size, layout.param_offset[i]
     n = layout.params[i].numel()
     share = layout.group_numel[layout.param_group[i]] // world
+
+    def rows_of(r: int) -> tuple[int, int, int, int] | None:
+        """Rank r's flat range [lo, hi) of the parameter and the rows [first, last) overlapping it; None: none."""
+        lo, hi = max(off, r * share), min(off + n, (r + 1) * share)
+        return (lo, hi, (lo - off) // width, -(-(hi - off) // width)) if lo < hi else None
+
     sends_idx, sends_val, counts = [], [], []
     for r in range(world):
-        lo, hi = max(off, r * share), min(off + n, (r + 1) * share)
-        if lo >= hi:
+        ranges = rows_of(r)
+        if ranges is None:
             counts.append(0)
             continue
-        first, last = (lo - off) // width, -(-(hi - off) // width)  # rows overlapping [lo, hi)
+        first, last = ranges[2:]
         a, z = (int(x) for x in torch.searchsorted(idx, torch.tensor([first, last], dtype=idx.dtype,
                                                                       device=idx.device)))
         sends_idx.append(idx[a:z])
@@ -79,11 +86,10 @@ def exchange_rows(comm: Comm, layout: FlatLayout, i: int, idx: torch.Tensor, val
     recv_val = torch.empty(sum(got) * width, dtype=vals.dtype, device=device)
     send_val = torch.cat(sends_val).reshape(-1) if sends_val else torch.empty(0, dtype=vals.dtype, device=device)
     comm.all_to_all(recv_val, send_val, [c * width for c in got], [c * width for c in counts])
-    me = comm.rank
-    lo, hi = max(off, me * share), min(off + n, (me + 1) * share)
-    if lo >= hi:
+    mine = rows_of(comm.rank)
+    if mine is None:
         return None
-    first, last = (lo - off) // width, -(-(hi - off) // width)
+    lo, hi, first, last = mine
     dense = torch.zeros((last - first, width), dtype=vals.dtype, device=vals.device)
     dense.index_add_(0, recv_idx - first, recv_val.reshape(-1, width))
     start = lo - off - first * width

@@ -281,12 +281,15 @@ class OffloadedAdam(torch.optim.Optimizer):
         """Adam over a sub-group holding lazy parameters: dense between them; on each lazy segment, only the rows
         with a non-zero gradient, gathered into compact tensors, updated, and scattered back (the other rows keep
         their parameter and moments, and their low-precision copy is the unchanged master rounded)."""
+        def dense(a: int, b: int) -> None:
+            if a < b:
+                adam_step(master[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b],
+                          out=None if out is None else out[a:b], **hyper)
+
         pos = 0
         for seg in lazy:
             lo, hi = seg.flat_start - sg.start, seg.flat_start - sg.start + seg.numel
-            if pos < lo:
-                adam_step(master[pos:lo], grad[pos:lo], exp_avg[pos:lo], exp_avg_sq[pos:lo],
-                          out=None if out is None else out[pos:lo], **hyper)
+            dense(pos, lo)
             width = self._lazy[seg.param]
             first = seg.param_start  # element of the flattened parameter at ``lo``
             touched = torch.unique((first + grad[lo:hi].nonzero().reshape(-1)) // width)
@@ -304,9 +307,7 @@ class OffloadedAdam(torch.optim.Optimizer):
                 if out is not None:
                     out.index_copy_(0, idx, low)
             pos = hi
-        if pos < sg.numel:
-            adam_step(master[pos:], grad[pos:], exp_avg[pos:], exp_avg_sq[pos:],
-                      out=None if out is None else out[pos:], **hyper)
+        dense(pos, sg.numel)
 
     def _prefetch(self, current: int) -> None:
         """Starts reads of the sub-groups expected next, as far as free staging buffers allow."""
