@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nvme_swapper import aligned_tensor  # noqa: E402
 from offload.ops import adam_step, cpu_adam_backend, host_stream_buffer  # noqa: E402
+from offload._progress import progress  # noqa: E402
 
 HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 BYTES_PLAIN = 28  # read param, grad, exp_avg, exp_avg_sq; write param, exp_avg, exp_avg_sq (fp32)
@@ -94,7 +95,7 @@ def run(n: int, threads: list[int], repeats: int) -> dict:
         "ours, plain torch.zeros buffers": (plain.ours, BYTES_PLAIN),
     }
     results: dict = {}
-    for nthreads in threads:
+    for nthreads in progress(threads, "thread counts"):
         torch.set_num_threads(nthreads)
         samples: dict[str, list[float]] = {name: [] for name in variants}
         for round_ in range(repeats + 1):

@@ -32,6 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from offload._progress import progress  # noqa: E402
+
 PAPER = {1: 2.0, 2: 2.0, 3: 3.0}
 
 
@@ -55,7 +57,7 @@ def worker(args: argparse.Namespace) -> None:
     if world > 1:  # the engines join this group (and leave it up): rank 0 gathers every rank's figures over it
         dist.init_process_group("gloo")
     rows = []
-    for stage, overlap in ((1, True), (1, False), (2, True), (2, False), (3, True)):
+    for stage, overlap in progress(((1, True), (1, False), (2, True), (2, False), (3, True)), "configs"):
         torch.manual_seed(0)
         cfg = GPTConfig(vocab_size=512, context=64, layers=args.layers, heads=max(1, args.width // 64),
                         width=args.width)

@@ -52,6 +52,7 @@ from _common import peak_rss, shape_for  # noqa: E402
 import offload  # noqa: E402
 from nvme_swapper import aligned_tensor, pinned_bytes  # noqa: E402
 from offload.models import GPT, GPTConfig, synthetic_batches  # noqa: E402
+from offload._progress import progress  # noqa: E402
 
 PLACEMENTS = {  # name: (ZeRO stage, offload_optimizer.device, offload_param.device); None: plain torch
     "plain": None,
@@ -328,7 +329,7 @@ def main() -> None:
     bounds = {"compute": launch({**base, "kind": "compute", "placement": "compute"}, args.timeout),
               "pcie": launch({**base, "kind": "pcie", "placement": "pcie"}, args.timeout)}
     runs = []
-    for placement in placements:
+    for placement in progress(placements, "placements"):
         kinds = ["plain"] if placement == "plain" else ["ours"] + (["deepspeed"] if has_ds else [])
         for kind in kinds:
             result = launch({**base, "kind": kind, "placement": placement}, args.timeout)

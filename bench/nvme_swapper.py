@@ -52,6 +52,7 @@ from nvme_swapper import AioConfig, SwapEngine, aligned_tensor  # noqa: E402
 from nvme_swapper._native import memory_at  # noqa: E402
 from nvme_swapper._tune import drop_cache  # noqa: E402
 from offload.config import parse_bytes  # noqa: E402
+from offload._progress import progress  # noqa: E402
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
@@ -162,7 +163,7 @@ def request_sizes(directory: Path, total: int, sizes: list[int], rounds: int, ou
     samples: dict[str, list[float]] = {}
     with SwapEngine(directory, AioConfig()) as eng:
         eng.reserve(total + max(sizes))
-        for r in range(rounds):
+        for r in progress(range(rounds), "rounds"):
             for size in random.Random(r).sample(sizes, len(sizes)):
                 chunks = [buf[o : o + size] for o in range(0, total - size + 1, size)]
                 moved = len(chunks) * size

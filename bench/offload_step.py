@@ -32,6 +32,7 @@ import torch  # noqa: E402
 import offload  # noqa: E402
 from nvme_swapper import aligned_tensor  # noqa: E402
 from offload.ops import adam_step  # noqa: E402
+from offload._progress import progress  # noqa: E402
 
 CHUNK = 50_000_000  # elements per parameter tensor of the synthetic model
 
@@ -148,7 +149,7 @@ def main() -> None:
         step()  # warm-up: the kernel is built, every extent has been rewritten
         for samples in breakdown.values():
             samples.clear()
-        for r in range(args.rounds):
+        for r in progress(range(args.rounds), "rounds"):
             order = list(parts)
             random.Random(r).shuffle(order)
             for name in order:

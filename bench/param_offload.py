@@ -31,6 +31,7 @@ import torch  # noqa: E402
 import offload  # noqa: E402
 from nvme_swapper import aligned_tensor  # noqa: E402
 from offload.models import GPT, GPTConfig  # noqa: E402
+from offload._progress import progress  # noqa: E402
 
 
 def main() -> None:
@@ -92,7 +93,7 @@ def main() -> None:
             engine.step()
             baseline()
         po.reset_counters()
-        for r in range(args.rounds):
+        for r in progress(range(args.rounds), "rounds"):
             for name in random.Random(r).sample(list(runs), 3):
                 t = time.perf_counter()
                 runs[name]()

@@ -218,6 +218,7 @@ def save(engine: "Engine", root: Path, tag: str) -> Path:
             "param_groups": state.param_groups,
             "dtype": state.dtype,
             "pending_update": state.pending_update,
+            "lr_scheduler": state.lr_scheduler,
             "shapes": shapes,
             "state_dict": _state_dict_entries(engine, names),
         }
@@ -398,6 +399,7 @@ def load(engine: "Engine", root: Path, tag: str | None) -> str:
         state.global_steps, state.micro_steps = meta["global_steps"], meta["micro_steps"]
         state.optimizer_steps, state.loss_scaler = meta["optimizer_steps"], meta["loss_scaler"]
         state.param_groups, state.pending_update = meta["param_groups"], bool(meta.get("pending_update"))
+        state.lr_scheduler = meta.get("lr_scheduler")
         engine.load_training_state(state)
         pending = engine.training_state().pending_update  # only where this engine runs the delayed update too
         with torch.no_grad():
@@ -420,13 +422,26 @@ def load(engine: "Engine", root: Path, tag: str | None) -> str:
 
 def consolidated_state_dict(engine: "Engine") -> dict[str, torch.Tensor]:
     """Collective with several ranks: every rank's share of the fp32 masters is all-gathered."""
+    return engine_tensors(engine, list(engine.module.state_dict(keep_vars=True)))
+
+
+def engine_tensors(engine: "Engine", keys: list[str]) -> dict[str, torch.Tensor]:
+    """The state-dict entries ``keys`` as plain CPU tensors (fp32 master weights for trainable parameters). One
+    rank reads only the sub-groups holding the wanted parameters; several all-gather every master (collective)."""
     layout, opt = engine.layout, engine.optimizer
-    masters: list[torch.Tensor] = []
+    sd = engine.module.state_dict(keep_vars=True)
+    index = {id(p): i for i, p in enumerate(layout.params)}
+    wanted = {index[id(sd[k])] for k in keys if id(sd[k]) in index}
+    masters: dict[int, torch.Tensor] = {}
     if engine.world_size == 1:
-        masters = [aligned_tensor(tuple(p.shape), torch.float32, pin_memory=False) for p in layout.params]
+        masters = {i: aligned_tensor(tuple(layout.params[i].shape), torch.float32, pin_memory=False)
+                   for i in sorted(wanted)}
         for sg in layout.sub_groups:
+            segments = [seg for seg in sg.segments if seg.param in masters]
+            if not segments:
+                continue
             block = opt.read_state(sg)
-            for seg in sg.segments:
+            for seg in segments:
                 lo = seg.flat_start - sg.start
                 masters[seg.param].view(-1)[seg.param_start : seg.param_start + seg.numel].copy_(
                     block[lo : lo + seg.numel])
@@ -440,17 +455,14 @@ def consolidated_state_dict(engine: "Engine") -> dict[str, torch.Tensor]:
         for g, full in enumerate(fulls):
             lo, hi = layout.owned[g]
             engine.comm.all_gather(full, full[lo:hi])
-        for i, p in enumerate(layout.params):
+        for i in sorted(wanted):
+            p = layout.params[i]
             master = torch.empty(p.numel(), dtype=torch.float32)
             for p0, numel, base in layout.rank_pieces(i):
                 master[base : base + numel].copy_(fulls[layout.param_group[i]][p0 : p0 + numel])
-            masters.append(master.view(p.shape))
+            masters[i] = master.view(p.shape)
         del fulls
-    by_id = {id(p): m for p, m in zip(layout.params, masters)}
-    out: dict[str, torch.Tensor] = {}
-    for name, t in engine.module.state_dict(keep_vars=True).items():
-        out[name] = by_id[id(t)] if id(t) in by_id else engine.copies.download(t)
-    return out
+    return {k: masters[index[id(sd[k])]] if id(sd[k]) in index else engine.copies.download(sd[k]) for k in keys}
 
 
 def export(root: Path, out: Path, tag: str | None = None) -> tuple[str, int]:

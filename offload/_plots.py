@@ -231,9 +231,33 @@ def plot_gpu(data: dict[str, Any], out: Path) -> list[Path]:
     return [_save(fig, out / "gpu_train.png")]
 
 
+def plot_load(data: dict[str, Any], out: Path) -> list[Path]:
+    """Per placement: the host tier in use and what loading the checkpoint adds, stacked, against the budget."""
+    plt = _pyplot()
+    rows = data["rows"]
+    names = list(rows)
+    mib = [1 / (1 << 20)] * len(names)
+    in_use = [rows[n]["host_in_use"] * m for n, m in zip(names, mib)]
+    adds = [rows[n]["load_adds"] * m for n, m in zip(names, mib)]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.bar(names, in_use, 0.5, color=COLORS["compute"], label="host tier in use (engine)")
+    ax.bar(names, adds, 0.5, bottom=in_use, color=COLORS["adam"], label="RSS the load adds")
+    for i, n in enumerate(names):
+        ax.hlines(rows[n]["budget"] / (1 << 20), i - 0.35, i + 0.35, colors="black", linestyles="--",
+                  label="host budget" if i == 0 else None)
+    ax.axhline(data["checkpoint_bytes"] / (1 << 20), color=COLORS["stalled"], lw=1, label="checkpoint (fp32)")
+    ax.set_ylabel("MiB")
+    ax.set_xlabel("where the parameters live")
+    ax.set_title(f"Loading a sharded safetensors checkpoint ({_count(data['params'])} parameters, "
+                 f"{data['shards']} shards)", fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    return [_save(fig, out / "load_memory.png")]
+
+
 PLOTS: dict[str, Callable[[dict[str, Any], Path], list[Path]]] = {
     "nvme": plot_nvme, "adam": plot_adam, "step": plot_step, "params": plot_params, "train": plot_train,
-    "gpu": plot_gpu,
+    "gpu": plot_gpu, "load": plot_load,
 }
 
 

@@ -3,7 +3,8 @@
     python -m offload demo [--layers 6] [--width 512] [--steps 30] [--placement nvme|cpu] [--config FILE]
     python -m offload estimate (--params N | --model config.json|module:callable) [--gpu-mem 24GiB] ...
     python -m offload tune --nvme-path DIR [--size 1GiB] [--quick] [--out aio.json]
-    python -m offload bench {adam,nvme,step,params,train,gpu} [--out results/] [script flags ...]
+    python -m offload bench {adam,nvme,step,params,train,gpu,load} [--out results/] [script flags ...]
+    python -m offload export CHECKPOINT OUT [--format auto|safetensors|torch] [--max-shard-size 5GB]
 
 ``demo`` trains a GPT (offload/models.py) that is larger than the device budget it is given, with optimizer
 state and parameters offloaded (NVMe by default), on a synthetic task it can learn (each next token is a fixed
@@ -26,6 +27,7 @@ from typing import Any
 
 import torch
 
+from ._progress import bar
 from .config import parse_bytes
 from .memory import fmt_bytes
 
@@ -78,6 +80,7 @@ def demo(args: argparse.Namespace) -> int:
             first = last = None
             t_start = time.perf_counter()
             compute = stepping = 0.0
+            steps = bar(args.steps, "train", "step")
             for step in range(1, args.steps + 1):
                 x, y = next(data)
                 t = time.perf_counter()
@@ -92,12 +95,14 @@ def demo(args: argparse.Namespace) -> int:
                 elapsed = time.perf_counter() - t_start
                 moved = engine.stats()["bytes_moved"]
                 gb = " ".join(f"{k} {v / 1e9:.2f}GB" for k, v in sorted(moved.items()))
-                line = (f"step {step:4d}/{args.steps}  loss {last:7.4f}  "
-                        f"{step * args.batch * args.tokens / elapsed:8.0f} tok/s  {gb}")
-                print(("\r" + line) if sys.stderr.isatty() else line, end="" if sys.stderr.isatty() else "\n",
-                      file=sys.stderr, flush=True)
-            if sys.stderr.isatty():
-                print(file=sys.stderr)
+                rate = step * args.batch * args.tokens / elapsed
+                if steps.disable:  # not a terminal: one plain line per step
+                    print(f"step {step:4d}/{args.steps}  loss {last:7.4f}  {rate:8.0f} tok/s  {gb}", file=sys.stderr,
+                          flush=True)
+                else:
+                    steps.set_postfix_str(f"loss {last:.4f}, {rate:.0f} tok/s, {gb}", refresh=False)
+                    steps.update()
+            steps.close()
             total = time.perf_counter() - t_start
             stats, report, plan = engine.stats(), engine.memory_report(), engine.plan()
             swap_files = sum(f.stat().st_size for f in swap.rglob("swap.*"))
@@ -213,12 +218,17 @@ def tune_command(args: argparse.Namespace) -> int:
     print(f"tune: {args.nvme_path}, {fmt_bytes(size)} written and read per measurement, {n_settings} settings x "
           f"{repeats} round(s)", file=sys.stderr, flush=True)
 
-    def progress(done: int, total: int) -> None:
-        if sys.stderr.isatty():
-            print(f"\r  {done}/{total} measurements", end="" if done < total else "\n", file=sys.stderr, flush=True)
+    measurements = bar(desc="measurements")
 
-    result = tune_aio(args.nvme_path, size=size, block_sizes=blocks, queue_depths=depths, thread_counts=threads,
-                      repeats=repeats, tolerance=args.tolerance, progress=progress)
+    def progress(done: int, total: int) -> None:
+        measurements.total = total
+        measurements.update(done - measurements.n)
+
+    try:
+        result = tune_aio(args.nvme_path, size=size, block_sizes=blocks, queue_depths=depths,
+                          thread_counts=threads, repeats=repeats, tolerance=args.tolerance, progress=progress)
+    finally:
+        measurements.close()
     print(f"\nmedians of {repeats} round(s), GB/s = 10^9 B/s; score = 2 / (1/write + 1/read) (the optimizer step "
           f"writes and reads the same bytes); * chosen, + within {result.tolerance:.0%} of the best (the smallest "
           f"setting of those wins)\n")
@@ -237,7 +247,7 @@ def tune_command(args: argparse.Namespace) -> int:
 
 
 BENCHES = {"adam": "cpu_adam", "nvme": "nvme_swapper", "step": "offload_step", "params": "param_offload",
-           "train": "train", "gpu": "gpu_train"}
+           "train": "train", "gpu": "gpu_train", "load": "load"}
 
 
 def bench_command(args: argparse.Namespace) -> int:
@@ -279,13 +289,31 @@ def bench_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def export_command(args: argparse.Namespace) -> int:
-    """A checkpoint (written by any number of ranks) as one file of full fp32 tensors that plain torch loads."""
-    from ._checkpoint import export
+_TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 
+
+def export_command(args: argparse.Namespace) -> int:
+    """A checkpoint (written by any number of ranks) as the full fp32 model: a folder of safetensors (sharded with an
+    index above --max-shard-size) that from_pretrained and offload.load_state_dict read, or one torch file."""
     out = Path(args.out)
-    tag, count = export(Path(args.checkpoint), out, args.tag)
-    print(f"wrote {out}: {count} tensors of checkpoint {tag} (torch.load({str(out)!r}, weights_only=True))")
+    fmt = args.format if args.format != "auto" else "torch" if out.suffix in _TORCH_SUFFIXES else "safetensors"
+    if fmt == "torch":
+        from ._checkpoint import export
+
+        tag, count = export(Path(args.checkpoint), out, args.tag)
+        print(f"wrote {out}: {count} tensors of checkpoint {tag} (torch.load({str(out)!r}, weights_only=True))")
+        return 0
+    from ._export import save_checkpoint_folder
+
+    written = bar(desc="export", unit="B", unit_scale=True)
+    try:
+        tag, files = save_checkpoint_folder(Path(args.checkpoint), out, args.tag, args.max_shard_size,
+                                            progress=written.update)
+    finally:
+        written.close()
+    total = sum(f.stat().st_size for f in files)
+    print(f"wrote {out}: {len(files)} file(s), {fmt_bytes(total)}, of checkpoint {tag} "
+          f"(offload.load_state_dict or from_pretrained with a config.json beside them)")
     return 0
 
 
@@ -335,13 +363,18 @@ def main(argv: list[str] | None = None) -> int:
                        "--help), writes its JSON as OUT/<script>.json and draws PNG plots beside it.")
     b.add_argument("name", choices=sorted(BENCHES), help="adam: CPU Adam; nvme: swap engine; step: offloaded "
                    "optimizer step; params: parameter offload; train: training steps of a GPT on NVMe; gpu: each "
-                   "placement on one GPU beside plain torch and DeepSpeed")
+                   "placement on one GPU beside plain torch and DeepSpeed; load: a sharded safetensors checkpoint "
+                   "loaded within a host budget")
     b.add_argument("--out", default="results", help="results folder (default results/)")
     b.add_argument("--no-plot", action="store_true", help="JSON only")
     b.add_argument("args", nargs=argparse.REMAINDER, help="flags for the script")
-    x = sub.add_parser("export", help="a checkpoint folder as one .pt of full fp32 tensors for torch.load")
+    x = sub.add_parser("export", help="a checkpoint as the full fp32 model: safetensors (sharded) or one torch file")
     x.add_argument("checkpoint", help="the folder given to engine.save_checkpoint")
-    x.add_argument("out", help="the file to write, e.g. model.pt")
+    x.add_argument("out", help="a folder for safetensors (model.safetensors, or shards and their index), or a "
+                   ".pt/.pth/.bin file for torch.load")
+    x.add_argument("--format", choices=["auto", "safetensors", "torch"], default="auto",
+                   help="auto: torch for a .pt/.pth/.bin name, else safetensors")
+    x.add_argument("--max-shard-size", default="5GB", help="safetensors shard size (default 5GB)")
     x.add_argument("--tag", default=None, help="which checkpoint (default: the latest)")
     args = ap.parse_args(argv)
     commands = {"demo": demo, "estimate": estimate_command, "tune": tune_command, "bench": bench_command,

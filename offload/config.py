@@ -58,7 +58,11 @@ class _Section:
 
     @classmethod
     def from_dict(cls, d: Any, path: str | None = None):
-        path = path if path is not None else cls._path
+        return cls(**cls._values(d, path if path is not None else cls._path))
+
+    @classmethod
+    def _values(cls, d: Any, path: str) -> dict[str, Any]:
+        """The keys given in ``d``, checked and converted: keyword arguments of ``cls``."""
         if d is None:
             d = {}
         if not isinstance(d, Mapping):
@@ -78,11 +82,26 @@ class _Section:
                 raise ValueError(f"unknown key {full}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
                                  + f"; allowed: {allowed}")
             values[name] = cls._convert(name, value, full)
-        return cls(**values)
+        return values
 
     @classmethod
     def _convert(cls, name: str, value: Any, full: str) -> Any:
         return value
+
+
+def _typed_section(cls: type[_Section], d: Any, path: str, types: tuple[str, ...], required: bool
+                   ) -> tuple[str | None, dict[str, Any]]:
+    """DeepSpeed's ``{"type": ..., "params": {...}}`` shape: the checked type (lower case; None if absent and not
+    ``required``) and the parsed params as keyword arguments of ``cls``."""
+    if not isinstance(d, Mapping):
+        raise ValueError(f"{path} must be a JSON object, got {type(d).__name__}")
+    extra = set(d) - {"type", "params"}
+    if extra:
+        raise ValueError(f"unknown key {path}.{sorted(extra)[0]}; allowed: params, type")
+    if required and "type" not in d:
+        raise ValueError(f"{path}.type is required: one of {', '.join(types)}")
+    kind = _choice(f"{path}.type", d["type"], types) if "type" in d else None
+    return kind, cls._values(d.get("params"), f"{path}.params")
 
 
 def _check_type(full: str, value: Any, kind: type | tuple[type, ...], what: str) -> None:
@@ -139,21 +158,11 @@ class OptimizerConfig(_Section):
 
     @classmethod
     def from_dict(cls, d: Any, path: str | None = None) -> "OptimizerConfig":
-        path = path or cls._path
         if d is None:
             return cls()
-        if not isinstance(d, Mapping):
-            raise ValueError(f"{path} must be a JSON object, got {type(d).__name__}")
-        extra = set(d) - {"type", "params"}
-        if extra:
-            raise ValueError(f"unknown key {path}.{sorted(extra)[0]}; allowed: params, type")
-        values: dict[str, Any] = {}
-        if "type" in d:
-            values["type"] = _choice(f"{path}.type", d["type"], ("adam", "adamw", "cpuadam"))
-            if values["type"] == "cpuadam":
-                values["type"] = "adamw"
-        params = dict(super().from_dict(d.get("params"), f"{path}.params").__dict__)
-        params.update(values)
+        kind, params = _typed_section(cls, d, path or cls._path, ("adam", "adamw", "cpuadam"), required=False)
+        if kind is not None:
+            params["type"] = "adamw" if kind == "cpuadam" else kind
         return cls(**params)
 
     @classmethod
@@ -176,6 +185,48 @@ class OptimizerConfig(_Section):
         if name == "type":
             return _choice(full, value, ("adam", "adamw"))
         return value
+
+
+_SCHEDULERS = ("warmuplr", "warmupdecaylr")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig(_Section):
+    """``scheduler``: DeepSpeed's WarmupLR / WarmupDecayLR, stepped by ``engine.step()`` after every update (see
+    offload/optim/_schedule.py for the formula). ``type`` None: no scheduler, the optimizer's lr stays."""
+
+    _path = "scheduler"
+    type: str | None = None
+    warmup_min_lr: float = 0.0
+    warmup_max_lr: float = 1e-3
+    warmup_num_steps: int = 1000
+    warmup_type: str = "log"
+    total_num_steps: int | None = None  # WarmupDecayLR: the step at which the lr reaches warmup_min_lr
+
+    @classmethod
+    def from_dict(cls, d: Any, path: str | None = None) -> "SchedulerConfig":
+        if d is None:
+            return cls()
+        kind, params = _typed_section(cls, d, path or cls._path, _SCHEDULERS, required=True)
+        return cls(**{**params, "type": kind})
+
+    @classmethod
+    def _convert(cls, name: str, value: Any, full: str) -> Any:
+        if name in ("warmup_min_lr", "warmup_max_lr"):
+            return _float(full, value, 0.0)
+        if name == "warmup_num_steps":
+            return _int(full, value, 0)
+        if name == "total_num_steps":
+            return None if value is None else _int(full, value, 1)
+        if name == "warmup_type":
+            return _choice(full, value, ("log", "linear"))
+        if name == "type":
+            raise ValueError(f"{full} belongs beside params: {{\"type\": ..., \"params\": {{...}}}}")
+        return value
+
+    def __post_init__(self) -> None:
+        if self.type == "warmupdecaylr" and self.total_num_steps is None:
+            raise ValueError("scheduler.params.total_num_steps is required for WarmupDecayLR")
 
 
 @dataclass(frozen=True)
@@ -376,6 +427,7 @@ class OffloadConfig(_Section):
     fp16: FP16Config = field(default_factory=FP16Config)
     bf16: BF16Config = field(default_factory=BF16Config)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
     aio: AioConfig = field(default_factory=AioConfig)
     offload: BudgetConfig = field(default_factory=BudgetConfig)
@@ -405,6 +457,8 @@ class OffloadConfig(_Section):
             return BF16Config.from_dict(value, full)
         if name == "optimizer":
             return OptimizerConfig.from_dict(value, full)
+        if name == "scheduler":
+            return SchedulerConfig.from_dict(value, full)
         if name == "zero_optimization":
             return ZeroConfig.from_dict(value, full)
         if name == "aio":
@@ -432,15 +486,7 @@ class OffloadConfig(_Section):
         if isinstance(config, OffloadConfig):
             return config
         if isinstance(config, (str, os.PathLike)):
-            path = Path(config)
-            try:
-                text = path.read_text()
-            except OSError as exc:
-                raise ValueError(f"cannot read config file {path}: {exc.strerror}") from None
-            try:
-                config = json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"config file {path} is not valid JSON: {exc}") from None
+            config = read_json(config)
         return cls.from_dict(config)
 
     def to_dict(self) -> dict[str, Any]:
@@ -449,8 +495,24 @@ class OffloadConfig(_Section):
         out = _plain(self)
         opt = out["optimizer"]
         out["optimizer"] = {"type": opt.pop("type"), "params": opt}
+        sched = out.pop("scheduler")
+        if "type" in sched:
+            out["scheduler"] = {"type": sched.pop("type"), "params": sched}
         out.update(dict.fromkeys(out.pop("ignored"), None))
         return out
+
+
+def read_json(path: str | os.PathLike[str]) -> Any:
+    """A config file's JSON, with errors that name the file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ValueError(f"cannot read config file {path}: {exc.strerror}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"config file {path} is not valid JSON: {exc}") from None
 
 
 def _plain(section: Any) -> dict[str, Any]:

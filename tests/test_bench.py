@@ -112,7 +112,9 @@ def test_bench_reports_a_failing_script(tmp_path):
     pytest.param("params", ["--layers", "2", "--width", "128", "--vocab", "512", "--tokens", "16", "--live", "2e5",
                             "--rounds", "2", "--nvme-dir", "{tmp}"], "param_offload", ["params_time"],
                  marks=pytest.mark.slow),
-], ids=["adam", "step", "nvme", "params"])
+    ("load", ["--params", "5e6", "--shard-size", "4MiB", "--budget", "nvme=2,host=2.5", "--nvme-dir", "{tmp}"],
+     "load", ["load_memory"]),
+], ids=["adam", "step", "nvme", "params", "load"])
 def test_bench_writes_json_and_plots(tmp_path, name, flags, json_name, pngs):
     results, scratch = tmp_path / "results", tmp_path / "scratch"
     scratch.mkdir()

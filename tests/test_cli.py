@@ -34,3 +34,18 @@ def test_estimate_command(tmp_path, capsys):
     assert rc == 0 and "best: optimizer on nvme" in out and '"device": "nvme"' in out
     rc = main(["estimate", "--model", "offload.models:GPT", "--gpu-mem", "1GiB"])
     assert rc == 2  # GPT needs a config: the error is reported, not raised
+
+
+def test_progress_bars_only_on_a_terminal(monkeypatch, capsys):
+    from offload import _progress
+
+    assert _progress.bar(3).disable  # pytest's stderr is no terminal: no bar, plain lines
+    items = [1, 2]
+    assert _progress.progress(items, "x") is items
+    monkeypatch.setattr(_progress, "interactive", lambda: True)
+    bar = _progress.bar(2, "work")
+    assert not bar.disable
+    bar.update(2)
+    bar.close()
+    assert list(_progress.progress(items, "x")) == items
+    assert "work" in capsys.readouterr().err

@@ -256,3 +256,25 @@ def test_non_finite_numbers_are_value_errors(bad, key):
     """Found by the fuzz: these raised OverflowError or an unnamed ValueError from int()/float()."""
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         OffloadConfig.load(bad)
+
+
+@pytest.mark.parametrize("section, message", [
+    ({"params": {}}, "scheduler.type is required"),
+    ({"type": "OneCycle"}, "scheduler.type must be one of warmuplr, warmupdecaylr"),
+    ({"type": "WarmupDecayLR"}, "scheduler.params.total_num_steps is required"),
+    ({"type": "WarmupLR", "params": {"warmup_type": "cosine"}}, "scheduler.params.warmup_type must be one of"),
+    ({"type": "WarmupLR", "params": {"warmup_num_steps": -1}}, r"scheduler.params.warmup_num_steps must be in"),
+    ({"type": "WarmupLR", "params": {"warmup_steps": 3}}, "unknown key scheduler.params.warmup_steps"),
+    ({"type": "WarmupLR", "extra": 1}, "unknown key scheduler.extra"),
+])
+def test_scheduler_section_errors_name_the_key(section, message):
+    with pytest.raises(ValueError, match=message):
+        OffloadConfig.load({"scheduler": section})
+
+
+def test_scheduler_section_round_trips():
+    cfg = OffloadConfig.load({"scheduler": {"type": "WarmupDecayLR", "params": {
+        "warmup_min_lr": 1e-5, "warmup_max_lr": 1e-3, "warmup_num_steps": 10, "warmup_type": "linear",
+        "total_num_steps": 100}}})
+    assert OffloadConfig.load(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    assert "scheduler" not in OffloadConfig.load({}).to_dict()

@@ -375,6 +375,15 @@ def test_checkpoint_from_two_ranks_resumes_on_three_and_one(two_ranks, three_ran
     plain.load_state_dict(torch.load(exported, weights_only=True))  # plain torch, every key present
     for k, v in plain.state_dict().items():
         assert torch.equal(v, at_save[k]), k
+    folder = tmp_path / "safetensors"  # the same checkpoint as sharded safetensors, read back by offload
+    done = subprocess.run([sys.executable, "-m", "offload", "export", str(ckpt), str(folder), "--max-shard-size",
+                           "16KB"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert (folder / "model.safetensors.index.json").exists() and len(list(folder.glob("model-*"))) > 2
+    plain = make(seed=6)
+    offload.load_state_dict(plain, folder)  # strict: every key but the tied head, which follows tok
+    for k, v in plain.state_dict().items():
+        assert torch.equal(v, at_save[k]), k
 
 
 def test_checkpoint_of_nvme_pieces_from_two_ranks_resumes_on_three_and_one(two_ranks, three_ranks, tmp_path):

@@ -5,6 +5,7 @@ machine's device (CUDA when present), and the references run there too (tests/mo
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import stat
@@ -357,13 +358,88 @@ def test_param_groups_and_lr_scheduler(tmp_path):
         offload.initialize(fresh, config(tmp_path, "cpu"), param_groups=[{"params": decay}])
 
 
-def reference_delayed(steps: int, data):
+def warmup_lr(t: int, lo: float, hi: float, warm: int, total: int | None) -> float:
+    """DeepSpeed's WarmupLR / WarmupDecayLR (log warm-up) at optimizer step t, computed independently."""
+    g = math.log(t + 1) / math.log(warm) if t < warm else 1.0 if total is None else \
+        max(0.0, (total - t) / max(1, total - warm))
+    return lo + (hi - lo) * g
+
+
+@pytest.mark.parametrize("delayed", [False, True], ids=["serial", "delayed"])
+def test_config_scheduler_steps_with_the_engine_and_resumes(tmp_path, delayed):
+    """The config's WarmupDecayLR sets each update's lr (the delayed update keeps the lr it was launched with while
+    the scheduler moves on), and a checkpoint carries it: the reference is torch AdamW with the same lr per step."""
+    data = batches(8)
+    sched = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 1e-4, "warmup_max_lr": 4e-3,
+                                                  "warmup_num_steps": 3, "total_num_steps": 8}}
+    offload_opt = {"delayed_update": delayed}
+    cfg = config(tmp_path, "cpu", scheduler=sched, zero_optimization={"offload_optimizer": {
+        "device": "cpu", **offload_opt}, "sub_group_size": 4096})
+    model = make()
+    with offload.initialize(model, cfg) as engine:
+        train(engine, data[:4])
+        engine.save_checkpoint(tmp_path / "ck")
+    resumed = make(seed=5)
+    with offload.initialize(resumed, cfg) as engine:
+        engine.load_checkpoint(tmp_path / "ck")
+        assert engine.lr_scheduler.last_epoch == 4
+        train(engine, data[4:])
+        engine.apply_delayed_update()
+        state = engine.consolidated_state_dict()
+    def lr(t: int) -> float:
+        return warmup_lr(t, 1e-4, 4e-3, 3, 8)
+
+    if delayed:
+        _, want = reference_delayed(8, data, lr)
+    else:
+        ref = reference_model()
+        opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, betas=(0.9, 0.99), eps=1e-8)
+        for t, (x, y) in enumerate(data):
+            opt.zero_grad()
+            lm_loss(ref(on_device(x)), y).backward()
+            opt.param_groups[0]["lr"] = lr(t)
+            opt.step()
+        want = list(ref.parameters())
+    for (name, _), r in zip(make().named_parameters(), want):
+        close_enough(state[name], r.detach(), 1e-5)
+
+
+def test_accumulation_boundary_set_by_the_caller(tmp_path):
+    """set_gradient_accumulation_boundary decides where a window ends (a short last one included), and
+    backward(scale_wrt_gas=False) takes a loss the caller normalised: windows of 3 and 1 micro-batches with
+    gradient_accumulation_steps 3 equal torch accumulating the same windows."""
+    data = batches(4)
+    model = make()
+    windows = [data[:3], data[3:]]
+    with offload.initialize(model, config(tmp_path, "nvme", gradient_accumulation_steps=3)) as engine:
+        for window in windows:
+            for i, (x, y) in enumerate(window):
+                engine.set_gradient_accumulation_boundary(i == len(window) - 1)
+                engine.backward(lm_loss(engine(x), y) / len(window), scale_wrt_gas=False)
+                engine.step()
+        assert engine.global_steps == 2
+        with pytest.raises(ValueError, match="True, False or None"):
+            engine.set_gradient_accumulation_boundary(1)
+    ref = reference_model()
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, betas=(0.9, 0.99), eps=1e-8)
+    for window in windows:
+        opt.zero_grad()
+        for x, y in window:
+            (lm_loss(ref(on_device(x)), y) / len(window)).backward()
+        opt.step()
+    for p, r in zip(model.parameters(), ref.parameters()):
+        close_enough(p.detach(), r.detach(), 1e-5)
+
+
+def reference_delayed(steps: int, data, lr=None):
     """ZeRO-Offload's delayed parameter update by hand: the gradient of step t is taken at the parameters of
-    update t-1 (the first two at the initial ones), while update t runs on the fp32 masters."""
+    update t-1 (the first two at the initial ones), while update t runs on the fp32 masters (at ``lr(t)``)."""
     model = reference_model()
     masters = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
     opt = torch.optim.AdamW(masters, lr=LR, weight_decay=WD, betas=(0.9, 0.99), eps=1e-8)
-    for x, y in data[:steps]:
+    for t, (x, y) in enumerate(data[:steps]):
+        if lr is not None:
+            opt.param_groups[0]["lr"] = lr(t)
         lm_loss(model(on_device(x)), y).backward()
         grads = [p.grad for p in model.parameters()]
         model.zero_grad(set_to_none=True)

@@ -46,6 +46,7 @@ from ..config import OffloadConfig
 from ..dist import Comm, GradPartition, ReduceBuckets, join
 from ..memory import CopyStreams, Tier, TieredStore, prepare_nvme_path
 from ..optim._layout import FlatLayout
+from ..optim._schedule import WarmupSchedule, build_scheduler
 from ..optim.offloaded import OffloadedAdam
 from ..plan import ModelSizes, Partition, Plan, resolve
 from ._grads import GradientStream
@@ -73,6 +74,7 @@ class TrainingState:
     param_groups: list[dict[str, Any]]
     pending_update: bool  # delayed update: the device holds the previous parameters, the newest wait on the host
     dtype: str = ""
+    lr_scheduler: dict[str, Any] | None = None  # the config's scheduler (its state_dict: plain numbers)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -95,6 +97,8 @@ class Engine:
         self._rank_dirs: list[Path] = []
         self._seen_micro: set[int] = set()  # parameters with a gradient in this micro-batch
         self._last_micro = True
+        self._boundary: bool | None = None  # set_gradient_accumulation_boundary's override
+        self.lr_scheduler: WarmupSchedule | None = None
         self.store: TieredStore | None = None
         self.copies: CopyStreams | None = None
         self.optimizer: OffloadedAdam | None = None  # type: ignore[assignment]
@@ -138,6 +142,7 @@ class Engine:
                                        buffer_count=plan.buffer_count, aio=cfg.aio, grad_dtype=plan.grad_dtype,
                                        grad_buffers=2 if plan.delayed else 1,
                                        lazy_rows=sparse if cfg.sparse_gradients == "lazy" else None)
+        self.lr_scheduler = build_scheduler(cfg.scheduler, self.optimizer)
         self._zero = GradPartition(self.comm, self.layout)
         self.weights = Weights(plan, self.module, self.layout, self.store, self.copies, self.comm, self.optimizer,
                                aio=cfg.aio, nvme_path=nvme["offload_param"])
@@ -203,15 +208,30 @@ class Engine:
         return self.config.gradient_accumulation_steps
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the next ``step()`` updates: every gradient_accumulation_steps micro-batches, or as set by
+        :meth:`set_gradient_accumulation_boundary`."""
+        if self._boundary is not None:
+            return self._boundary
         return self.micro_steps % self.gradient_accumulation_steps == 0
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backward of ``loss`` scaled by the fp16 loss scale and 1/gradient_accumulation_steps."""
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """Says, before a micro-batch's backward, whether the step after it updates (True) or accumulates (False),
+        overriding the count of gradient_accumulation_steps until set to None: for loops that decide the
+        boundary themselves, such as transformers' Trainer with an epoch that is not a multiple of the
+        accumulation steps (DeepSpeed's method of the same name)."""
+        if is_boundary is not None and not isinstance(is_boundary, bool):
+            raise ValueError(f"set_gradient_accumulation_boundary expects True, False or None, got {is_boundary!r}")
+        self._boundary = is_boundary
+
+    def backward(self, loss: torch.Tensor, *, scale_wrt_gas: bool = True) -> None:
+        """Backward of ``loss`` scaled by the fp16 loss scale and, unless ``scale_wrt_gas`` is False (a loss the
+        caller already normalised over the accumulation window), by 1/gradient_accumulation_steps."""
         self._expect("engine.backward(loss)", Phase.IDLE, Phase.ACCUMULATING)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("engine.backward expects a scalar loss tensor")
         gas = self.gradient_accumulation_steps
-        self._last_micro = self.micro_steps % gas == gas - 1
+        self._last_micro = self._boundary if self._boundary is not None else self.micro_steps % gas == gas - 1
+        divisor = gas if scale_wrt_gas else 1
         self.phase = Phase.BACKWARD
         self.optimizer.begin_backward()
         self.grads.begin_micro_batch()
@@ -219,7 +239,7 @@ class Engine:
             self._reduce.begin_micro_batch()
         self._seen_micro.clear()
         try:
-            (loss.float() * (self.scaler.scale / gas)).backward()
+            (loss.float() * (self.scaler.scale / divisor)).backward()
             if self._reduce is not None:
                 self._reduce.end_backward()  # the last buckets reach their owners
             self.grads.end_backward()
@@ -312,6 +332,8 @@ class Engine:
         self.weights.after_step(self._zero)
         if self.config.fp16.enabled:
             self.scaler.update(False)
+        if self.lr_scheduler is not None:  # the next update's lr (the one launched above took its own already)
+            self.lr_scheduler.step()
         self.global_steps += 1
 
     def _comm_totals(self) -> dict[str, int]:
@@ -397,7 +419,8 @@ class Engine:
         opt = self.optimizer
         return TrainingState(self.global_steps, self.micro_steps, opt.step_count, self.scaler.state_dict(),
                              [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
-                             self.weights.pending, str(self.dtype))
+                             self.weights.pending, str(self.dtype),
+                             self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None)
 
     def load_training_state(self, state: TrainingState) -> None:
         self.global_steps, self.micro_steps = state.global_steps, state.micro_steps
@@ -406,6 +429,8 @@ class Engine:
         for group, saved in zip(self.optimizer.param_groups, state.param_groups):
             group.update({k: tuple(v) if k == "betas" else v for k, v in saved.items()})
         self.weights.pending = state.pending_update and self._plan.delayed
+        if self.lr_scheduler is not None and state.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(state.lr_scheduler)
 
     def load_state_dict(self, source: str | Path | Mapping[str, torch.Tensor], *, strict: bool = True) -> Any:
         """Loads model weights (a safetensors file, a sharded checkpoint folder or index, a torch file, or a dict)
@@ -421,6 +446,17 @@ class Engine:
         self._expect("engine.consolidated_state_dict()", Phase.IDLE, Phase.ACCUMULATING)
         self.optimizer.wait()
         return _checkpoint.consolidated_state_dict(self)
+
+    def save_safetensors(self, path: str | Path, *, max_shard_size: int | str = "5GB") -> list[Path]:
+        """Writes the model (fp32 master weights) into the folder ``path`` as ``model.safetensors``, or as shards of
+        at most ``max_shard_size`` with ``model.safetensors.index.json``: what ``from_pretrained`` and
+        :func:`offload.load_state_dict` read. One shard is in memory at a time. Collective with several ranks
+        (rank 0 writes). Returns the files written."""
+        self._expect("engine.save_safetensors()", Phase.IDLE, Phase.ACCUMULATING)
+        self.optimizer.wait()
+        from .._export import save_engine
+
+        return save_engine(self, path, max_shard_size)
 
     def save_checkpoint(self, path: str | Path, tag: str | None = None) -> Path:
         """Writes model, optimizer state (wherever it lives), loss scaler and counters under ``path/tag`` and then

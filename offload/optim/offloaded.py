@@ -176,8 +176,11 @@ class OffloadedAdam(torch.optim.Optimizer):
         if self._in_backward:
             self.sub_groups_overlapped += 1
         waits = (*wait_first, *self.grad_handles(sg))
+        # the hyperparameters as they are now: an LR scheduler stepping while the update runs (delayed update)
+        # changes the next step's, not this one's
+        group = {k: v for k, v in self.param_groups[self.layout.sub_groups[sg].group].items() if k != "params"}
         self._stepper.submit(self._update, sg, grad_scale, self.grads, self.step_count + 1, waits, self.copies.mark(),
-                             self.copies.current_stream())
+                             self.copies.current_stream(), group)
 
     def step(self, closure: Any = None, *, grad_scale: float = 1.0) -> None:  # type: ignore[override]
         """Updates every sub-group not already updated during backward; returns when all are done.
@@ -218,7 +221,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         self.finish()
 
     def _update(self, k: int, grad_scale: float, grads: list[torch.Tensor], step: int, waits: tuple[Any, ...],
-                after: Any, stream: Any) -> None:
+                after: Any, stream: Any, group: dict[str, Any]) -> None:
         """On the stepper: one sub-group's Adam update once its gradients have landed; ``after``: the point of the
         compute stream (``stream``, the submitter's) after which the device no longer reads this sub-group's
         parameters."""
@@ -232,7 +235,6 @@ class OffloadedAdam(torch.optim.Optimizer):
             block = self._state[k]
         n = sg.numel
         master, exp_avg, exp_avg_sq = block[:n], block[n : 2 * n], block[2 * n :]
-        group = self.param_groups[sg.group]
         target = None
         if self._on_updated is None:
             base = self._flat_base[sg.group]

@@ -1,0 +1,160 @@
+"""Loading a sharded safetensors checkpoint larger than the host budget, measured: the process's peak RSS against it.
+
+A GPT of ``--params`` parameters is written as transformers writes a checkpoint (fp32, shards of ``--shard-size``
+with ``model.safetensors.index.json``). Then, for each placement, a fresh process builds the same model inside
+``offload.init`` (fp32 parameters in a file arena on the NVMe directory), ``offload.initialize``s it with
+``offload.host_memory_budget`` = a fraction (``--budget``) of the checkpoint's bytes, and loads the checkpoint into the engine
+(``engine.load_state_dict``: tensor by tensor into the fp32 masters on NVMe and each parameter's home). The load
+must fit in the room the budget leaves: the host tier's bytes in use before it plus the RSS the load adds (its
+high-water mark above the RSS before it, ``/proc/self/clear_refs`` resetting the mark) stay within the budget. The
+peak RSS of building (inside ``offload.init``) and of ``initialize`` (which, on this CPU machine, also holds the
+device tier, the C++ Adam and the swap engines) are reported beside it, from just after the imports.
+
+  nvme   parameters and optimizer state on NVMe: the budget (default 0.75x) is below the checkpoint (the
+         engine holds 2 B/param of gradients in RAM: half the fp32 checkpoint)
+  host   bf16 parameters homed in host RAM, optimizer state on NVMe: the engine itself then holds 2 B/param of
+         parameters and 2 B/param of gradients in RAM, as much as the fp32 checkpoint, so its budget (default
+         1.25x) cannot be below the checkpoint; what the load adds on top of the initialized engine is reported
+
+The loaded masters must equal the checkpoint (a sample of tensors).
+
+    python bench/load.py [--params 1e8] [--shard-size 64MiB] [--budget nvme=0.75,host=1.25] [--nvme-dir DIR]
+                         [--out results/load.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+from _common import shape_for  # noqa: E402
+
+from offload._export import write_safetensors  # noqa: E402
+from offload._progress import progress  # noqa: E402
+from offload.config import parse_bytes  # noqa: E402
+from offload.memory import fmt_bytes  # noqa: E402
+from offload.models import GPT, GPTConfig  # noqa: E402
+
+VOCAB, CONTEXT = 8192, 64
+
+CHILD = """
+import json, sys
+sys.path.insert(0, {root!r})
+import torch, offload
+from offload.models import GPT, GPTConfig
+
+def status(key):
+    return int(open("/proc/self/status").read().split(key + ":")[1].split()[0]) * 1024
+
+cfg = GPTConfig(vocab_size={vocab}, context={context}, layers={layers}, heads={heads}, width={width})
+config = {config}
+open("/proc/self/clear_refs", "w").write("5")  # the high-water mark restarts from here
+base = status("VmRSS")
+with offload.init(config):
+    model = GPT(cfg)
+built = status("VmHWM") - base
+engine = offload.initialize(model, config)
+ready = status("VmHWM") - base
+in_use = engine.memory_report()["host"]["current"]
+open("/proc/self/clear_refs", "w").write("5")
+before_load = status("VmRSS")
+result = engine.load_state_dict({ckpt!r})
+load_adds = status("VmHWM") - before_load
+from safetensors import safe_open
+index = json.load(open({ckpt!r} + "/model.safetensors.index.json"))["weight_map"]
+names = dict(engine.module.named_parameters())
+sample = [n for n in list(index)[:: max(1, len(index) // 6)] if n in names]
+equal = True
+from offload._checkpoint import engine_tensors
+got = engine_tensors(engine, sample)
+for n in sample:
+    with safe_open({ckpt!r} + "/" + index[n], framework="pt") as f:
+        equal &= bool(torch.equal(f.get_tensor(n), got[n]))
+report = engine.memory_report()
+engine.close()
+print(json.dumps({{"built": built, "initialized": ready, "load_adds": load_adds, "host_in_use": in_use, "missing": result.missing, "unexpected": result.unexpected,
+                  "equal": equal, "sampled": len(sample), "host_tier_peak": report["host"]["peak"]}}))
+"""
+
+
+def placement_config(kind: str, nvme: Path, budget: int) -> dict:
+    param = {"device": "cpu"} if kind == "host" else {"device": "nvme", "nvme_path": str(nvme / "params")}
+    return {"bf16": {"enabled": True},
+            "zero_optimization": {"stage": 3, "offload_param": param,
+                                  "offload_optimizer": {"device": "nvme", "nvme_path": str(nvme / "optimizer")}},
+            "offload": {"host_memory_budget": budget, "device": "cpu"}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--params", type=float, default=1e8)
+    ap.add_argument("--shard-size", default="64MiB")
+    ap.add_argument("--budget", default="nvme=0.75,host=1.25",
+                    help="host budget per placement, as a fraction of the checkpoint's bytes")
+    ap.add_argument("--nvme-dir", default=None)
+    ap.add_argument("--out", default="results/load.json")
+    args = ap.parse_args()
+    layers, width = shape_for(args.params, VOCAB, CONTEXT)
+    cfg = GPTConfig(vocab_size=VOCAB, context=CONTEXT, layers=layers, heads=width // 64, width=width)
+    work = Path(tempfile.mkdtemp(prefix="offload-load-", dir=args.nvme_dir))
+    try:
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        seen: set[int] = set()  # tied weights once, under their first name (as transformers saves them)
+        state = {k: v.detach() for k, v in model.state_dict().items() if id(v) not in seen and not seen.add(id(v))}
+        ckpt = work / "checkpoint"
+        sizes = [(k, v.numel() * v.element_size()) for k, v in state.items()]
+        write_safetensors(ckpt, sizes, lambda names: {n: state[n] for n in names}, args.shard_size)
+        del model, state
+        ckpt_bytes = sum(n for _, n in sizes)
+        fractions = {k: float(v) for k, v in (item.split("=") for item in args.budget.split(","))}
+        shards = len(list(ckpt.glob("model-*.safetensors")))
+        print(f"load bench: GPT {layers} x {width}, {cfg.num_parameters / 1e6:.0f}M parameters; checkpoint "
+              f"{fmt_bytes(ckpt_bytes)} in {shards} shards of <= {fmt_bytes(parse_bytes(args.shard_size, 'shard'))}",
+              flush=True)
+        rows = {}
+        for kind in progress(list(fractions), "placements"):
+            budget = int(fractions[kind] * ckpt_bytes)
+            nvme = work / kind
+            nvme.mkdir()
+            code = CHILD.format(root=str(Path(__file__).resolve().parent.parent), vocab=VOCAB, context=CONTEXT,
+                                layers=layers, heads=width // 64, width=width, ckpt=str(ckpt),
+                                config=repr(placement_config(kind, nvme, budget)))
+            done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=3600)
+            if done.returncode != 0:
+                raise SystemExit(f"{kind}: the loading process failed:\n{done.stderr[-3000:]}")
+            rows[kind] = {**json.loads(done.stdout.strip().splitlines()[-1]), "budget": budget,
+                          "budget_fraction": fractions[kind]}
+            shutil.rmtree(nvme, ignore_errors=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print("\nhost tier in use before the load + RSS the load adds, against the budget; peak RSS of building and of "
+          "initialize from after the imports\n")
+    print(f"{'placement':10s} {'budget':>18s} {'tier in use':>11s} {'load adds':>10s} {'sum/budget':>10s} "
+          f"{'built':>10s} {'initialized':>11s} {'masters':>8s}")
+    for kind, r in rows.items():
+        r["peak"] = r["host_in_use"] + r["load_adds"]
+        r["within_budget"] = r["peak"] <= r["budget"]
+        print(f"{kind:10s} {fmt_bytes(r['budget']):>10s} ({r['budget_fraction']:.2f}x) "
+              f"{fmt_bytes(r['host_in_use']):>11s} {fmt_bytes(r['load_adds']):>10s} {r['peak'] / r['budget']:10.2f} "
+              f"{fmt_bytes(r['built']):>10s} {fmt_bytes(r['initialized']):>11s} "
+              f"{'equal' if r['equal'] else 'DIFFER':>8s}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"params": cfg.num_parameters, "layers": layers, "width": width,
+                               "checkpoint_bytes": ckpt_bytes, "shards": shards, "rows": rows}, indent=1))
+    print(f"\nwrote {out}")
+    if not all(r["within_budget"] and r["equal"] and not r["missing"] for r in rows.values()):
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,370 @@
+"""transformers' Trainer on the offload engine: an existing fine-tuning script changes one line.
+
+    from offload.integrations.transformers import OffloadTrainer
+
+    trainer = OffloadTrainer(model=model, args=TrainingArguments(...), train_dataset=train, eval_dataset=val,
+                             offload_config="offload.json")        # was: Trainer(model=model, args=..., ...)
+    trainer.train(resume_from_checkpoint=True)
+    trainer.save_model("out")                                     # a folder from_pretrained loads
+    trainer.close()                                               # or: with OffloadTrainer(...) as trainer:
+
+Everything the Trainer does stays the Trainer's: data loading and sharding, the loop, accumulation, evaluation,
+logging, callbacks, checkpoint rotation, RNG state. What changes is who holds the weights and the optimizer:
+
+* ``offload_config`` (a DeepSpeed-shaped dict, JSON path or :class:`~offload.OffloadConfig`) says where the
+  optimizer state and parameters live. Keys the TrainingArguments also set (micro-batch size, accumulation steps,
+  clipping, fp16/bf16, the optimizer's lr/betas/eps/weight_decay, the device) may be absent or ``"auto"`` and are
+  then taken from the TrainingArguments; a value given in both that differs is an error naming both. The engine is
+  built (``offload.initialize``) when training or evaluation starts, with the Trainer's two parameter groups
+  (no weight decay for biases and norms).
+* The learning-rate schedule is the TrainingArguments' (``lr_scheduler_type``, warm-up), or the config's
+  ``scheduler`` (WarmupLR / WarmupDecayLR; ``"auto"`` values from the TrainingArguments and the step count), stepped
+  by the Trainer. The optimizer must be AdamW (``optim`` one of :data:`ADAMW`) or the config's ``optimizer``.
+* Each micro-batch's loss, normalised as the Trainer normalises it, goes to ``engine.backward``; the Trainer's
+  optimizer step is ``engine.step()``, at the boundaries the Trainer decides (a short last window included).
+  Clipping and fp16 loss scaling are the engine's, and the logged ``grad_norm`` is its global norm.
+* Checkpoints (``save_steps``): the Trainer's folder gets the model as safetensors, the engine's checkpoint
+  (fp32 masters, Adam moments, counters) under ``offload_state/`` and the scheduler; ``resume_from_checkpoint``
+  restores them and continues bit-identically. A checkpoint folder of a plain Trainer resumes too (its weights;
+  the Adam state starts fresh, with a warning).
+* ``save_model`` writes ``config.json`` and the fp32 weights as ``model.safetensors`` (sharded with an index above
+  ``save_max_shard_size``), streamed from wherever they live, one shard in RAM at a time.
+
+One process per GPU (torchrun), as with DeepSpeed; the engine's collectives replace DDP.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from transformers import Trainer
+
+from ..config import OffloadConfig, SchedulerConfig, read_json
+from ..engine import Engine, initialize
+from ..optim._schedule import WarmupSchedule
+
+__all__ = ["ADAMW", "OffloadTrainer", "trainer_config"]
+
+log = logging.getLogger("offload")
+
+ADAMW = ("adamw_torch", "adamw_torch_fused")  # TrainingArguments.optim values the engine's AdamW stands in for
+STATE_DIR = "offload_state"  # in a Trainer checkpoint folder: the engine's checkpoint
+_SCHEDULER_FILE = "scheduler.pt"
+_ARGS_FILE = "training_args.bin"
+
+# (config key path, the TrainingArguments value that "auto" or an absent key takes)
+_FROM_ARGS: list[tuple[tuple[str, ...], Any]] = [
+    (("train_micro_batch_size_per_gpu",), lambda a: a.per_device_train_batch_size),
+    (("gradient_accumulation_steps",), lambda a: a.gradient_accumulation_steps),
+    (("train_batch_size",), lambda a: a.per_device_train_batch_size * a.gradient_accumulation_steps * a.world_size),
+    (("gradient_clipping",), lambda a: a.max_grad_norm),
+    (("fp16", "enabled"), lambda a: a.fp16),
+    (("bf16", "enabled"), lambda a: a.bf16),
+    (("optimizer", "params", "lr"), lambda a: a.learning_rate),
+    (("optimizer", "params", "betas"), lambda a: [a.adam_beta1, a.adam_beta2]),
+    (("optimizer", "params", "eps"), lambda a: a.adam_epsilon),
+    (("optimizer", "params", "weight_decay"), lambda a: a.weight_decay),
+    (("offload", "device"), lambda a: "cpu" if a.device.type == "cpu" else str(a.device)),
+]
+_ARG_NAMES = {("train_micro_batch_size_per_gpu",): "per_device_train_batch_size",
+              ("train_batch_size",): "per_device_train_batch_size x gradient_accumulation_steps x world_size",
+              ("gradient_clipping",): "max_grad_norm", ("fp16", "enabled"): "fp16", ("bf16", "enabled"): "bf16",
+              ("optimizer", "params", "lr"): "learning_rate",
+              ("optimizer", "params", "betas"): "[adam_beta1, adam_beta2]",
+              ("optimizer", "params", "eps"): "adam_epsilon", ("offload", "device"): "device"}
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return math.isclose(a, b, rel_tol=1e-9, abs_tol=0.0)
+    return a == b
+
+
+def trainer_config(config: OffloadConfig | Mapping[str, Any] | str | os.PathLike[str] | None,
+                   args: Any) -> tuple[OffloadConfig, dict[str, Any] | None]:
+    """The engine's config with ``"auto"`` and absent keys filled from the TrainingArguments (see the module
+    docstring), and the ``scheduler`` section, kept apart: its "auto" values need the number of steps."""
+    if isinstance(config, OffloadConfig):  # values left at their defaults count as absent
+        raw, defaults = config.to_dict(), OffloadConfig().to_dict()
+        for path, _ in _FROM_ARGS:
+            if _get(raw, path) == _get(defaults, path) and _get(raw, path[:-1]) is not None:
+                _get(raw, path[:-1]).pop(path[-1], None)
+    elif config is None or isinstance(config, Mapping):
+        raw = copy.deepcopy(dict(config or {}))
+    else:
+        raw = read_json(config)
+    if "bfloat16" in raw:
+        raw["bf16"] = raw.pop("bfloat16")
+    if "optimizer" not in raw:
+        optim = str(getattr(args.optim, "value", args.optim))
+        if optim not in ADAMW:
+            raise ValueError(f"TrainingArguments.optim={optim!r}: OffloadTrainer trains with the offload engine's "
+                             f"AdamW; use optim one of {', '.join(ADAMW)}, or give the config an \"optimizer\" "
+                             "section (Adam or AdamW)")
+        raw["optimizer"] = {"type": "AdamW", "params": {}}
+    for path, value in _FROM_ARGS:
+        section = raw
+        for key in path[:-1]:
+            section = section.setdefault(key, {})
+            if not isinstance(section, dict):
+                raise ValueError(f"{'.'.join(path[:-1])} must be a JSON object, got {section!r}")
+        want = value(args)
+        have = section.get(path[-1], "auto")
+        if have == "auto":
+            section[path[-1]] = want
+        elif not _same(have, want):
+            name = _ARG_NAMES.get(path, path[-1])
+            raise ValueError(f"offload config {'.'.join(path)} = {have!r} but TrainingArguments.{name} = {want!r}; "
+                             "set one of them to match, or the config's to \"auto\"")
+    scheduler = raw.pop("scheduler", None)
+    if scheduler is not None:
+        SchedulerConfig.from_dict(_fill_scheduler(scheduler, args, 1))  # its errors now, not when training starts
+    return OffloadConfig.load(raw), scheduler
+
+
+def _get(d: Any, path: tuple[str, ...]) -> Any:
+    for key in path:
+        if not isinstance(d, Mapping):
+            return None
+        d = d.get(key)
+    return d
+
+
+def _fill_scheduler(section: Any, args: Any, max_steps: int) -> Any:
+    """The config's scheduler section with "auto" values from the TrainingArguments and the run's step count."""
+    if not isinstance(section, Mapping):
+        return section
+    section = copy.deepcopy(dict(section))
+    params = section.get("params")
+    if isinstance(params, dict):
+        auto = {"warmup_min_lr": 0.0, "warmup_max_lr": args.learning_rate,
+                "warmup_num_steps": args.get_warmup_steps(max_steps), "total_num_steps": max_steps}
+        for key, value in auto.items():
+            if params.get(key) == "auto":
+                params[key] = value
+    return section
+
+
+class _EngineOptimizer(torch.optim.Optimizer):
+    """The optimizer the Trainer's loop holds: ``step()`` is ``engine.step()``, and its param_groups are the
+    engine's own (an LR scheduler sets the lr the CPU Adam kernel reads). Gradients never sit in ``.grad``, so
+    ``zero_grad`` has nothing to do."""
+
+    def __init__(self, engine: Engine) -> None:
+        inner = engine.optimizer
+        super().__init__([{"params": g["params"]} for g in inner.param_groups], dict(inner.defaults))
+        self.engine = engine
+        self.param_groups = inner.param_groups
+        self.state = inner.state
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        if closure is not None:
+            raise ValueError("the offload engine's step does not take a closure")
+        self.engine.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        return None
+
+
+class OffloadTrainer(Trainer):
+    """transformers' ``Trainer`` training through the offload engine; see the module docstring."""
+
+    def __init__(self, *args: Any, offload_config: OffloadConfig | Mapping[str, Any] | str | os.PathLike[str] | None
+                 = None, save_max_shard_size: int | str = "5GB", **kwargs: Any) -> None:
+        optimizers = kwargs.get("optimizers", (None, None))
+        if optimizers is not None and any(o is not None for o in optimizers):
+            raise ValueError("OffloadTrainer builds the optimizer (the engine's AdamW) and takes the schedule from "
+                             "TrainingArguments or the config's \"scheduler\": leave out optimizers=(...)")
+        if kwargs.get("optimizer_cls_and_kwargs") is not None:
+            raise ValueError("OffloadTrainer builds the optimizer itself: leave out optimizer_cls_and_kwargs")
+        super().__init__(*args, **kwargs)
+        if self.args.n_gpu > 1:
+            raise ValueError(f"OffloadTrainer runs one process per GPU, and this process sees {self.args.n_gpu}: "
+                             "launch with torchrun --nproc_per_node N (or set CUDA_VISIBLE_DEVICES)")
+        self.offload_config, self._scheduler_section = trainer_config(offload_config, self.args)
+        self.save_max_shard_size = save_max_shard_size
+        self.engine: Engine | None = None
+        self._closed = False
+
+    def close(self) -> None:
+        """Stops the engine (its threads, swap files and buffers); the model keeps its trained parameters, and a
+        later save_model writes them as a plain Trainer would. ``with OffloadTrainer(...) as trainer:`` calls it."""
+        self._closed = True
+        if self.engine is not None:
+            engine, self.engine = self.engine, None
+            engine.close()
+
+    def __enter__(self) -> "OffloadTrainer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # the engine -------------------------------------------------------------------------------------------------
+
+    def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
+        """The engine does precision and loss scaling: accelerate must not autocast or add a GradScaler."""
+        out = super()._build_accelerator_args(**kwargs)
+        out["mixed_precision"] = "no"
+        return out
+
+    def _move_model_to_device(self, model: torch.nn.Module, device: torch.device) -> None:
+        """``initialize`` puts the model on the device (parameters homed off the device stay there)."""
+
+    def _ensure_engine(self) -> Engine:
+        if self._closed:
+            raise RuntimeError("this OffloadTrainer was closed: build a new one to train on")
+        if self.engine is None:
+            decay = set(self.get_decay_parameter_names(self.model))
+            named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+            wd = self.offload_config.optimizer.weight_decay
+            groups = [{"params": [p for n, p in named if n in decay], "weight_decay": wd},
+                      {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+            self.engine = initialize(self.model, self.offload_config, param_groups=[g for g in groups if g["params"]])
+            self.optimizer = _EngineOptimizer(self.engine)
+        return self.engine
+
+    def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
+        self._ensure_engine()
+        return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None) -> Any:
+        if self.lr_scheduler is None and self._scheduler_section is not None:
+            cfg = SchedulerConfig.from_dict(_fill_scheduler(self._scheduler_section, self.args, num_training_steps))
+            self.lr_scheduler = WarmupSchedule(self.optimizer, cfg)
+            self._created_lr_scheduler = True
+            return self.lr_scheduler
+        return super().create_scheduler(num_training_steps, optimizer)
+
+    def _prepare_for_training(self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: str | None
+                              ) -> tuple[torch.nn.Module, Any]:
+        """What Trainer does here for DeepSpeed, for the engine: build it (no DDP or autocast wrapper around the
+        model), the schedule, and restore a checkpoint."""
+        if self._created_lr_scheduler:
+            self.lr_scheduler = None
+            self._created_lr_scheduler = False
+        self._ensure_engine()
+        self.create_scheduler(num_training_steps=max_steps)
+        self.model_wrapped = self.model
+        if resume_from_checkpoint is not None:
+            self._load_optimizer_and_scheduler(resume_from_checkpoint)
+        for attr in ("model", "optimizer", "lr_scheduler"):
+            setattr(self.callback_handler, attr, getattr(self, attr))
+        self.callback_handler.train_dataloader = train_dataloader
+        return self.model, train_dataloader
+
+    # a step -----------------------------------------------------------------------------------------------------
+
+    def training_step(self, model: torch.nn.Module, inputs: dict[str, Any],
+                      num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
+        """The Trainer's forward and loss normalisation; backward through the engine, which learns from the
+        Trainer whether this micro-batch ends an accumulation window."""
+        engine = self._ensure_engine()
+        model.train()
+        inputs = self._prepare_inputs(inputs)
+        with self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        del inputs
+        scaled = self.loss_is_scaled_for_ga
+        if scaled is None:
+            scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) \
+                or self.compute_loss_func is not None
+        if not scaled:
+            loss = loss / self.current_gradient_accumulation_steps
+        engine.set_gradient_accumulation_boundary(self.accelerator.gradient_state.sync_gradients)
+        engine.backward(loss, scale_wrt_gas=False)
+        return loss.detach()
+
+    def _clip_grad_norm(self, model: torch.nn.Module) -> None:
+        return None  # the engine clips (gradient_clipping = max_grad_norm) inside its step
+
+    def _get_grad_norm(self, model: torch.nn.Module, grad_norm: Any = None) -> None:
+        return None  # known after the step: logged from engine.last_grad_norm
+
+    def _maybe_log_save_evaluate(self, tr_loss: Any, grad_norm: Any, *args: Any, **kwargs: Any) -> Any:
+        norm = self.engine.last_grad_norm if self.engine is not None else grad_norm
+        return super()._maybe_log_save_evaluate(tr_loss, norm, *args, **kwargs)
+
+    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
+        """Evaluation runs the engine's model as it is (already on its device: no accelerate wrapper); after
+        close(), the model as a plain Trainer would."""
+        if self._closed:
+            return super().evaluation_loop(*args, **kwargs)
+        self._ensure_engine()
+        if not any(m is self.model for m in self.accelerator._models):
+            self.accelerator._models.append(self.model)
+        return super().evaluation_loop(*args, **kwargs)
+
+    # saving and resuming ----------------------------------------------------------------------------------------
+
+    def _save(self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None) -> None:
+        """A folder ``from_pretrained`` loads: config.json and the fp32 weights as (sharded) safetensors, streamed
+        from the engine; with several ranks every rank takes part and rank 0 writes."""
+        if self.engine is None:
+            return super()._save(output_dir, state_dict)
+        out = Path(output_dir if output_dir is not None else self.args.output_dir)
+        self.engine.save_safetensors(out, max_shard_size=self.save_max_shard_size)
+        if not self.args.should_save:
+            return None
+        model = self.model
+        config = getattr(model, "config", None)
+        if config is not None and hasattr(config, "save_pretrained"):
+            config.architectures = [type(model).__name__]
+            config.save_pretrained(out)
+        generation = getattr(model, "generation_config", None)
+        if generation is not None and getattr(model, "can_generate", lambda: False)():
+            generation.save_pretrained(out)
+        tokenizer = self.processing_class or getattr(self.data_collator, "tokenizer", None)
+        if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+            tokenizer.save_pretrained(out)
+        torch.save(self.args, out / _ARGS_FILE)
+        return None
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """The engine's checkpoint (masters, moments, counters, loss scale) and the schedule."""
+        root = Path(output_dir) / STATE_DIR
+        # the Trainer may write a checkpoint folder again (a second run into one output_dir): a new tag, then the
+        # old ones go once ``latest`` names it, so a crash in between leaves one loadable
+        old = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("v")] if root.is_dir() else []
+        tag = f"v{1 + max((int(p.name[1:]) for p in old if p.name[1:].isdigit()), default=0)}"
+        self._ensure_engine().save_checkpoint(root, tag=tag)
+        if self.args.should_save:
+            for p in old:
+                shutil.rmtree(p, ignore_errors=True)
+        if self.args.should_save and self.lr_scheduler is not None:
+            torch.save(self.lr_scheduler.state_dict(), Path(output_dir) / _SCHEDULER_FILE)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
+        """Nothing before the engine exists: :meth:`_load_optimizer_and_scheduler` restores the weights too."""
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        engine, folder = self._ensure_engine(), Path(checkpoint)
+        if (folder / STATE_DIR / "latest").exists():
+            engine.load_checkpoint(folder / STATE_DIR)
+        else:
+            log.warning("offload: %s holds no %s/ (not written by OffloadTrainer): loading its model weights; the "
+                        "Adam moments start from zero", folder, STATE_DIR)
+            engine.load_state_dict(folder)
+        if self.lr_scheduler is not None and (folder / _SCHEDULER_FILE).exists():
+            self.lr_scheduler.load_state_dict(torch.load(folder / _SCHEDULER_FILE, weights_only=True))
+
+    def _load_best_model(self) -> None:
+        """load_best_model_at_end: the best checkpoint's weights into the engine (Adam state stays)."""
+        best = self.state.best_model_checkpoint
+        if self.engine is None or best is None:
+            return super()._load_best_model()
+        self.engine.load_state_dict(best)
+        return None

@@ -1,0 +1,62 @@
+"""engine.save_safetensors: the model as safetensors, sharded with an index as transformers writes them, from
+wherever its fp32 masters live; read back with the safetensors library (an independent reader) and compared with
+consolidated_state_dict."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import offload
+from models import batches, make, train_steps
+
+
+def read_folder(folder) -> dict[str, torch.Tensor]:
+    index = folder / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() \
+        else ["model.safetensors"]
+    out = {}
+    for name in files:
+        with safe_open(str(folder / name), framework="pt") as f:
+            assert f.metadata() == {"format": "pt"}
+            out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
+
+
+@pytest.mark.parametrize("params", ["none", "nvme"])
+def test_sharded_export_round_trips_and_replaces_an_earlier_one(tmp_path, params):
+    cfg = {"bf16": {"enabled": True}, "zero_optimization": {
+        "stage": 3, "sub_group_size": 4096,
+        "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "opt")},
+        "offload_param": {"device": params, "nvme_path": str(tmp_path / "par")}}}
+    with offload.initialize(make(), cfg) as engine:
+        train_steps(engine, batches(2))
+        want = engine.consolidated_state_dict()
+        out = tmp_path / "out"
+        files = engine.save_safetensors(out, max_shard_size="24KB")
+        index = json.loads((out / "model.safetensors.index.json").read_text())
+        assert files[-1].name == "model.safetensors.index.json" and len(files) > 3
+        assert index["metadata"]["total_size"] == sum(t.numel() * 4 for k, t in want.items() if k != "head.weight")
+        got = read_folder(out)
+        assert set(got) == set(want) - {"head.weight"}  # tied: written once, under its first name
+        assert all(torch.equal(got[k], want[k]) and got[k].dtype == torch.float32 for k in got)
+        engine.save_safetensors(out)  # now one file: the shards and the index of the first export go
+        assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+        assert all(torch.equal(v, want[k]) for k, v in read_folder(out).items())
+        engine.save_safetensors(out, max_shard_size="24KB")
+        assert "model.safetensors" not in {p.name for p in out.iterdir()}
+    fresh = make(seed=4)
+    offload.load_state_dict(fresh, out)
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, want[k]), k
+
+
+def test_export_errors(tmp_path):
+    with offload.initialize(make(), {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}) as engine:
+        with pytest.raises(ValueError, match="max_shard_size"):
+            engine.save_safetensors(tmp_path, max_shard_size="lots")
+        with pytest.raises(ValueError, match="max_shard_size must be positive"):
+            engine.save_safetensors(tmp_path, max_shard_size=0)

@@ -1,0 +1,241 @@
+"""transformers' Trainer on the engine (offload.integrations.transformers) against the plain Trainer.
+
+A small GPT-2 (tied embeddings, dropout on) trains through both on the same data, seed and TrainingArguments; the
+plain Trainer is the reference. Device-generic: both run on DEVICE (TrainingArguments picks CUDA where present).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
+
+from offload.integrations.transformers import OffloadTrainer, trainer_config  # noqa: E402
+from tests.models import DEVICE  # noqa: E402
+
+VOCAB = 64
+
+
+def dataset(n: int, seq: int = 16, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (n, seq), generator=g)
+    return [{"input_ids": x, "labels": x.clone()} for x in ids]
+
+
+def gpt2(seed: int = 0) -> GPT2LMHeadModel:
+    torch.manual_seed(seed)
+    cfg = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=2, bos_token_id=0,
+                     eos_token_id=0)
+    return GPT2LMHeadModel(cfg)
+
+
+def arguments(out, **kw) -> TrainingArguments:
+    base = dict(use_cpu=DEVICE.type == "cpu", per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                learning_rate=2e-3, weight_decay=0.1, warmup_steps=2, logging_steps=1, report_to=[], seed=0,
+                save_strategy="no", disable_tqdm=True)
+    base.update(kw)
+    return TrainingArguments(str(out), **base)
+
+
+def nvme(tmp_path, stage: int = 2, params: bool = False) -> dict:
+    cfg = {"zero_optimization": {"stage": stage,
+                                 "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "opt")}}}
+    if params:
+        cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": str(tmp_path / "par")}
+    return cfg
+
+
+def logged(trainer: Trainer, key: str) -> list[float]:
+    return [h[key] for h in trainer.state.log_history if key in h and "train_runtime" not in h]
+
+
+@pytest.mark.parametrize("stage,params", [(2, False), (3, True)], ids=["optimizer-nvme", "params+optimizer-nvme"])
+def test_losses_match_the_plain_trainer_step_by_step(tmp_path, stage, params):
+    """Two epochs of 5 micro-batches with accumulation 2: windows of 2, 2 and a short 1 each epoch (the boundary
+    comes from the Trainer), linear warm-up and decay, clipping at 1.0, weight decay off for biases and norms."""
+    data = dataset(20)
+    args = dict(num_train_epochs=2)
+    plain = Trainer(model=gpt2().to(DEVICE), args=arguments(tmp_path / "plain", **args), train_dataset=data)
+    plain.train()
+    ours = OffloadTrainer(model=gpt2(), args=arguments(tmp_path / "ours", **args), train_dataset=data,
+                          offload_config=nvme(tmp_path, stage, params))
+    try:
+        ours.train()
+        assert ours.engine.global_steps == plain.state.global_step == 6
+        for key in ("loss", "grad_norm", "learning_rate"):
+            ref, got = logged(plain, key), logged(ours, key)
+            assert len(ref) == len(got) == 6, key
+            for step, (a, b) in enumerate(zip(ref, got)):
+                assert math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-7), (key, step, a, b)
+        ref_eval = plain.evaluate(dataset(8, seed=5))["eval_loss"]
+        assert math.isclose(ours.evaluate(dataset(8, seed=5))["eval_loss"], ref_eval, rel_tol=1e-5)
+    finally:
+        if ours.engine is not None:
+            ours.engine.close()
+
+
+def test_resume_from_a_trainer_checkpoint_is_bit_identical(tmp_path):
+    """4 steps straight, against 2 steps, a checkpoint (save_steps) and a new trainer that resumes from it. Each
+    trainer is built just before it trains (Trainer.__init__ seeds the RNG that dropout and the sampler draw)."""
+    data = dataset(32)
+    trainers = []
+
+    def run(name, model, resume=None, **kw):
+        t = OffloadTrainer(model=model, args=arguments(tmp_path / name, max_steps=4, **kw), train_dataset=data,
+                           offload_config=nvme(tmp_path / f"nvme-{len(trainers)}"))
+        trainers.append(t)
+        t.train(resume_from_checkpoint=resume)
+        return t
+
+    try:
+        straight = run("a", gpt2())
+        run("b", gpt2(), save_strategy="steps", save_steps=2)
+        checkpoint = tmp_path / "b" / "checkpoint-2"
+        assert (checkpoint / "offload_state" / "latest").exists() and (checkpoint / "model.safetensors").exists()
+        resumed = run("b", gpt2(seed=7), resume=str(checkpoint), save_strategy="steps", save_steps=2)
+        assert logged(resumed, "loss")[2:] == logged(straight, "loss")[2:]
+        assert logged(resumed, "grad_norm")[2:] == logged(straight, "grad_norm")[2:]
+        assert logged(resumed, "learning_rate")[2:] == logged(straight, "learning_rate")[2:]
+        assert len(logged(resumed, "loss")) == 4  # 2 from the checkpoint's trainer_state, 2 trained
+        a, b = straight.engine.consolidated_state_dict(), resumed.engine.consolidated_state_dict()
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    finally:
+        for t in trainers:
+            if t.engine is not None:
+                t.engine.close()
+
+
+@pytest.mark.parametrize("shard", [None, "20KB"], ids=["one-file", "sharded"])
+def test_saved_folder_loads_with_from_pretrained(tmp_path, shard):
+    kw = {} if shard is None else {"save_max_shard_size": shard}
+    trainer = OffloadTrainer(model=gpt2(), args=arguments(tmp_path / "run", max_steps=2), train_dataset=dataset(16),
+                             offload_config=nvme(tmp_path, 3, params=True), **kw)
+    try:
+        trainer.train()
+        trainer.save_model(str(tmp_path / "saved"))
+        files = sorted(p.name for p in (tmp_path / "saved").iterdir())
+        assert "config.json" in files
+        if shard is None:
+            assert "model.safetensors" in files
+        else:
+            index = json.loads((tmp_path / "saved" / "model.safetensors.index.json").read_text())
+            shards = set(index["weight_map"].values())
+            assert len(shards) > 2 and shards <= set(files) and "model.safetensors" not in files
+        loaded = GPT2LMHeadModel.from_pretrained(str(tmp_path / "saved")).to(DEVICE).eval()
+        x = dataset(2, seed=3)[0]["input_ids"][None]
+        trainer.model.eval()
+        with torch.no_grad():
+            want = trainer.model(x).logits.cpu()
+            got = loaded(x.to(DEVICE)).logits.cpu()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    finally:
+        if trainer.engine is not None:
+            trainer.engine.close()
+
+
+def test_config_scheduler_with_auto_values(tmp_path):
+    """The config's WarmupDecayLR, its "auto" values from TrainingArguments and the step count (DeepSpeed's
+    formula, log warm-up), stepped once per optimizer step."""
+    cfg = {**nvme(tmp_path), "scheduler": {"type": "WarmupDecayLR", "params": {
+        "warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto", "total_num_steps": "auto"}}}
+    trainer = OffloadTrainer(model=gpt2(), args=arguments(tmp_path / "run", max_steps=6, warmup_steps=3),
+                             train_dataset=dataset(48), offload_config=cfg)
+    try:
+        trainer.train()
+        lr, warm, total = 2e-3, 3, 6
+        want = [lr * (math.log(t + 1) / math.log(warm) if t < warm else (total - t) / (total - warm))
+                for t in range(total)]
+        got = logged(trainer, "learning_rate")
+        assert len(got) == total
+        for a, b in zip(got, want):
+            assert math.isclose(a, b, rel_tol=1e-12, abs_tol=1e-15)
+    finally:
+        if trainer.engine is not None:
+            trainer.engine.close()
+
+
+def test_config_values_that_disagree_with_training_arguments_are_errors(tmp_path):
+    args = arguments(tmp_path)
+    with pytest.raises(ValueError, match=r"gradient_accumulation_steps = 4 but TrainingArguments"):
+        trainer_config({"gradient_accumulation_steps": 4}, args)
+    with pytest.raises(ValueError, match=r"optimizer.params.lr = 0.1 but TrainingArguments.learning_rate"):
+        trainer_config({"optimizer": {"type": "AdamW", "params": {"lr": 0.1}}}, args)
+    with pytest.raises(ValueError, match=r"optim='sgd'.*adamw_torch"):
+        trainer_config({}, arguments(tmp_path, optim="sgd"))
+    with pytest.raises(ValueError, match=r"scheduler.type"):
+        trainer_config({"scheduler": {"type": "OneCycle", "params": {}}}, args)
+    cfg, scheduler = trainer_config({"gradient_accumulation_steps": "auto", "bf16": {"enabled": "auto"}}, args)
+    assert (cfg.gradient_accumulation_steps, cfg.gradient_clipping, cfg.optimizer.lr) == (2, 1.0, 2e-3)
+    assert cfg.optimizer.weight_decay == 0.1 and not cfg.bf16.enabled and scheduler is None
+    with pytest.raises(ValueError, match=r"leave out optimizers"):
+        OffloadTrainer(model=gpt2(), args=args, train_dataset=dataset(4),
+                       optimizers=(torch.optim.SGD(gpt2().parameters(), lr=0.1), None))
+
+
+TWO_RANKS = textwrap.dedent("""
+    import json, os, sys
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+    from offload.integrations.transformers import OffloadTrainer
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+                                       bos_token_id=0, eos_token_id=0))
+    ids = torch.randint(0, 64, (32, 16), generator=torch.Generator().manual_seed(0))
+    data = [{{"input_ids": x, "labels": x}} for x in ids]
+    args = TrainingArguments({out!r}, use_cpu=True, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                             max_steps=3, logging_steps=1, report_to=[], save_strategy="no", disable_tqdm=True,
+                             ddp_backend="gloo")
+    if {plain}:
+        trainer = Trainer(model=model, args=args, train_dataset=data)
+        trainer.train()
+    else:
+        cfg = {{"zero_optimization": {{"stage": 2, "offload_optimizer": {{"device": "nvme",
+                                                                       "nvme_path": {nvme!r}}}}}}}
+        trainer = OffloadTrainer(model=model, args=args, train_dataset=data, offload_config=cfg)
+        trainer.train()
+        assert trainer.engine.world_size == 2
+        trainer.close()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    if os.environ["RANK"] == "0":
+        json.dump({{k: [h[k] for h in logs] for k in ("loss", "grad_norm")}}, open({result!r}, "w"))
+""")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_ranks_under_torchrun_match_the_plain_trainer_with_ddp(tmp_path):
+    """torchrun --nproc-per-node 2 (gloo, CPU): OffloadTrainer's engine partitions the optimizer state over the
+    ranks in place of DDP; losses and gradient norms equal the plain Trainer's (DDP) step by step."""
+    results = {}
+    for name in ("plain", "offload"):
+        script = tmp_path / f"train_{name}.py"  # not offload.py: the script's folder comes first on sys.path
+        script.write_text(TWO_RANKS.format(out=str(tmp_path / name), plain=name == "plain",
+                                           nvme=str(tmp_path / "nvme"), result=str(tmp_path / f"{name}.json")))
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+        done = subprocess.run([shutil.which("torchrun") or "torchrun", "--nproc-per-node", "2", "--master-port",
+                               str(free_port()), str(script)], capture_output=True, text=True, timeout=300, env=env,
+                              cwd=tmp_path)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+        results[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    for key in ("loss", "grad_norm"):
+        assert len(results["offload"][key]) == 3
+        for a, b in zip(results["plain"][key], results["offload"][key]):
+            assert math.isclose(a, b, rel_tol=1e-5), (key, a, b)
