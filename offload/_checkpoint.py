@@ -425,17 +425,20 @@ def consolidated_state_dict(engine: "Engine") -> dict[str, torch.Tensor]:
     return engine_tensors(engine, list(engine.module.state_dict(keep_vars=True)))
 
 
+GATHER_CHUNK = 1 << 24  # elements each rank sends per all-gather when masters are gathered for an export
+
+
 def engine_tensors(engine: "Engine", keys: list[str]) -> dict[str, torch.Tensor]:
     """The state-dict entries ``keys`` as plain CPU tensors (fp32 master weights for trainable parameters). One
-    rank reads only the sub-groups holding the wanted parameters; several all-gather every master (collective)."""
+    rank reads only the sub-groups holding the wanted parameters. Several ranks (collective: every rank passes the
+    same keys) gather only those too, sub-group by sub-group in chunks of GATHER_CHUNK elements per rank, so the
+    memory is the wanted tensors plus one chunk per rank, whatever the model's size."""
     layout, opt = engine.layout, engine.optimizer
     sd = engine.module.state_dict(keep_vars=True)
     index = {id(p): i for i, p in enumerate(layout.params)}
-    wanted = {index[id(sd[k])] for k in keys if id(sd[k]) in index}
-    masters: dict[int, torch.Tensor] = {}
+    wanted = sorted({index[id(sd[k])] for k in keys if id(sd[k]) in index})
+    masters = {i: aligned_tensor(tuple(layout.params[i].shape), torch.float32, pin_memory=False) for i in wanted}
     if engine.world_size == 1:
-        masters = {i: aligned_tensor(tuple(layout.params[i].shape), torch.float32, pin_memory=False)
-                   for i in sorted(wanted)}
         for sg in layout.sub_groups:
             segments = [seg for seg in sg.segments if seg.param in masters]
             if not segments:
@@ -446,23 +449,47 @@ def engine_tensors(engine: "Engine", keys: list[str]) -> dict[str, torch.Tensor]
                 masters[seg.param].view(-1)[seg.param_start : seg.param_start + seg.numel].copy_(
                     block[lo : lo + seg.numel])
             opt.done_state(sg, dirty=False)
-    else:
-        on = engine.device if engine.comm.pg.backend == "nccl" else torch.device("cpu")
-        fulls = [torch.zeros(n, dtype=torch.float32, device=on) for n in layout.group_numel]
-        for sg in layout.sub_groups:
-            fulls[sg.group][sg.start : sg.end].copy_(opt.read_state(sg)[: sg.numel])
-            opt.done_state(sg, dirty=False)
-        for g, full in enumerate(fulls):
-            lo, hi = layout.owned[g]
-            engine.comm.all_gather(full, full[lo:hi])
-        for i in sorted(wanted):
-            p = layout.params[i]
-            master = torch.empty(p.numel(), dtype=torch.float32)
-            for p0, numel, base in layout.rank_pieces(i):
-                master[base : base + numel].copy_(fulls[layout.param_group[i]][p0 : p0 + numel])
-            masters[i] = master.view(p.shape)
-        del fulls
+    elif wanted:
+        _gather_masters(engine, masters)
     return {k: masters[index[id(sd[k])]] if id(sd[k]) in index else engine.copies.download(sd[k]) for k in keys}
+
+
+def _gather_masters(engine: "Engine", masters: dict[int, torch.Tensor]) -> None:
+    """Fills ``masters`` (parameter index -> fp32 tensor) from every rank's share. Sub-group k of a group covers
+    the same offsets in every rank's range, so all ranks read their k-th sub-group, all-gather it in chunks, and
+    keep the pieces of the wanted parameters; a sub-group holding none of them on any rank is skipped by all."""
+    layout, opt, comm, world = engine.layout, engine.optimizer, engine.comm, engine.world_size
+    on = engine.device if comm.pg.backend == "nccl" else torch.device("cpu")
+    pieces: dict[int, list[tuple[int, int, int, int]]] = {}  # group -> (flat start, count, param, param start)
+    for i in masters:
+        for p0, numel, base in layout.rank_pieces(i):
+            pieces.setdefault(layout.param_group[i], []).append((p0, numel, i, base))
+    for g, own in enumerate(layout.owned):
+        share = own[1] - own[0]
+        mine = [sg for sg in layout.sub_groups if sg.group == g]  # in offset order, the same count on every rank
+        for sg in mine:
+            rel0, rel1 = sg.start - own[0], sg.end - own[0]
+            hits = [(p0, n, i, b) for p0, n, i, b in pieces.get(g, ())
+                    if any(p0 < r * share + rel1 and r * share + rel0 < p0 + n for r in range(world))]
+            if not hits:
+                continue
+            block = opt.read_state(sg)
+            try:
+                for c0 in range(rel0, rel1, GATHER_CHUNK):
+                    c1 = min(c0 + GATHER_CHUNK, rel1)
+                    inp = block[c0 - rel0 : c1 - rel0].to(on)
+                    out = torch.empty(world * (c1 - c0), dtype=torch.float32, device=on)
+                    comm.all_gather(out, inp)
+                    out = out.cpu()
+                    for r in range(world):
+                        lo, hi = r * share + c0, r * share + c1  # this piece of the group's flat buffer
+                        for p0, n, i, b in hits:
+                            a, z = max(lo, p0), min(hi, p0 + n)
+                            if a < z:
+                                masters[i].view(-1)[b + a - p0 : b + z - p0].copy_(
+                                    out[r * (c1 - c0) + a - lo : r * (c1 - c0) + z - lo])
+            finally:
+                opt.done_state(sg, dirty=False)
 
 
 def export(root: Path, out: Path, tag: str | None = None) -> tuple[str, int]:

@@ -60,3 +60,32 @@ def test_export_errors(tmp_path):
             engine.save_safetensors(tmp_path, max_shard_size="lots")
         with pytest.raises(ValueError, match="max_shard_size must be positive"):
             engine.save_safetensors(tmp_path, max_shard_size=0)
+
+
+def test_tied_weights_keep_the_name_transformers_keeps():
+    from offload._export import _unique
+
+    assert _unique({"lm_head.weight": 1, "wte.weight": 1, "b": 2}, frozenset({"lm_head.weight"})) == \
+        ["wte.weight", "b"]
+    assert _unique({"a": 1, "b": 1, "c": 2}) == ["a", "c"]
+
+
+def test_a_failed_export_leaves_the_previous_one(tmp_path):
+    """An error while a new export is being written (here: reading its second shard) leaves the earlier export
+    complete and loadable, and no temporary files behind."""
+    from offload._export import write_safetensors
+
+    tensors = {f"t{i}": torch.full((1000,), float(i)) for i in range(6)}
+    sizes = [(k, 4000) for k in tensors]
+    write_safetensors(tmp_path, sizes, lambda names: {n: tensors[n] for n in names}, max_shard_size=8000)
+    before = sorted(p.name for p in tmp_path.iterdir())
+
+    def failing(names):
+        if "t2" in names:
+            raise OSError("disk full")
+        return {n: tensors[n] * 2 for n in names}
+
+    with pytest.raises(OSError, match="disk full"):
+        write_safetensors(tmp_path, sizes, failing, max_shard_size=8000)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    assert all(torch.equal(v, tensors[k]) for k, v in read_folder(tmp_path).items())

@@ -239,3 +239,87 @@ def test_two_ranks_under_torchrun_match_the_plain_trainer_with_ddp(tmp_path):
         assert len(results["offload"][key]) == 3
         for a, b in zip(results["plain"][key], results["offload"][key]):
             assert math.isclose(a, b, rel_tol=1e-5), (key, a, b)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_half_precision_evaluation_before_training_and_the_best_checkpoint(tmp_path, precision):
+    """bf16 or fp16 through TrainingArguments (the engine's half-precision parameters with fp32 masters and, for
+    fp16, its loss scaling; no autocast, no GradScaler), evaluate() before train() (builds the engine), and
+    load_best_model_at_end (the best checkpoint's weights into the engine)."""
+    val = dataset(8, seed=5)
+    args = arguments(tmp_path / "run", max_steps=4, eval_strategy="steps", eval_steps=2, **{precision: True},
+                     save_strategy="steps", save_steps=2, load_best_model_at_end=True, metric_for_best_model="loss",
+                     greater_is_better=False)
+    with OffloadTrainer(model=gpt2(), args=args, train_dataset=dataset(32), eval_dataset=val,
+                        offload_config=nvme(tmp_path)) as trainer:
+        before = trainer.evaluate()["eval_loss"]
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+        assert trainer.engine is not None and trainer.engine.dtype == dtype
+        assert getattr(trainer.offload_config, precision).enabled
+        trainer.train()
+        evals = [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
+        assert len(evals) == 2 and all(math.isfinite(v) for v in [before, *evals])  # steps 2 and 4
+        if precision == "fp16":
+            assert trainer.engine.stats()["loss_scale"] > 1 and trainer.accelerator.scaler is None
+        best = trainer.state.best_model_checkpoint
+        assert best is not None
+        from safetensors.torch import load_file
+
+        saved = load_file(str(Path(best) / "model.safetensors"))
+        state = trainer.engine.consolidated_state_dict()
+        assert all(torch.equal(state[k], v) for k, v in saved.items())
+
+
+def test_resume_from_a_plain_trainer_checkpoint_loads_its_weights(tmp_path, caplog):
+    """A checkpoint folder written by transformers' own Trainer: its weights go into the engine, the Adam moments
+    start from zero (a warning says so), and the run continues from its step."""
+    data = dataset(32)
+    plain = Trainer(model=gpt2().to(DEVICE), args=arguments(tmp_path / "plain", max_steps=2, save_strategy="steps",
+                                                            save_steps=2), train_dataset=data)
+    plain.train()
+    checkpoint = tmp_path / "plain" / "checkpoint-2"
+    with OffloadTrainer(model=gpt2(seed=3), args=arguments(tmp_path / "plain", max_steps=3), train_dataset=data,
+                        offload_config=nvme(tmp_path)) as trainer:
+        with caplog.at_level("WARNING", logger="offload"):
+            trainer._load_optimizer_and_scheduler(str(checkpoint))
+        assert "Adam moments start from zero" in caplog.text
+        state = trainer.engine.consolidated_state_dict()
+        for name, p in plain.model.named_parameters():
+            assert torch.equal(state[name], p.detach().cpu()), name
+        trainer.train(resume_from_checkpoint=str(checkpoint))
+        assert trainer.state.global_step == 3
+
+
+def test_fp16_overflow_skips_the_update_and_the_schedule(tmp_path):
+    """A loss scale of 2^24 overflows fp16 gradients: those steps update nothing, log a grad_norm of inf or nan, and the
+    linear schedule does not advance (accelerate reads the engine optimizer's step_was_skipped)."""
+    cfg = {**nvme(tmp_path), "fp16": {"initial_scale_power": 24, "hysteresis": 1}}
+    args = arguments(tmp_path / "run", max_steps=8, fp16=True, warmup_steps=0, gradient_accumulation_steps=1)
+    with OffloadTrainer(model=gpt2(), args=args, train_dataset=dataset(32), offload_config=cfg) as trainer:
+        trainer.train()
+        skipped = trainer.engine.stats()["skipped_steps"]
+        lrs, norms = logged(trainer, "learning_rate"), logged(trainer, "grad_norm")
+    assert 1 <= skipped < 8 and not any(math.isfinite(n) for n in norms[:skipped])  # inf or nan
+    assert all(math.isfinite(n) for n in norms[skipped:])
+    want = [2e-3] * skipped + [2e-3 * (8 - j) / 8 for j in range(8 - skipped)]
+    assert lrs == pytest.approx(want, rel=1e-9)
+
+
+def test_model_init_and_delayed_update_evaluate_the_newest_weights(tmp_path):
+    """model_init: the Trainer swaps in a new model at train(), and the engine built by an earlier evaluate() is
+    replaced by one around it. With the delayed update, evaluate() first applies the update in flight: its loss
+    equals that of the saved model loaded back with from_pretrained."""
+    cfg = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "delayed_update": True}}}
+    val = dataset(8, seed=5)
+    with OffloadTrainer(model_init=lambda: gpt2(), args=arguments(tmp_path / "run", max_steps=3), train_dataset=dataset(32),
+                        eval_dataset=val, offload_config=cfg) as trainer:
+        first = trainer.evaluate()["eval_loss"]
+        old = trainer.engine
+        trainer.train()
+        assert trainer.engine is not old and trainer.engine.module is trainer.model
+        assert trainer.engine.plan().delayed
+        after = trainer.evaluate()["eval_loss"]
+        trainer.save_model(str(tmp_path / "saved"))
+    loaded = GPT2LMHeadModel.from_pretrained(str(tmp_path / "saved")).to(DEVICE)
+    plain = Trainer(model=loaded, args=arguments(tmp_path / "check"), eval_dataset=val)
+    assert after != first and math.isclose(plain.evaluate()["eval_loss"], after, rel_tol=1e-6)

@@ -310,6 +310,7 @@ class Engine:
             opt.wait()
             norm = self._grad_norm()
             if not math.isfinite(norm):
+                self.last_grad_norm = norm
                 if self.config.fp16.enabled:
                     self.scaler.update(True)
                     opt.skip()

@@ -30,7 +30,10 @@ logging, callbacks, checkpoint rotation, RNG state. What changes is who holds th
 * ``save_model`` writes ``config.json`` and the fp32 weights as ``model.safetensors`` (sharded with an index above
   ``save_max_shard_size``), streamed from wherever they live, one shard in RAM at a time.
 
-One process per GPU (torchrun), as with DeepSpeed; the engine's collectives replace DDP.
+One process per GPU (torchrun), as with DeepSpeed; the engine's collectives replace DDP, and ``save_model`` and
+checkpoints are collective (every rank calls them, as the Trainer does; rank 0 writes into a folder all ranks see).
+An fp16 step skipped for overflow does not advance the schedule; with ``delayed_update`` evaluation applies the
+update in flight first; a model swapped in by ``model_init`` gets a new engine.
 """
 
 from __future__ import annotations
@@ -40,13 +43,14 @@ import logging
 import math
 import os
 import shutil
+import weakref
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 from transformers import Trainer
 
-from ..config import OffloadConfig, SchedulerConfig, read_json
+from ..config import OffloadConfig, OptimizerConfig, SchedulerConfig, read_json
 from ..engine import Engine, initialize
 from ..optim._schedule import WarmupSchedule
 
@@ -91,6 +95,16 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
+def _same_device(spec: Any, device: str) -> bool:
+    """A config device ("cuda", "cuda:1", "cpu") that names the TrainingArguments' device ("cuda" alone: any index,
+    the engine takes the rank's own)."""
+    try:
+        a, b = torch.device(spec), torch.device(device)
+    except (RuntimeError, TypeError):
+        return False
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
 def trainer_config(config: OffloadConfig | Mapping[str, Any] | str | os.PathLike[str] | None,
                    args: Any) -> tuple[OffloadConfig, dict[str, Any] | None]:
     """The engine's config with ``"auto"`` and absent keys filled from the TrainingArguments (see the module
@@ -100,6 +114,8 @@ def trainer_config(config: OffloadConfig | Mapping[str, Any] | str | os.PathLike
         for path, _ in _FROM_ARGS:
             if _get(raw, path) == _get(defaults, path) and _get(raw, path[:-1]) is not None:
                 _get(raw, path[:-1]).pop(path[-1], None)
+        if config.optimizer == OptimizerConfig():
+            del raw["optimizer"]  # nothing chosen: TrainingArguments.optim decides, as with a dict
     elif config is None or isinstance(config, Mapping):
         raw = copy.deepcopy(dict(config or {}))
     else:
@@ -123,7 +139,7 @@ def trainer_config(config: OffloadConfig | Mapping[str, Any] | str | os.PathLike
         have = section.get(path[-1], "auto")
         if have == "auto":
             section[path[-1]] = want
-        elif not _same(have, want):
+        elif not (_same_device(have, want) if path == ("offload", "device") else _same(have, want)):
             name = _ARG_NAMES.get(path, path[-1])
             raise ValueError(f"offload config {'.'.join(path)} = {have!r} but TrainingArguments.{name} = {want!r}; "
                              "set one of them to match, or the config's to \"auto\"")
@@ -167,11 +183,14 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self.engine = engine
         self.param_groups = inner.param_groups
         self.state = inner.state
+        self.step_was_skipped = False  # read by accelerate: an fp16 overflow skips the update and the LR step
 
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         if closure is not None:
             raise ValueError("the offload engine's step does not take a closure")
+        skipped = self.engine.scaler.skipped
         self.engine.step()
+        self.step_was_skipped = self.engine.scaler.skipped > skipped
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         return None
@@ -194,7 +213,12 @@ class OffloadTrainer(Trainer):
                              "launch with torchrun --nproc_per_node N (or set CUDA_VISIBLE_DEVICES)")
         self.offload_config, self._scheduler_section = trainer_config(offload_config, self.args)
         self.save_max_shard_size = save_max_shard_size
+        if self.args.save_on_each_node:
+            raise ValueError("OffloadTrainer saves from every rank into one folder all ranks see (as the engine's "
+                             "checkpoints need): set save_on_each_node=False and give output_dir on a shared "
+                             "filesystem")
         self.engine: Engine | None = None
+        self._finalizer: Any = None
         self._closed = False
 
     def close(self) -> None:
@@ -202,8 +226,8 @@ class OffloadTrainer(Trainer):
         later save_model writes them as a plain Trainer would. ``with OffloadTrainer(...) as trainer:`` calls it."""
         self._closed = True
         if self.engine is not None:
-            engine, self.engine = self.engine, None
-            engine.close()
+            self.engine = None
+            self._finalizer()
 
     def __enter__(self) -> "OffloadTrainer":
         return self
@@ -223,8 +247,13 @@ class OffloadTrainer(Trainer):
         """``initialize`` puts the model on the device (parameters homed off the device stay there)."""
 
     def _ensure_engine(self) -> Engine:
+        """The engine of ``self.model``, built on first use; a new one when the Trainer swapped the model
+        (``model_init``, hyperparameter search)."""
         if self._closed:
             raise RuntimeError("this OffloadTrainer was closed: build a new one to train on")
+        if self.engine is not None and self.engine.module is not self.model:
+            self._finalizer()
+            self.engine = None
         if self.engine is None:
             decay = set(self.get_decay_parameter_names(self.model))
             named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
@@ -232,6 +261,9 @@ class OffloadTrainer(Trainer):
             groups = [{"params": [p for n, p in named if n in decay], "weight_decay": wd},
                       {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
             self.engine = initialize(self.model, self.offload_config, param_groups=[g for g in groups if g["params"]])
+            # threads, buffers and swap files go with the trainer even if close() is never called
+            self._finalizer = weakref.finalize(self, self.engine.close)
+        if not isinstance(self.optimizer, _EngineOptimizer) or self.optimizer.engine is not self.engine:
             self.optimizer = _EngineOptimizer(self.engine)
         return self.engine
 
@@ -255,6 +287,7 @@ class OffloadTrainer(Trainer):
             self.lr_scheduler = None
             self._created_lr_scheduler = False
         self._ensure_engine()
+        self.accelerator._optimizers.append(self.optimizer)  # its step_was_skipped gates the LR step
         self.create_scheduler(num_training_steps=max_steps)
         self.model_wrapped = self.model
         if resume_from_checkpoint is not None:
@@ -301,7 +334,7 @@ class OffloadTrainer(Trainer):
         close(), the model as a plain Trainer would."""
         if self._closed:
             return super().evaluation_loop(*args, **kwargs)
-        self._ensure_engine()
+        self._ensure_engine().apply_delayed_update()  # the delayed update's newest parameters, not the step before
         if not any(m is self.model for m in self.accelerator._models):
             self.accelerator._models.append(self.model)
         return super().evaluation_loop(*args, **kwargs)
@@ -355,11 +388,13 @@ class OffloadTrainer(Trainer):
         if (folder / STATE_DIR / "latest").exists():
             engine.load_checkpoint(folder / STATE_DIR)
         else:
-            log.warning("offload: %s holds no %s/ (not written by OffloadTrainer): loading its model weights; the "
-                        "Adam moments start from zero", folder, STATE_DIR)
+            log.warning("offload: %s holds no %s/ (written by a plain Trainer, or with save_only_model=True): "
+                        "loading its model weights; the Adam moments start from zero", folder, STATE_DIR)
             engine.load_state_dict(folder)
         if self.lr_scheduler is not None and (folder / _SCHEDULER_FILE).exists():
             self.lr_scheduler.load_state_dict(torch.load(folder / _SCHEDULER_FILE, weights_only=True))
+            for group, lr in zip(self.optimizer.param_groups, self.lr_scheduler.get_last_lr()):
+                group["lr"] = lr  # the schedule's lr for the next step (loading a schedule does not set it)
 
     def _load_best_model(self) -> None:
         """load_best_model_at_end: the best checkpoint's weights into the engine (Adam state stays)."""
