@@ -27,17 +27,19 @@ from typing import Any
 
 import torch
 
+from ._device import default_device, fast_bf16
 from ._progress import bar
 from .config import parse_bytes
 from .memory import fmt_bytes
 
 
-def _demo_config(args: argparse.Namespace, swap: Path) -> dict[str, Any]:
+def _demo_config(args: argparse.Namespace, swap: Path, bf16: bool) -> dict[str, Any]:
     """Where things live and the budgets; every size (sub-groups, staging buffers, the parameter window, the
-    prefetch) is left to the plan, which derives it from the budgets and the model."""
+    prefetch) is left to the plan, which derives it from the budgets and the model. ``bf16``: where the device
+    computes it at full speed, else fp32."""
     home = {"device": args.placement, "nvme_path": str(swap / "params")} if args.placement != "none" else {}
     return {
-        "bf16": {"enabled": True},
+        "bf16": {"enabled": bf16},
         "gradient_clipping": 0.0,
         "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.01, "betas": [0.9, 0.95]}},
         "zero_optimization": {
@@ -61,7 +63,7 @@ def demo(args: argparse.Namespace) -> int:
     n = cfg.num_parameters
     root = Path(args.swap_dir) if args.swap_dir else Path(tempfile.gettempdir())
     root.mkdir(parents=True, exist_ok=True)
-    need = 14 * n + 12 * n // 4 * 4  # state + parameters + staging spares, generously
+    need = 16 * n + 12 * n // 4 * 4  # state + parameters + staging spares, generously
     free = shutil.disk_usage(root).free
     if args.placement == "nvme" and need > free * 0.9:
         print(f"error: the demo needs about {fmt_bytes(need)} of swap space but {root} has {fmt_bytes(free)} free; "
@@ -69,13 +71,19 @@ def demo(args: argparse.Namespace) -> int:
         return 2
     swap = Path(tempfile.mkdtemp(prefix="offload-demo-", dir=root))
     try:
-        config = json.loads(Path(args.config).read_text()) if args.config else _demo_config(args, swap)
+        bf16 = fast_bf16(default_device())
+        config = json.loads(Path(args.config).read_text()) if args.config else _demo_config(args, swap, bf16)
         with offload.initialize(GPT(cfg), config) as engine:
             budget = engine.memory_report()["device"]["budget"]
+            param_bytes = engine.plan().dtype_bytes
+            state = (12 + param_bytes) * n  # parameters, fp32 master weights and moments
             print(f"offload demo: GPT {cfg.layers} layers x {cfg.width} wide, {n / 1e6:.1f}M parameters; "
-                  f"parameters + Adam state = {fmt_bytes(14 * n)}, device budget {fmt_bytes(budget)}"
-                  + (f" ({14 * n / budget:.1f}x smaller)" if budget else "")
-                  + f"; placement: {args.placement}; swap under {swap}")
+                  f"parameters + Adam state = {fmt_bytes(state)}, device budget {fmt_bytes(budget)}"
+                  + (f" ({state / budget:.1f}x smaller)" if budget else "")
+                  + f"; placement: {args.placement}; "
+                  + ("bf16" if engine.dtype is torch.bfloat16 else f"{str(engine.dtype).replace('torch.', '')}"
+                     + ("" if bf16 or args.config else " (no native bf16 on this CPU: fp32 is ~100x faster here)"))
+                  + f"; swap under {swap}")
             data = synthetic_batches(cfg.vocab_size, args.batch, args.tokens, args.seed)
             first = last = None
             t_start = time.perf_counter()
@@ -113,11 +121,10 @@ def demo(args: argparse.Namespace) -> int:
     print("\nmemory per tier        current        peak      budget")
     for tier, r in report.items():
         print(f"  {tier:8s} {fmt_bytes(r['current']):>14s} {fmt_bytes(r['peak']):>11s} {fmt_bytes(r['budget']):>11s}")
-    state = 14 * n  # bf16 parameters and fp32 master weights and moments
     print(f"  host peak = {report['host']['peak'] / state:.2f} x the {fmt_bytes(state)} of parameters and optimizer "
           "state")
     if swap_files:
-        offloaded = report["nvme"]["optimizer_state"] + (2 * n if args.placement == "nvme" else 0)
+        offloaded = report["nvme"]["optimizer_state"] + (param_bytes * n if args.placement == "nvme" else 0)
         print(f"  swap files {fmt_bytes(swap_files)} = {swap_files / offloaded:.2f} x the {fmt_bytes(offloaded)} "
               "offloaded to NVMe")
     stall, adam = stats["stall_seconds"], stats["adam_seconds"]

@@ -29,6 +29,7 @@ copies or nothing.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from enum import Enum
@@ -41,6 +42,7 @@ from nvme_swapper import FileIO, pinned_bytes
 
 from .. import _checkpoint
 from .._cleanup import close_after_failure
+from .._device import fast_bf16
 from .._precision import LossScaler
 from ..config import OffloadConfig
 from ..dist import Comm, GradPartition, ReduceBuckets, join
@@ -51,6 +53,8 @@ from ..optim.offloaded import OffloadedAdam
 from ..plan import ModelSizes, Partition, Plan, resolve
 from ._grads import GradientStream
 from ._weights import Weights
+
+log = logging.getLogger("offload")
 
 
 class Phase(Enum):
@@ -127,6 +131,7 @@ class Engine:
         self._plan = plan = resolve(cfg, sizes, device=pg.device, world_size=pg.world_size, rank=pg.rank,
                                     local_world_size=pg.local_world_size)
         self.device, self.dtype, self.stage = plan.device, plan.dtype, plan.stage
+        _warn_slow_bf16(plan.device, plan.dtype)
         self.world_size, self.rank = plan.world_size, plan.rank
         nvme = {name: self._prepare_nvme(name) for name in ("offload_optimizer", "offload_param")}
         self.store = TieredStore(plan.device, dict(plan.budgets), pin_memory=plan.pin_memory, file_io=file_io)
@@ -545,6 +550,19 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_warned_bf16 = False
+
+
+def _warn_slow_bf16(device: torch.device, dtype: torch.dtype) -> None:
+    """Once per process: bf16 compute on a CPU without native bf16 is ~100x slower than fp32."""
+    global _warned_bf16
+    if dtype is torch.bfloat16 and not _warned_bf16 and not fast_bf16(device):
+        _warned_bf16 = True
+        log.warning("offload: bf16 on %s, which has no native bf16 (AVX-512 BF16 or AMX): torch's bf16 matmuls run "
+                    "about 100x slower than fp32 here. The CPU device tier is for testing; train on a GPU, or set "
+                    "bf16.enabled false", device)
 
 
 def _to_device(value: Any, device: torch.device) -> Any:
