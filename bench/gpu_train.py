@@ -9,7 +9,8 @@ peak RSS, GPU peak and pinned memory are the run's own, and an out-of-memory run
   opt-nvme         ZeRO-Infinity: Adam state on NVMe (parameters on the device)
   opt+params-nvme  ZeRO-Infinity: Adam state and parameters on NVMe
 
-each run by this library and, when ``deepspeed`` is importable (never a dependency), by DeepSpeed with the same
+(``--dtype fp32``, the default on a CPU without native bf16, where torch's bf16 matmuls are ~100x slower: fp32
+parameters everywhere and no autocast.) Each run by this library and, when ``deepspeed`` is importable (never a dependency), by DeepSpeed with the same
 keys. Per run: median step time (forward + backward + optimizer step, after warm-up), tokens/s, GPU peak (torch's
 allocator), host peak RSS (VmHWM) and pinned bytes, the loss per step, and the parts of a step from the engine's
 counters (CPU Adam, the share of it hidden in backward, bytes to and from the device, NVMe stalls).
@@ -52,6 +53,7 @@ from _common import peak_rss, shape_for  # noqa: E402
 import offload  # noqa: E402
 from nvme_swapper import aligned_tensor, pinned_bytes  # noqa: E402
 from offload.models import GPT, GPTConfig, synthetic_batches  # noqa: E402
+from offload._device import fast_bf16  # noqa: E402
 from offload._progress import progress  # noqa: E402
 
 PLACEMENTS = {  # name: (ZeRO stage, offload_optimizer.device, offload_param.device); None: plain torch
@@ -64,7 +66,7 @@ PLACEMENTS = {  # name: (ZeRO stage, offload_optimizer.device, offload_param.dev
 LR = 3e-4
 
 
-def config_for(placement: str, work: Path, batch: int) -> dict[str, Any]:
+def config_for(placement: str, work: Path, batch: int, dtype: str = "bf16") -> dict[str, Any]:
     stage, opt, par = PLACEMENTS[placement]
     zero: dict[str, Any] = {"stage": stage, "offload_optimizer": {"device": opt, "pin_memory": True}}
     if opt == "nvme":
@@ -73,7 +75,7 @@ def config_for(placement: str, work: Path, batch: int) -> dict[str, Any]:
         zero["offload_param"] = {"device": par, "pin_memory": True}
         if par == "nvme":
             zero["offload_param"]["nvme_path"] = str(work / "param")
-    return {"train_micro_batch_size_per_gpu": batch, "bf16": {"enabled": True},
+    return {"train_micro_batch_size_per_gpu": batch, "bf16": {"enabled": dtype == "bf16"},
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01, "betas": [0.9, 0.95]}},
             "zero_optimization": zero}
 
@@ -107,23 +109,24 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     data = synthetic_batches(cfg.vocab_size, spec["batch"], spec["tokens"], seed=0)
     batches = [next(data) for _ in range(spec["warmup"] + spec["steps"])]
     work = Path(spec["work"])
+    low = torch.bfloat16 if spec["dtype"] == "bf16" else torch.float32
     if kind == "compute":
-        model = build(cfg, torch.bfloat16, device)
+        model = build(cfg, low, device)
         step, close, parts = _compute_step(model), (lambda: None), None
     elif kind == "plain":
         model = build(cfg, torch.float32, device)
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, betas=(0.9, 0.95),
                                 fused=device.type == "cuda")
-        step, close, parts = _plain_step(model, opt, device), (lambda: None), None
+        step, close, parts = _plain_step(model, opt, device, low), (lambda: None), None
     elif kind == "ours":
-        config = config_for(placement, work, spec["batch"])
+        config = config_for(placement, work, spec["batch"], spec["dtype"])
         with offload.init(config):  # NVMe placements: the model is built in a file arena, never whole in RAM
             model = build(cfg, torch.float32)
         engine = offload.initialize(model, config)
         del model
         step, close, parts = _engine_step(engine), engine.close, _Parts(engine)
     else:
-        step, close, parts = _deepspeed(cfg, placement, work, spec["batch"])
+        step, close, parts = _deepspeed(cfg, placement, work, spec["batch"], spec["dtype"])
     times, losses, per_step = [], [], []
     try:
         for i, (x, y) in enumerate(batches):
@@ -168,9 +171,9 @@ def _compute_step(model: GPT) -> Any:
     return step
 
 
-def _plain_step(model: GPT, opt: torch.optim.Optimizer, device: torch.device) -> Any:
+def _plain_step(model: GPT, opt: torch.optim.Optimizer, device: torch.device, dtype: torch.dtype) -> Any:
     def step(x: torch.Tensor, y: torch.Tensor) -> float:
-        with torch.autocast(device.type, dtype=torch.bfloat16):
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
             loss = GPT.loss(model(x), y)
         loss.backward()
         opt.step()
@@ -213,7 +216,7 @@ class _Parts:
                 "gradient_copies": self.engine.stats()["gradient_copies"]}
 
 
-def _deepspeed(cfg: GPTConfig, placement: str, work: Path, batch: int) -> tuple[Any, Any, None]:
+def _deepspeed(cfg: GPTConfig, placement: str, work: Path, batch: int, dtype: str) -> tuple[Any, Any, None]:
     import deepspeed  # noqa: PLC0415 - optional, imported only for its runs
 
     for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
@@ -223,8 +226,8 @@ def _deepspeed(cfg: GPTConfig, placement: str, work: Path, batch: int) -> tuple[
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
     deepspeed.init_distributed()
-    model = build(cfg, torch.bfloat16)
-    ds_config = config_for(placement, work, batch)
+    model = build(cfg, torch.bfloat16 if dtype == "bf16" else torch.float32)
+    ds_config = config_for(placement, work, batch, dtype)
     if "nvme" in json.dumps(ds_config["zero_optimization"]):
         ds_config["aio"] = {"block_size": 1 << 20, "queue_depth": 8, "thread_count": 1}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
@@ -295,6 +298,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5, help="measured steps")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--placements", default=",".join(PLACEMENTS))
+    ap.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
+                    help="training dtype (plain torch: autocast to it); auto: bf16 where the device runs it at full "
+                    "speed (offload._device.fast_bf16), else fp32")
     ap.add_argument("--deepspeed", choices=["auto", "off"], default="auto",
                     help="auto: DeepSpeed beside ours when it is importable")
     ap.add_argument("--nvme-dir", default=None, help="where swap files go (default: a temporary directory)")
@@ -319,13 +325,15 @@ def main() -> None:
     n = cfg.num_parameters
     device = offload.default_device()
     has_ds = args.deepspeed == "auto" and _importable("deepspeed") and device.type == "cuda"
+    dtype = args.dtype if args.dtype != "auto" else "bf16" if fast_bf16(device) else "fp32"
     base = {"model": cfg.__dict__, "batch": args.batch, "tokens": args.tokens, "steps": args.steps,
-            "warmup": args.warmup, "nvme_dir": args.nvme_dir}
+            "warmup": args.warmup, "nvme_dir": args.nvme_dir, "dtype": dtype}
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (no CUDA)"
     print(f"gpu bench: GPT {layers} x {width}, {n / 1e9:.3g}B parameters, {args.batch} x {args.tokens} tokens, "
-          f"on {name}; DeepSpeed {'beside ours' if has_ds else 'not run'}", flush=True)
+          f"on {name}, {dtype}; DeepSpeed {'beside ours' if has_ds else 'not run'}", flush=True)
     with torch.device("meta"):
-        estimates = {e.placement: e for e in offload.estimate(model=GPT(cfg), cuda=device.type == "cuda")}
+        estimates = {e.placement: e for e in offload.estimate(model=GPT(cfg), cuda=device.type == "cuda",
+                                                              dtype_bytes=2 if dtype == "bf16" else 4)}
     bounds = {"compute": launch({**base, "kind": "compute", "placement": "compute"}, args.timeout),
               "pcie": launch({**base, "kind": "pcie", "placement": "pcie"}, args.timeout)}
     runs = []
@@ -342,7 +350,7 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"model": {**cfg.__dict__, "params": n, "batch": args.batch, "tokens": args.tokens},
-                               "device": name, "bounds": bounds, "runs": runs, "summary": summary,
+                               "device": name, "dtype": dtype, "bounds": bounds, "runs": runs, "summary": summary,
                                "estimates": {k: v.__dict__ for k, v in estimates.items()}}, indent=2, default=str))
     print(f"\nwrote {out}")
 
