@@ -3,7 +3,8 @@
 ``offload.initialize(model, config)`` returns an :class:`Engine` (see offload/engine/ for the data flow), which
 runs the :class:`Plan` it resolved once from the config, the model and the machine (``engine.plan()``);
 ``offload.CPUAdam`` is the fast CPU Adam as a plain torch optimizer; ``offload.default_device()`` is the device
-``offload.device: "auto"`` trains on. docs/architecture.md maps the folders.
+``offload.device: "auto"`` trains on. ``offload.integrations.transformers.OffloadTrainer`` is transformers' Trainer
+on the engine (imported on its own: transformers stays optional). docs/architecture.md maps the folders.
 """
 
 from ._device import default_device
