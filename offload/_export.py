@@ -79,10 +79,11 @@ def write_safetensors(out: str | os.PathLike[str], sizes: list[tuple[str, int]],
     is called with the bytes of each shard once written. ``writer`` False: ``read`` is still called for every
     shard (a collective, with several ranks) but nothing is written.
 
-    Crash safety: every new file is written and fsynced under a temporary name first; then the old export's index
-    or single file goes (so no mix of old and new files can load), the new files are renamed into place, the
-    folder fsynced, the new index (if sharded) renamed in last, and old shards the new export does not list are
-    removed. A crash leaves the old export, the new one, or none that loads (an error at load), never a mix."""
+    Crash safety: every new file is written and fsynced under a temporary name first. A single file then replaces
+    ``model.safetensors`` atomically (loaders prefer it to an index) before an old index goes; shards first remove
+    the old index and single file (so no mix of old and new files can load), are renamed into place, and the new
+    index comes last. Old shards the new export does not list are removed at the end. A crash leaves the old
+    export, the new one, or none that loads (an error at load), never a mix."""
     limit = parse_bytes(max_shard_size, "max_shard_size")
     if limit <= 0:
         raise ValueError(f"max_shard_size must be positive, got {max_shard_size!r}")
@@ -107,13 +108,18 @@ def write_safetensors(out: str | os.PathLike[str], sizes: list[tuple[str, int]],
             index = json.dumps({"metadata": {"total_size": sum(nbytes.values())}, "weight_map": weight_map},
                                indent=2)
             staged.append((_write_tmp(folder, INDEX, None, index), folder / INDEX))
-        (folder / INDEX).unlink(missing_ok=True)  # from here until the renames below, no export loads
-        (folder / SINGLE).unlink(missing_ok=True)
-        _fsync_dir(folder)
-        for tmp, final in staged:
-            os.replace(tmp, final)
-            if final.name != INDEX:
-                _fsync_dir(folder)  # the shards are in place before the index that names them
+        if len(shards) == 1:  # model.safetensors wins over an index when both exist: replace it, then drop the index
+            os.replace(*staged[0])
+            _fsync_dir(folder)
+            (folder / INDEX).unlink(missing_ok=True)
+        else:
+            (folder / INDEX).unlink(missing_ok=True)  # from here until the new index is in, no export loads
+            (folder / SINGLE).unlink(missing_ok=True)
+            _fsync_dir(folder)
+            for tmp, final in staged:
+                os.replace(tmp, final)
+                if final.name != INDEX:
+                    _fsync_dir(folder)  # the shards are in place before the index that names them
         _fsync_dir(folder)
     finally:
         for tmp, _ in staged:
