@@ -323,3 +323,18 @@ def test_model_init_and_delayed_update_evaluate_the_newest_weights(tmp_path):
     loaded = GPT2LMHeadModel.from_pretrained(str(tmp_path / "saved")).to(DEVICE)
     plain = Trainer(model=loaded, args=arguments(tmp_path / "check"), eval_dataset=val)
     assert after != first and math.isclose(plain.evaluate()["eval_loss"], after, rel_tol=1e-6)
+
+
+def test_activation_checkpointing_through_the_trainer(tmp_path):
+    """TrainingArguments(activation_checkpointing=True) with parameters offloaded: each checkpointed block
+    fetches its parameters again for the recomputation; losses equal the plain Trainer's with the same setting."""
+    data = dataset(16)
+    plain = Trainer(model=gpt2().to(DEVICE), args=arguments(tmp_path / "plain", max_steps=2,
+                                                            activation_checkpointing=True), train_dataset=data)
+    plain.train()
+    with OffloadTrainer(model=gpt2(), args=arguments(tmp_path / "ours", max_steps=2, activation_checkpointing=True),
+                        train_dataset=data, offload_config=nvme(tmp_path, 3, params=True)) as trainer:
+        trainer.train()
+        assert trainer.engine.stats()["params"]["fetches"] > 0
+        for a, b in zip(logged(plain, "loss"), logged(trainer, "loss"), strict=True):
+            assert math.isclose(a, b, rel_tol=1e-5)
