@@ -54,6 +54,7 @@ from _common import huge_pages, mem_available, peak_rss, shape_for  # noqa: E402
 import offload  # noqa: E402
 from nvme_swapper import AioConfig, aligned_tensor  # noqa: E402
 from nvme_swapper._tune import measure  # noqa: E402
+from offload._device import fast_bf16  # noqa: E402
 from offload.config import parse_bytes  # noqa: E402
 from offload.memory import fmt_bytes  # noqa: E402
 from offload.models import GPT, GPTConfig, synthetic_batches  # noqa: E402
@@ -94,6 +95,9 @@ def main() -> None:
                     help="stage3_max_live_parameters (elements; default: the plan's)")
     ap.add_argument("--prefetch", type=float, default=None,
                     help="stage3_prefetch_bucket_size (elements; default: the plan's)")
+    ap.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
+                    help="training dtype; auto: bf16 where this CPU runs it at full speed (offload._device.fast_bf16), "
+                    "else fp32 (torch's bf16 matmuls are ~100x slower there)")
     ap.add_argument("--build", choices=["init", "bf16"], default="init",
                     help="init: inside offload.init (fp32 in a file arena); bf16: in RAM in bf16 (as before "
                          "offload.init)")
@@ -130,13 +134,17 @@ def main() -> None:
     live = min(int(args.live), n) if args.live else None
     base = Path(args.nvme_dir) if args.nvme_dir else Path.cwd()
     base.mkdir(parents=True, exist_ok=True)
+    dtype = args.dtype if args.dtype != "auto" else "bf16" if fast_bf16(torch.device("cpu")) else "fp32"
+    if args.build == "bf16" and dtype != "bf16":
+        sys.exit("error: --build bf16 builds the model in bf16: it needs --dtype bf16")
     with torch.device("meta"):
         plan = next(e for e in offload.estimate(model=GPT(cfg), sub_group_size=sub_group, buffer_count=args.buffers,
-                                                max_live_parameters=live, cuda=False)
+                                                max_live_parameters=live, cuda=False,
+                                                dtype_bytes=2 if dtype == "bf16" else 4)
                     if e.placement == "optimizer + parameters on nvme")
     avail, free = mem_available(), shutil.disk_usage(base).free
     print(f"train bench: GPT {layers} layers x {width} wide, {n / 1e9:.3g}B parameters, {args.tokens} tokens x "
-          f"{args.batch}; plan per tier: device {fmt_bytes(plan.device)}, host {fmt_bytes(plan.host)}, nvme "
+          f"{args.batch}, {dtype}; plan per tier: device {fmt_bytes(plan.device)}, host {fmt_bytes(plan.host)}, nvme "
           f"{fmt_bytes(plan.nvme)}; the model is built "
           + (f"inside offload.init (fp32 in a file arena, {fmt_bytes(4 * n)})" if args.build == "init" else
              f"in RAM in bf16 ({fmt_bytes(2 * n)})")
@@ -172,7 +180,7 @@ def main() -> None:
         if args.prefetch:
             zero["stage3_prefetch_bucket_size"] = int(args.prefetch)
         config = {
-            "bf16": {"enabled": True},
+            "bf16": {"enabled": dtype == "bf16"},
             "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.01, "betas": [0.9, 0.95]}},
             "zero_optimization": zero,
             "aio": aio_section,
