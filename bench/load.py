@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from _common import shape_for  # noqa: E402
 
-from offload._export import write_safetensors  # noqa: E402
+from offload._export import _unique, write_safetensors  # noqa: E402
 from offload._progress import progress  # noqa: E402
 from offload.config import parse_bytes  # noqa: E402
 from offload.memory import fmt_bytes  # noqa: E402
@@ -93,6 +93,21 @@ def placement_config(kind: str, nvme: Path, budget: int) -> dict:
             "offload": {"host_memory_budget": budget, "device": "cpu"}}
 
 
+def _fractions(text: str) -> dict[str, float]:
+    """``--budget`` ("nvme=0.75,host=1.25") as {placement: fraction of the checkpoint}."""
+    out = {}
+    for item in text.split(","):
+        kind, _, value = item.partition("=")
+        try:
+            out[kind.strip()] = float(value)
+        except ValueError:
+            raise SystemExit(f"error: --budget takes placement=fraction pairs such as nvme=0.75,host=1.25; got "
+                             f"{item!r}") from None
+        if kind.strip() not in ("nvme", "host") or out[kind.strip()] <= 0:
+            raise SystemExit(f"error: --budget placements are nvme and host, with positive fractions; got {item!r}")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", type=float, default=1e8)
@@ -102,20 +117,20 @@ def main() -> None:
     ap.add_argument("--nvme-dir", default=None)
     ap.add_argument("--out", default="results/load.json")
     args = ap.parse_args()
+    fractions = _fractions(args.budget)
     layers, width = shape_for(args.params, VOCAB, CONTEXT)
     cfg = GPTConfig(vocab_size=VOCAB, context=CONTEXT, layers=layers, heads=width // 64, width=width)
     work = Path(tempfile.mkdtemp(prefix="offload-load-", dir=args.nvme_dir))
     try:
         torch.manual_seed(0)
         model = GPT(cfg)
-        seen: set[int] = set()  # tied weights once, under their first name (as transformers saves them)
-        state = {k: v.detach() for k, v in model.state_dict().items() if id(v) not in seen and not seen.add(id(v))}
+        full = model.state_dict()
+        state = {k: full[k].detach() for k in _unique({k: id(v) for k, v in full.items()})}  # tied weights once
         ckpt = work / "checkpoint"
         sizes = [(k, v.numel() * v.element_size()) for k, v in state.items()]
         write_safetensors(ckpt, sizes, lambda names: {n: state[n] for n in names}, args.shard_size)
-        del model, state
+        model = full = state = None  # the loading processes measure their own memory; this one's is freed
         ckpt_bytes = sum(n for _, n in sizes)
-        fractions = {k: float(v) for k, v in (item.split("=") for item in args.budget.split(","))}
         shards = len(list(ckpt.glob("model-*.safetensors")))
         print(f"load bench: GPT {layers} x {width}, {cfg.num_parameters / 1e6:.0f}M parameters; checkpoint "
               f"{fmt_bytes(ckpt_bytes)} in {shards} shards of <= {fmt_bytes(parse_bytes(args.shard_size, 'shard'))}",

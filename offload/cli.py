@@ -29,7 +29,7 @@ import torch
 
 from ._device import default_device, fast_bf16
 from ._progress import bar
-from .config import parse_bytes
+from .config import parse_bytes, read_json
 from .memory import fmt_bytes
 
 
@@ -72,7 +72,7 @@ def demo(args: argparse.Namespace) -> int:
     swap = Path(tempfile.mkdtemp(prefix="offload-demo-", dir=root))
     try:
         bf16 = fast_bf16(default_device())
-        config = json.loads(Path(args.config).read_text()) if args.config else _demo_config(args, swap, bf16)
+        config = read_json(args.config) if args.config else _demo_config(args, swap, bf16)
         with offload.initialize(GPT(cfg), config) as engine:
             budget = engine.memory_report()["device"]["budget"]
             param_bytes = engine.plan().dtype_bytes
@@ -80,9 +80,8 @@ def demo(args: argparse.Namespace) -> int:
             print(f"offload demo: GPT {cfg.layers} layers x {cfg.width} wide, {n / 1e6:.1f}M parameters; "
                   f"parameters + Adam state = {fmt_bytes(state)}, device budget {fmt_bytes(budget)}"
                   + (f" ({state / budget:.1f}x smaller)" if budget else "")
-                  + f"; placement: {args.placement}; "
-                  + ("bf16" if engine.dtype is torch.bfloat16 else f"{str(engine.dtype).replace('torch.', '')}"
-                     + ("" if bf16 or args.config else " (no native bf16 on this CPU: fp32 is ~100x faster here)"))
+                  + f"; placement: {args.placement}; {str(engine.dtype).removeprefix('torch.')}"
+                  + ("" if bf16 or args.config else " (no native bf16 on this CPU: fp32 is ~100x faster here)")
                   + f"; swap under {swap}")
             data = synthetic_batches(cfg.vocab_size, args.batch, args.tokens, args.seed)
             first = last = None

@@ -46,7 +46,7 @@ from .._device import fast_bf16
 from .._precision import LossScaler
 from ..config import OffloadConfig
 from ..dist import Comm, GradPartition, ReduceBuckets, join
-from ..memory import CopyStreams, Tier, TieredStore, prepare_nvme_path
+from ..memory import CopyStreams, TieredStore, prepare_nvme_path
 from ..optim._layout import FlatLayout
 from ..optim._schedule import WarmupSchedule, build_scheduler
 from ..optim.offloaded import OffloadedAdam
