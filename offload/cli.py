@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -54,6 +55,20 @@ def _demo_config(args: argparse.Namespace, swap: Path, bf16: bool) -> dict[str, 
 
 
 def demo(args: argparse.Namespace) -> int:
+    """Trains the demo model; SIGTERM (a timeout, a job scheduler) ends it like Ctrl-C, through the cleanup that
+    closes the engine and removes the swap folder."""
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        return _demo(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _demo(args: argparse.Namespace) -> int:
     import offload
     from offload.models import GPT, GPTConfig, synthetic_batches
 
