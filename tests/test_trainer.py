@@ -211,6 +211,10 @@ TWO_RANKS = textwrap.dedent("""
     logs = [h for h in trainer.state.log_history if "loss" in h]
     if os.environ["RANK"] == "0":
         json.dump({{k: [h[k] for h in logs] for k in ("loss", "grad_norm")}}, open({result!r}, "w"))
+    # Both ranks leave the group together: a gloo group still alive at interpreter exit can abort one rank
+    # ("terminate called without an active exception") after the results are already written.
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 """)
 
 
