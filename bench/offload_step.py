@@ -51,10 +51,11 @@ def engine_for(n: int, device: str, nvme: Path, sub_group: int, buffers: int) ->
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
            "zero_optimization": {"sub_group_size": sub_group,
                                  "offload_optimizer": {"device": device, "nvme_path": str(nvme),
-                                                       "buffer_count": buffers}},
+                                                       "buffer_count": buffers,
+                                                       "overlap_step": False}},  # whole gradient buffers
            "aio": {"block_size": 4 << 20, "queue_depth": 8, "thread_count": 1}}
     engine = offload.initialize(Bag(n), cfg)
-    for g in engine.optimizer.grads:
+    for g in engine.optimizer.grads.whole:
         g.normal_(0, 1e-3)  # as if backward had streamed them in
     return engine
 

@@ -174,6 +174,7 @@ def estimate_command(args: argparse.Namespace) -> int:
     from .planner import best, config_for, estimate, table
 
     kw = dict(gpus=args.gpus, sub_group_size=int(args.sub_group_size), buffer_count=args.buffer_count,
+              gradient_clipping=args.gradient_clipping,
               gpu_mem=parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None,
               host_mem=parse_bytes(args.host_mem, "--host-mem") if args.host_mem else None,
               nvme_free=parse_bytes(args.nvme_free, "--nvme-free") if args.nvme_free else None)
@@ -366,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--nvme-free", help="free NVMe space, e.g. 2TB")
     e.add_argument("--sub-group-size", type=float, default=1e8)
     e.add_argument("--buffer-count", type=int, default=4)
+    e.add_argument("--gradient-clipping", type=float, default=0.0, help="the config's gradient_clipping: above 0 "
+                   "every gradient is held on the host until the step (else a few sub-groups' worth)")
     t = sub.add_parser("tune", help="measure a directory's disk and write the fastest aio settings as JSON")
     t.add_argument("--nvme-path", required=True, help="directory on the disk the swap files will use")
     t.add_argument("--size", default=None, help="bytes written and read per measurement (default 1GiB; 64MiB "

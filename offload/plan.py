@@ -43,6 +43,11 @@ STATE_SHARE = 16
 """The NVMe staging buffers hold at most 1/STATE_SHARE of the optimizer state they stream (and the spare extents on
 disk, sized by the writes in flight, no more)."""
 
+GRAD_SLOTS = 4
+"""Sub-group slots the host gradients start with when updates run during backward (optim/_grad_buffers.py): one
+filling, one spare, two queued for the optimizer thread. Backward waits for a slot only while updates are queued,
+so the optimizer thread stays busy, and the pool grows when sub-groups fill out of order."""
+
 SUB_GROUP_MAX = 100_000_000  # 1.2 GB of fp32 state per sub-group: larger requests buy nothing
 PERSISTENCE = 100_000  # elements: smaller parameters stay on the device (DeepSpeed's default), budget permitting
 SWAP_SLACK = 256 << 20
@@ -109,6 +114,7 @@ class Plan:
     grad_staging: bool  # gradients gather in device buckets before one copy each (CUDA)
     overlap: bool  # sub-groups updated during backward as their gradients become final
     delayed: bool  # one-step delayed parameter update (ZeRO-Offload's DPU)
+    grad_slots: int = 0  # host gradients in this many sub-group slots (0: whole buffers, every gradient held)
     why: Mapping[str, str] = field(default_factory=dict)
 
     @property
@@ -144,9 +150,23 @@ class Plan:
             lines.append(f"parameter window {self.max_live:,} elements, {self.prefetch_bucket:,} in flight, "
                          f"persistent up to {self.persistence_threshold:,}")
         lines.append(f"optimizer overlaps backward: {'yes' if self.overlap else 'no'}; delayed update: "
-                     f"{'yes' if self.delayed else 'no'}")
+                     f"{'yes' if self.delayed else 'no'}; host gradients: "
+                     + (f"{self.grad_slots} sub-group slots" if self.grad_slots else "whole buffers"))
         lines += [f"  {name}: {reason}" for name, reason in self.why.items()]
         return "\n".join(lines)
+
+
+def grad_slots(overlap: bool, accumulate: bool, optimizer_tier: Tier, why: dict[str, str]) -> int:
+    """Sub-group slots for the host gradients, or 0 for whole buffers: slots when each sub-group is updated during
+    backward as soon as its gradients are final (one micro-batch; the optimizer offloaded)."""
+    if overlap and not accumulate and optimizer_tier is not Tier.DEVICE:
+        why["host gradients"] = (f"{GRAD_SLOTS} sub-group slots to start: each sub-group's gradients are held from "
+                                 "their arrival until its update during backward has run")
+        return GRAD_SLOTS
+    if optimizer_tier is not Tier.DEVICE:
+        why["host gradients"] = ("whole buffers: every gradient is held until the step"
+                                 + (" (micro-batches accumulate)" if accumulate and overlap else ""))
+    return 0
 
 
 def spare_writes(total: int, slot: int, buffers: int) -> int:
@@ -167,6 +187,7 @@ class Sizes:
     prefetch_bucket: int
     grad_bucket: int
     persistence_threshold: int
+    grad_slots: int
 
 
 def _persistence(model: ModelSizes, dtype_bytes: int, device: int | None, why: dict[str, str]) -> int:
@@ -184,9 +205,10 @@ def _persistence(model: ModelSizes, dtype_bytes: int, device: int | None, why: d
 
 def choose_sizes(model: ModelSizes, *, optimizer_tier: Tier, param_tier: Tier, dtype_bytes: int, grad_bytes: int,
                  world_size: int, budgets: Mapping[Tier, int | None], staged: bool,
-                 given: Mapping[str, int | None]) -> tuple[Sizes, dict[str, str]]:
+                 given: Mapping[str, int | None], slots: int = 0) -> tuple[Sizes, dict[str, str]]:
     """The sizes of a plan: ``given`` (the configuration's values; None = derive) kept, the rest derived from the
-    budgets and the model (see the module docstring). Returns them with the reason for each derived one."""
+    budgets and the model (see the module docstring); ``slots``: the gradient slots asked for (:func:`grad_slots`),
+    kept unless the model is that few sub-groups. Returns them with the reason for each derived one."""
     why: dict[str, str] = {}
     n = -(-model.numel // world_size) if (optimizer_tier is not Tier.DEVICE or world_size > 1) else model.numel
     state = 12 * n
@@ -200,7 +222,8 @@ def choose_sizes(model: ModelSizes, *, optimizer_tier: Tier, param_tier: Tier, d
         sub = max(ALIGN, min(share // buffers, SUB_GROUP_MAX))
         host = budgets.get(Tier.HOST)
         if host is not None:  # the staging buffers take at most half of what the gradients leave of the host budget
-            room = (host - grad_bytes * n) // 2 // (12 * buffers)
+            room = (host - grad_bytes * n) // 2 // (12 * buffers) if not slots else \
+                host // 2 // (12 * buffers + grad_bytes * slots)  # the gradient slots are sub-groups too
             if ALIGN <= room < sub:
                 sub = room
                 why["sub_group_size"] = (f"{sub:,} elements: {buffers} staging buffers of {fmt_bytes(12 * sub)} fill "
@@ -245,7 +268,10 @@ def choose_sizes(model: ModelSizes, *, optimizer_tier: Tier, param_tier: Tier, d
         if bucket is None:
             bucket = max_live
             why["prefetch bucket"] = "the whole window in flight: the disk's queue stays deepest (docs/benchmarks.md)"
-    return Sizes(sub, buffers, max_live or 1, bucket or 1, grad_bucket, persistence_threshold), why
+    if slots and slots * sub >= n:  # the slots would hold as much as the whole buffer
+        slots = 0
+        why["host gradients"] = f"whole buffers: the model fits in {GRAD_SLOTS} sub-groups"
+    return Sizes(sub, buffers, max_live or 1, bucket or 1, grad_bucket, persistence_threshold, slots), why
 
 
 def expected_bytes(plan: Plan, model: ModelSizes) -> dict[Tier, int]:
@@ -282,8 +308,12 @@ def expected_bytes(plan: Plan, model: ModelSizes) -> dict[Tier, int]:
     if plan.optimizer_tier is Tier.DEVICE:
         out[Tier.DEVICE] += g * owned + 12 * owned
     else:
-        stagger = 2 << 20 if g * owned >= (64 << 20) else 0  # huge-page offset of large gradient buffers
-        out[Tier.HOST] += (g * owned + stagger) * (2 if plan.delayed else 1)
+        if plan.grad_slots:
+            stagger = 2 << 20 if g * max_sg >= (64 << 20) else 0  # huge-page offset of large gradient buffers
+            out[Tier.HOST] += (g * max_sg + stagger) * plan.grad_slots
+        else:
+            stagger = 2 << 20 if g * owned >= (64 << 20) else 0
+            out[Tier.HOST] += (g * owned + stagger) * (2 if plan.delayed else 1)
     if plan.optimizer_tier is Tier.HOST:
         out[Tier.HOST] += 12 * owned
     elif plan.optimizer_tier is Tier.NVME:
@@ -343,13 +373,14 @@ def resolve(cfg: OffloadConfig, model: ModelSizes, *, device: torch.device, worl
         why["overlap"] = "off: " + "; ".join(blockers)
     staged = (device.type == "cuda" or STAGE_ON_CPU) and optimizer_tier is not Tier.DEVICE
     dtype_bytes = torch.empty((), dtype=cfg.dtype).element_size()
+    slots = grad_slots(not blockers, accumulate, optimizer_tier, why)
     sizes, chosen = choose_sizes(
         model, optimizer_tier=optimizer_tier, param_tier=param_tier, dtype_bytes=dtype_bytes,
         grad_bytes=4 if accumulate else dtype_bytes, world_size=world_size, budgets=budgets, staged=staged,
         given={"sub_group_size": zero.sub_group_size, "buffer_count": zero.offload_optimizer.buffer_count,
                "max_live": zero.stage3_max_live_parameters, "prefetch_bucket": zero.stage3_prefetch_bucket_size,
                "grad_bucket": zero.reduce_bucket_size,
-               "persistence_threshold": zero.stage3_param_persistence_threshold})
+               "persistence_threshold": zero.stage3_param_persistence_threshold}, slots=slots)
     why.update(chosen)
     return Plan(
         device=device, world_size=world_size, rank=rank, local_world_size=local_world_size, stage=zero.stage,
@@ -360,7 +391,7 @@ def resolve(cfg: OffloadConfig, model: ModelSizes, *, device: torch.device, worl
         sub_group_size=sizes.sub_group_size, buffer_count=sizes.buffer_count,
         max_live=sizes.max_live, prefetch_bucket=sizes.prefetch_bucket,
         persistence_threshold=sizes.persistence_threshold, grad_bucket=sizes.grad_bucket,
-        grad_staging=staged, overlap=not blockers, delayed=delayed, why=why)
+        grad_staging=staged, overlap=not blockers, delayed=delayed, grad_slots=sizes.grad_slots, why=why)
 
 
 def resolve_budgets(cfg: OffloadConfig, device: torch.device, local_world_size: int = 1,

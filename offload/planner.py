@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from .memory import Tier, fmt_bytes
-from .plan import ModelSizes, Partition, Plan, choose_sizes, expected_bytes
+from .plan import ModelSizes, Partition, Plan, choose_sizes, expected_bytes, grad_slots
 
 PLACEMENTS = [  # (name, optimizer state, parameters)
     ("no offload", "none", "none"),
@@ -47,11 +47,13 @@ def estimate(num_params: int | None = None, *, model: torch.nn.Module | None = N
              gradient_accumulation_steps: int = 1, sub_group_size: int | None = None, buffer_count: int | None = None,
              max_live_parameters: int | None = None, prefetch_bucket_size: int | None = None,
              persistence_threshold: int | None = None, gpus: int = 1, gpu_mem: int | None = None,
-             host_mem: int | None = None, nvme_free: int | None = None, cuda: bool = True) -> list[Estimate]:
+             host_mem: int | None = None, nvme_free: int | None = None, cuda: bool = True,
+             gradient_clipping: float = 0.0) -> list[Estimate]:
     """Peak bytes per tier (per rank) for each placement of :data:`PLACEMENTS`, and whether each fits the given
     memory (``gpu_mem`` per device, ``host_mem`` and ``nvme_free`` per machine shared by ``gpus`` ranks). Sizes
     left None are derived as ``initialize`` derives them; ``cuda``: the device is a GPU (False: the CPU's device
-    tier, as on a machine without one)."""
+    tier, as on a machine without one); ``gradient_clipping`` > 0 holds every gradient until the step (as do
+    several ranks and accumulation), else the host gradients take a few sub-group slots."""
     if (num_params is None) == (model is None):
         raise ValueError("estimate: give exactly one of num_params and model")
     if gpus < 1:
@@ -72,12 +74,16 @@ def estimate(num_params: int | None = None, *, model: torch.nn.Module | None = N
     for name, opt, par in PLACEMENTS:
         optimizer_tier, param_tier = _TIER[opt], _TIER[par]
         staged = cuda and optimizer_tier is not Tier.DEVICE
-        chosen, why = choose_sizes(
+        why: dict[str, str] = {}
+        overlap = gpus == 1 and gradient_clipping <= 0
+        slots = grad_slots(overlap, accumulate, optimizer_tier, why)
+        chosen, chosen_why = choose_sizes(
             sizes, optimizer_tier=optimizer_tier, param_tier=param_tier, dtype_bytes=dtype_bytes,
             grad_bytes=4 if accumulate else dtype_bytes, world_size=gpus, budgets=budgets, staged=staged,
             given={"sub_group_size": sub_group_size, "buffer_count": buffer_count, "max_live": max_live_parameters,
                    "prefetch_bucket": prefetch_bucket_size, "grad_bucket": None,
-                   "persistence_threshold": persistence_threshold})
+                   "persistence_threshold": persistence_threshold}, slots=slots)
+        why.update(chosen_why)
         partition = Partition.NONE if gpus == 1 else Partition.PER_PARAM if par != "none" else Partition.FLAT
         plan = Plan(device=torch.device("cuda" if cuda else "cpu"), world_size=gpus, rank=0, local_world_size=gpus,
                     stage=3 if par != "none" else 2, partition=partition, dtype=dtype,
@@ -87,7 +93,8 @@ def estimate(num_params: int | None = None, *, model: torch.nn.Module | None = N
                     sub_group_size=chosen.sub_group_size, buffer_count=chosen.buffer_count,
                     max_live=chosen.max_live,
                     prefetch_bucket=chosen.prefetch_bucket, persistence_threshold=chosen.persistence_threshold,
-                    grad_bucket=chosen.grad_bucket, grad_staging=staged, overlap=True, delayed=False, why=why)
+                    grad_bucket=chosen.grad_bucket, grad_staging=staged, overlap=overlap, delayed=False,
+                    grad_slots=chosen.grad_slots, why=why)
         used = {t.value: b for t, b in expected_bytes(plan, sizes).items()}
         given = {"device": gpu_mem, "host": budgets[Tier.HOST], "nvme": budgets[Tier.NVME]}
         over = [t for t in ("device", "host", "nvme") if given[t] is not None and used[t] > given[t]]

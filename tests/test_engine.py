@@ -171,7 +171,7 @@ def test_fp16_dynamic_loss_scale_skips_overflow(tmp_path):
 @pytest.mark.parametrize("device", ["cpu", "nvme"])
 def test_overlapped_and_serial_steps_are_identical(tmp_path, device, gradients):
     data = batches(5)
-    results, overlapped = [], []
+    results, overlapped, shapes = [], [], []
     for overlap in (True, False):
         model = make()
         cfg = config(tmp_path / str(overlap), device, bf16={"enabled": True},
@@ -182,9 +182,116 @@ def test_overlapped_and_serial_steps_are_identical(tmp_path, device, gradients):
             train(engine, data)
             results.append(engine.consolidated_state_dict())
             overlapped.append(engine.stats()["sub_groups_overlapped"])
+            shapes.append(engine.stats()["gradient_buffers"]["shape"])
     for k in results[0]:
         assert torch.equal(results[0][k], results[1][k]), k
     assert overlapped[0] > 0 and overlapped[1] == 0  # queued during backward; when they ran is up to the OS
+    assert shapes == ["slots", "whole"]  # sub-group slots give the same bits as every gradient held
+
+
+class Crossed(torch.nn.Module):
+    """Parameters registered a0 b0 a1 b1 ... but used a's first, then b's: each sub-group holds an a and a b, so
+    backward (the b's first) leaves every sub-group partly filled until it reaches the a's. Each b has padding
+    after it in the flat layout (300 elements, aligned to 256)."""
+
+    def __init__(self, n: int = 8) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.n = n
+        for i in range(n):
+            self.register_parameter(f"a{i}", torch.nn.Parameter(1 + 0.1 * torch.randn(512, generator=g)))
+            self.register_parameter(f"b{i}", torch.nn.Parameter(0.1 * torch.randn(300, generator=g)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i in range(self.n):
+            x = torch.tanh(x * getattr(self, f"a{i}"))
+        return sum((x[:, :300] * getattr(self, f"b{i}")).sum(-1) for i in range(self.n))
+
+
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_gradient_slots_when_sub_groups_fill_out_of_order(tmp_path, device, gradients):
+    """Gradients held in sub-group slots (one micro-batch, no clipping): when more sub-groups are open at once
+    than there are slots and no update is queued to free one, the pool grows instead of deadlocking. The result
+    equals torch's AdamW, and the layout's padding keeps zero master weights although the slots are reused."""
+    xs = [torch.randn(4, 512, generator=torch.Generator().manual_seed(i)) for i in range(5)]
+    model, ref = Crossed(), Crossed().to(DEVICE)
+    cfg = config(tmp_path, device, zero_optimization={"sub_group_size": 1024})
+    with offload.initialize(model, cfg) as engine:
+        assert engine.plan().grad_slots == offload.plan.GRAD_SLOTS < len(engine.layout.sub_groups) == 8
+        for x in xs:
+            engine.backward(engine(x).pow(2).mean())
+            engine.step()
+        slots = engine.stats()["gradient_buffers"]
+        assert slots["shape"] == "slots" and slots["grown"] == 8 - offload.plan.GRAD_SLOTS
+        assert slots["held_peak"] == 8  # every sub-group open before the first is complete
+        for sg in engine.layout.sub_groups:
+            block = engine.optimizer.read_state(sg)
+            assert sg.numel == 1024 and not block[812 : 1024].any()  # b's padding: master, moments
+            assert not block[1024 + 812 : 2048].any() and not block[2048 + 812 :].any()
+            engine.optimizer.done_state(sg, dirty=False)
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, betas=(0.9, 0.99), eps=1e-8)
+    for x in xs:
+        opt.zero_grad()
+        ref(x.to(DEVICE)).pow(2).mean().backward()
+        opt.step()
+    for p, r in zip(model.parameters(), ref.parameters()):
+        close_enough(p, r, 1e-5)
+
+
+def test_gradient_slots_save_the_host_gradient_buffer(tmp_path):
+    """With slots the host tier holds a few sub-groups of gradients instead of the whole model's: its peak drops by
+    the difference, and the planner's estimate follows."""
+    peaks, estimates = {}, {}
+    for overlap in (True, False):
+        cfg = config(tmp_path / str(overlap), "nvme", zero_optimization={
+            "sub_group_size": 1024, "offload_optimizer": {"device": "nvme", "overlap_step": overlap,
+                                                          "nvme_path": str(tmp_path / "nvme")}})
+        with offload.initialize(make(), cfg) as engine:
+            train(engine, batches(2))
+            peaks[overlap] = engine.memory_report()["host"]["peak"]
+            sizes = offload.plan.ModelSizes.of(engine.layout.params)
+            estimates[overlap] = offload.plan.expected_bytes(engine.plan(), sizes)[offload.plan.Tier.HOST]
+            owned, sub = engine.layout.owned_numel(0), engine.layout.max_sub_group_numel
+    assert peaks[False] - peaks[True] == 4 * (owned - offload.plan.GRAD_SLOTS * sub)
+    for overlap in (True, False):
+        assert abs(estimates[overlap] - peaks[overlap]) <= 0.1 * peaks[overlap]
+
+
+class _FailInBackward(torch.autograd.Function):
+    armed = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if _FailInBackward.armed:
+            raise RuntimeError("injected error in the model's backward")
+        return grad
+
+
+def test_an_error_in_a_windows_first_backward_drops_the_window(tmp_path):
+    """The model's own backward raises halfway (the later layers' gradients already sent to the host) in the first
+    micro-batch of a window, before any update: the window is dropped, the engine is idle again, and training on
+    equals a run that never saw that batch."""
+    data, bad = batches(6), batches(1, seed=9)[0]
+    model = make()
+    with offload.initialize(model, config(tmp_path, "nvme", gradient_accumulation_steps=2)) as engine:
+        engine.module.blocks[0].register_forward_hook(lambda m, i, out: _FailInBackward.apply(out))
+        train(engine, data[:2], gas=2)
+        _FailInBackward.armed = True
+        try:
+            with pytest.raises(RuntimeError, match="injected error"):
+                engine.backward(lm_loss(engine(bad[0]), bad[1]))
+        finally:
+            _FailInBackward.armed = False
+        assert engine.phase is offload.Phase.IDLE and engine.micro_steps == 2
+        train(engine, data[2:], gas=2)
+        assert engine.global_steps == 3
+    ref = reference_fp32(3, data, gas=2)
+    for p, r in zip(model.parameters(), ref.parameters()):
+        close_enough(p.detach(), r.detach(), 1e-5)
 
 
 def test_optimizer_state_four_times_host_budget_on_nvme(tmp_path):
@@ -323,6 +430,27 @@ def test_close_joins_threads_and_removes_swap_files(tmp_path):
     assert list((tmp_path / "nvme").iterdir()) == []
     with pytest.raises(RuntimeError, match="closed"):
         engine.step()
+
+
+def test_an_engine_left_open_is_closed_at_exit(tmp_path):
+    """A script that never closes its engine (optimizer and parameters on NVMe) exits cleanly: the engine is closed
+    at interpreter exit, its threads joined and its swap files removed."""
+    script = textwrap.dedent(f"""
+        import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})
+        import offload
+        from models import batches, lm_loss, make
+        cfg = {{"zero_optimization": {{"stage": 3, "sub_group_size": 4096,
+                "offload_optimizer": {{"device": "nvme", "nvme_path": {str(tmp_path / "opt")!r}}},
+                "offload_param": {{"device": "nvme", "nvme_path": {str(tmp_path / "param")!r}}}}}}}
+        engine = offload.initialize(make(), cfg)
+        for x, y in batches(2):
+            engine.backward(lm_loss(engine(x), y)); engine.step()
+        print(any(p.is_file() for p in __import__("pathlib").Path({str(tmp_path)!r}).rglob("*")), flush=True)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr[-2000:]
+    assert "terminate called" not in done.stderr
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
 
 
 def test_param_groups_and_lr_scheduler(tmp_path):

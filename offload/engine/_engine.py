@@ -29,8 +29,10 @@ copies or nothing.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
+import weakref
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -64,6 +66,7 @@ class Phase(Enum):
     BACKWARD = "backward"  # engine.backward is running
     ACCUMULATING = "accumulating"  # gradients of this accumulation window are held; backward or step comes next
     STEP = "step"  # engine.step is running
+    FAILED = "failed"  # a backward or step raised: state may be half updated; load a checkpoint, or close
     CLOSED = "closed"
 
 
@@ -93,6 +96,7 @@ class Engine:
             raise ValueError(f"initialize: model must be a torch.nn.Module, got {type(model).__name__}")
         self.module = model
         self.phase = Phase.IDLE
+        self._failure = ""  # what put the engine in Phase.FAILED
         self.global_steps = 0
         self.micro_steps = 0
         self.last_grad_norm: float | None = None
@@ -117,6 +121,7 @@ class Engine:
             close_after_failure(self._teardown, exc)
             raise
         self._comm_mark = self._comm_totals()
+        _unclosed.add(self)
         self.last_step_comm = {"payload_bytes": 0, "wire_bytes": 0}
 
     # construction -----------------------------------------------------------------------------------------------
@@ -145,13 +150,13 @@ class Engine:
         self.optimizer = OffloadedAdam(self.layout, self.store, self.copies, cfg.optimizer, plan.optimizer_tier,
                                        group_options=options, nvme_path=nvme["offload_optimizer"],
                                        buffer_count=plan.buffer_count, aio=cfg.aio, grad_dtype=plan.grad_dtype,
-                                       grad_buffers=2 if plan.delayed else 1,
+                                       grad_sets=2 if plan.delayed else 1, grad_slots=plan.grad_slots,
                                        lazy_rows=sparse if cfg.sparse_gradients == "lazy" else None)
         self.lr_scheduler = build_scheduler(cfg.scheduler, self.optimizer)
         self._zero = GradPartition(self.comm, self.layout)
         self.weights = Weights(plan, self.module, self.layout, self.store, self.copies, self.comm, self.optimizer,
                                aio=cfg.aio, nvme_path=nvme["offload_param"])
-        self.grads = GradientStream(plan, self.layout, self.store, self.copies, host=lambda: self.optimizer.grads,
+        self.grads = GradientStream(plan, self.layout, self.store, self.copies, dest=self.optimizer.grads.of,
                                     on_ready=self._sub_group_ready)
         self.optimizer.grad_handles = self.grads.handles
         if plan.world_size > 1 and not self.layout.per_param:
@@ -230,13 +235,18 @@ class Engine:
 
     def backward(self, loss: torch.Tensor, *, scale_wrt_gas: bool = True) -> None:
         """Backward of ``loss`` scaled by the fp16 loss scale and, unless ``scale_wrt_gas`` is False (a loss the
-        caller already normalised over the accumulation window), by 1/gradient_accumulation_steps."""
+        caller already normalised over the accumulation window), by 1/gradient_accumulation_steps.
+
+        If it raises in a window's first micro-batch before any update started, the window is dropped and the
+        engine is idle again; otherwise (earlier micro-batches, or updates already running) it is FAILED until a
+        checkpoint is loaded."""
         self._expect("engine.backward(loss)", Phase.IDLE, Phase.ACCUMULATING)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("engine.backward expects a scalar loss tensor")
         gas = self.gradient_accumulation_steps
         self._last_micro = self._boundary if self._boundary is not None else self.micro_steps % gas == gas - 1
         divisor = gas if scale_wrt_gas else 1
+        first, queued = self.phase is Phase.IDLE, self.optimizer.sub_groups_overlapped
         self.phase = Phase.BACKWARD
         self.optimizer.begin_backward()
         self.grads.begin_micro_batch()
@@ -248,11 +258,17 @@ class Engine:
             if self._reduce is not None:
                 self._reduce.end_backward()  # the last buckets reach their owners
             self.grads.end_backward()
+        except BaseException as exc:
+            self._fail("engine.backward", exc)
+            raise
         finally:
             self.optimizer.end_backward()
             if self.weights.params is not None:
                 self.weights.params.end_backward(step_follows=self._last_micro)
-            self.phase = Phase.ACCUMULATING
+            if self.phase is Phase.FAILED and first and self.optimizer.sub_groups_overlapped == queued:
+                self._discard_window()  # nothing was updated and no earlier micro-batch is lost: start afresh
+                self.phase = Phase.IDLE
+        self.phase = Phase.ACCUMULATING
         self.micro_steps += 1
 
     def _on_grad(self, i: int, p: torch.Tensor) -> None:
@@ -296,9 +312,16 @@ class Engine:
         self.phase = Phase.STEP
         try:
             self._step()
+        except FloatingPointError:  # raised before any update: the window's gradients are dropped, state is intact
+            self.phase = Phase.IDLE
+            raise
+        except BaseException as exc:
+            self._fail("engine.step", exc)
+            raise
+        else:
+            self.phase = Phase.IDLE
         finally:
             self.grads.new_window()
-            self.phase = Phase.IDLE
             totals = self._comm_totals()
             self.last_step_comm = {k: totals[k] - self._comm_mark[k] for k in totals}
             self._comm_mark = totals
@@ -331,7 +354,7 @@ class Engine:
                     grad_scale /= coef
         if plan.delayed:
             opt.launch(grad_scale, wait_first=tuple(uploads))  # runs beside the next forward/backward
-            opt.swap_grads()
+            opt.grads.swap()
             self.weights.pending = True
         else:
             opt.step(grad_scale=grad_scale)
@@ -358,7 +381,9 @@ class Engine:
         """The global norm: of this rank's share here, summed in squares over ranks (the same on every rank, so
         all skip an overflowing fp16 step together)."""
         total = 0.0
-        for g in self.optimizer.grads:
+        whole = self.optimizer.grads.whole
+        assert whole is not None, "the gradient norm needs every gradient: the plan holds them whole"
+        for g in whole:
             n = torch.linalg.vector_norm(g, dtype=torch.float32).item()
             if math.isinf(n) and bool(torch.isfinite(g).all()):  # the squares overflowed, not the gradients
                 n = torch.linalg.vector_norm(g, dtype=torch.float64).item()
@@ -412,6 +437,7 @@ class Engine:
             "overlap_fraction": opt.adam_seconds_overlapped / opt.adam_seconds if opt.adam_seconds else 0.0,
             "sub_groups_overlapped": opt.sub_groups_overlapped,
             "gradient_copies": dict(self.grads.sends),
+            "gradient_buffers": opt.grads.stats(),
             "nvme": self.store.swap_stats(),
             "params": self.weights.stats(),
             "reduce": self._reduce.stats() if self._reduce is not None else None,  # stages 1-2 on several ranks
@@ -473,11 +499,26 @@ class Engine:
 
     def load_checkpoint(self, path: str | Path, tag: str | None = None) -> str:
         """Restores a checkpoint written by save_checkpoint (``latest`` unless ``tag``); returns the tag."""
-        self._expect("engine.load_checkpoint()", Phase.IDLE, Phase.ACCUMULATING)
-        self.optimizer.wait()
+        self._expect("engine.load_checkpoint()", Phase.IDLE, Phase.ACCUMULATING, Phase.FAILED)
+        self._discard_window()
         tag = _checkpoint.load(self, Path(path), tag)
         self.phase = Phase.IDLE
         return tag
+
+    def _discard_window(self) -> None:
+        """Before a load replaces the state: drops what the accumulation window held, or what a backward or step
+        that failed left behind (updates queued, gradients half sent, the error they already raised)."""
+        try:
+            self.optimizer.finish()
+            self.grads.wait()
+        except Exception as exc:  # noqa: BLE001 - raised once already; the load overwrites what it touched
+            log.warning("offload: loading a checkpoint over a failed step (%s: %s)", type(exc).__name__, exc)
+        self.optimizer.skip()
+        self.optimizer.grads.drop()
+        self.grads.new_window()
+        self.grads.begin_micro_batch()
+        for p in self.layout.params:  # an interrupted backward leaves some: the next would add to them
+            p.grad = None
 
     # lifetime ---------------------------------------------------------------------------------------------------
 
@@ -485,8 +526,15 @@ class Engine:
         if self.phase is Phase.CLOSED:
             raise RuntimeError("the engine is closed")
 
+    def _fail(self, call: str, exc: BaseException) -> None:
+        self.phase = Phase.FAILED
+        self._failure = f"{call} raised {type(exc).__name__}: {exc}"
+
     def _expect(self, call: str, *allowed: Phase) -> None:
         self._check_open()
+        if self.phase is Phase.FAILED and Phase.FAILED not in allowed:
+            raise RuntimeError(f"{call}: {self._failure}, which may have left gradients, parameters or optimizer "
+                               "state half updated; load a checkpoint (engine.load_checkpoint) or close the engine")
         if self.phase not in allowed:
             raise RuntimeError(f"{call} called while the engine is in phase {self.phase.value!r} (allowed: "
                                f"{', '.join(p.value for p in allowed)}); calls from hooks or other threads during "
@@ -497,8 +545,13 @@ class Engine:
         The model keeps working with its current parameters."""
         if self.phase is Phase.CLOSED:
             return
+        _unclosed.discard(self)
         try:
-            self.optimizer.finish()
+            try:
+                self.optimizer.finish()
+            except Exception:  # noqa: BLE001 - a failed step's error, raised already
+                if self.phase is not Phase.FAILED:
+                    raise
             for copy in self.weights.apply_update(self._zero):  # the model keeps every update it was given
                 copy.wait()
         finally:
@@ -550,6 +603,22 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_unclosed: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """Engines of one rank still open when the interpreter exits are closed while their threads still run, so
+    their swap files are removed and no thread is killed inside a torch op. This cannot be done with several
+    ranks: closing may call collectives that ranks already gone would never join."""
+    for engine in list(_unclosed):
+        if engine.world_size == 1:
+            try:
+                engine.close()
+            except Exception as exc:  # noqa: BLE001 - exiting anyway: say so, close the others
+                log.warning("offload: closing an engine at exit failed: %s", exc)
 
 
 _warned_bf16 = False

@@ -50,9 +50,8 @@ class _Piece:
 
 @dataclass(eq=False)
 class _Bucket:
-    group: int
     sub_group: int
-    start: int  # flat range [start, end) of the group's buffer, inside this rank's range and one sub-group
+    start: int  # flat range [start, end) of its group's buffer, inside this rank's range and one sub-group
     end: int
     pieces: list[_Piece] = field(default_factory=list)
     gaps: list[tuple[int, int]] = field(default_factory=list)  # alignment padding, [lo, hi) from start: zeros
@@ -70,13 +69,14 @@ class _Bucket:
 
 class GradientStream:
     """Owns the buckets, the device staging buffers, the pinned landing buffers and the accumulation thread of one
-    engine's gradients. ``host()`` returns the current host gradient buffers (the optimizer swaps them for the
-    delayed update); ``on_ready(k)`` is called when sub-group ``k``'s gradients have all been sent."""
+    engine's gradients. ``dest(k)`` is where sub-group ``k``'s gradients go on the host (the optimizer's
+    :class:`~offload.optim._grad_buffers.GradientBuffers`); ``on_ready(k)`` is called when they have all been
+    sent."""
 
     def __init__(self, plan: Plan, layout: FlatLayout, store: TieredStore, copies: CopyStreams, *,
-                 host: Callable[[], list[torch.Tensor]], on_ready: Callable[[int], None]) -> None:
+                 dest: Callable[[int], torch.Tensor], on_ready: Callable[[int], None]) -> None:
         self.layout, self.store, self.copies = layout, store, copies
-        self._host, self._on_ready = host, on_ready
+        self._dest, self._on_ready = dest, on_ready
         self._adds: Worker | None = None
         self.accumulate = plan.accumulate
         self.staged = plan.grad_staging
@@ -109,7 +109,7 @@ class GradientStream:
     def _cut(self, bucket: int) -> None:
         for sg in self.layout.sub_groups:
             for start in range(sg.start, sg.end, bucket):
-                b = _Bucket(sg.group, sg.index, start, min(start + bucket, sg.end))
+                b = _Bucket(sg.index, start, min(start + bucket, sg.end))
                 self.buckets.append(b)
                 self._of_sub_group[sg.index].append(b)
                 covered = b.start
@@ -200,8 +200,8 @@ class GradientStream:
 
     def _write(self, bucket: _Bucket, flat_start: int, src: torch.Tensor) -> None:
         """Direct mode: ``src`` straight into the gradient buffer, copied in the first micro-batch of a window."""
-        lo = flat_start - self.layout.owned[bucket.group][0]
-        dst = self._host()[bucket.group][lo : lo + src.numel()]
+        lo = flat_start - self.layout.sub_groups[bucket.sub_group].start
+        dst = self._dest(bucket.sub_group)[lo : lo + src.numel()]
         if bucket.written:
             dst.add_(src)
         else:
@@ -210,9 +210,9 @@ class GradientStream:
     def _send(self, bucket: _Bucket, flat_start: int, src: torch.Tensor, *, single: bool = False) -> Any:
         """Staged mode: one asynchronous copy of ``src`` (device) to its place in the host gradient buffer, through
         a landing buffer and an add on the optimizer thread when micro-batches accumulate."""
-        lo = flat_start - self.layout.owned[bucket.group][0]
+        lo = flat_start - self.layout.sub_groups[bucket.sub_group].start
         n = src.numel()
-        dst = self._host()[bucket.group][lo : lo + n]
+        dst = self._dest(bucket.sub_group)[lo : lo + n]
         self.sends["pieces" if single else "buckets"] += 1
         if self._landing is None:
             copy = self.copies.to_host(dst, src)
@@ -234,8 +234,8 @@ class GradientStream:
                 lo = piece.flat_start - bucket.start
                 bucket.staging[lo : lo + piece.numel].zero_()
             elif not bucket.written:
-                lo = piece.flat_start - self.layout.owned[bucket.group][0]
-                self._host()[bucket.group][lo : lo + piece.numel].zero_()
+                lo = piece.flat_start - self.layout.sub_groups[bucket.sub_group].start
+                self._dest(bucket.sub_group)[lo : lo + piece.numel].zero_()
         bucket.pending = 0
 
     def _flush(self, bucket: _Bucket) -> None:

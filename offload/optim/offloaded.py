@@ -2,9 +2,9 @@
 
 Per sub-group (see :mod:`._layout`) the state is one flat fp32 block ``[master | exp_avg | exp_avg_sq]``: one
 allocation on HOST, or one NVMe key read and written in a single request. Gradients arrive (from the engine's
-:class:`~offload.engine._grads.GradientStream`) in one host buffer per param group: fp32 when micro-batches
-accumulate into it, else the training dtype (a bf16 gradient widened to fp32 carries no more information, and the
-kernel reads bf16/fp16 directly). An update first waits for the handles of the copies that bring its sub-group's
+:class:`~offload.engine._grads.GradientStream`) in :class:`~._grad_buffers.GradientBuffers`: whole buffers, or a few
+sub-group slots when updates run during backward; fp32 when micro-batches accumulate, else the training dtype (a
+bf16 gradient widened to fp32 carries no more information, and the kernel reads bf16/fp16 directly). An update first waits for the handles of the copies that bring its sub-group's
 gradients (``grad_handles``). Updating a sub-group is one pass of the CPU Adam kernel, which also writes the new
 low-precision parameters: straight into their target when it is host memory (the CPU device tier, host homes, the
 delayed update's buffer), else into a pinned staging buffer whose copy to the device then runs on the
@@ -31,6 +31,7 @@ from ..config import OptimizerConfig
 from ..memory import CopyStreams, StagingRing, Tier, TieredStore, fmt_bytes, wait_all
 from ..ops import adam_step
 from ..plan import spare_writes
+from ._grad_buffers import GradientBuffers
 from ._layout import FlatLayout, SubGroup
 
 _FIX_HOST = ("lower zero_optimization.sub_group_size, offload the optimizer to nvme, or raise "
@@ -44,8 +45,9 @@ class OffloadedAdam(torch.optim.Optimizer):
     def __init__(self, layout: FlatLayout, store: TieredStore, copies: CopyStreams, cfg: OptimizerConfig,
                  placement: Tier, *, group_options: list[dict[str, Any]] | None = None, nvme_path: str | None = None,
                  buffer_count: int = 4, aio: Any = None, grad_dtype: torch.dtype = torch.float32,
-                 grad_buffers: int = 1, lazy_rows: dict[int, int] | None = None) -> None:
-        """``lazy_rows``: {parameter index: row width} of parameters (embeddings) whose rows with a zero gradient
+                 grad_sets: int = 1, grad_slots: int = 0, lazy_rows: dict[int, int] | None = None) -> None:
+        """``grad_sets``, ``grad_slots``: the shape of the gradient buffers (see :class:`GradientBuffers`).
+        ``lazy_rows``: {parameter index: row width} of parameters (embeddings) whose rows with a zero gradient
         are left as they are by a step (parameter, moments and weight decay: lazy Adam) instead of updated as
         dense Adam does; only with the state offloaded (the CPU kernel)."""
         n_groups = len(layout.group_numel)
@@ -75,12 +77,8 @@ class OffloadedAdam(torch.optim.Optimizer):
         self._ran: list[int] = []  # sub-groups in the order the stepper updated them (the next step reads ahead so)
         self._launched = False
         self._in_backward = False
-        grad_tier = Tier.DEVICE if placement is Tier.DEVICE else Tier.HOST
-        self._grad_sets = [[store.allocate(grad_tier, layout.owned_numel(g), grad_dtype,
-                                           f"{grad_dtype} gradients of param group {g}", _FIX_HOST, stagger=1)
-                            for g in range(n_groups)] for _ in range(grad_buffers)]
-        self._grad_index = 0
-        self.grads = self._grad_sets[0]  # where the engine's hooks write; the other set (if any) feeds updates
+        self.grads = GradientBuffers(layout, store, Tier.DEVICE if placement is Tier.DEVICE else Tier.HOST,
+                                     grad_dtype, sets=grad_sets, slots=grad_slots)
         self._state: list[torch.Tensor] = []
         if placement is Tier.NVME:
             if not nvme_path:
@@ -152,16 +150,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         until the first step, so parameter offload writes the initial homes through it."""
         return self._staging
 
-    def swap_grads(self) -> None:
-        """Hooks write the other gradient set from now on (delayed update: backward t+1 beside update t)."""
-        self._grad_index = (self._grad_index + 1) % len(self._grad_sets)
-        self.grads = self._grad_sets[self._grad_index]
-
     # the step ---------------------------------------------------------------------------------------------------
-
-    def grad_slice(self, sg: SubGroup, grads: list[torch.Tensor] | None = None) -> torch.Tensor:
-        own0 = self.layout.owned[sg.group][0]
-        return (grads or self.grads)[sg.group][sg.start - own0 : sg.end - own0]
 
     def begin_backward(self) -> None:
         self._in_backward = True
@@ -179,8 +168,9 @@ class OffloadedAdam(torch.optim.Optimizer):
         # the hyperparameters as they are now: an LR scheduler stepping while the update runs (delayed update)
         # changes the next step's, not this one's
         group = {k: v for k, v in self.param_groups[self.layout.sub_groups[sg].group].items() if k != "params"}
-        self._stepper.submit(self._update, sg, grad_scale, self.grads, self.step_count + 1, waits, self.copies.mark(),
-                             self.copies.current_stream(), group)
+        job = self._stepper.submit(self._update, sg, grad_scale, self.grads.for_update(sg), self.step_count + 1,
+                                   waits, self.copies.mark(), self.copies.current_stream(), group)
+        self.grads.queued(sg, job)
 
     def step(self, closure: Any = None, *, grad_scale: float = 1.0) -> None:  # type: ignore[override]
         """Updates every sub-group not already updated during backward; returns when all are done.
@@ -209,6 +199,7 @@ class OffloadedAdam(torch.optim.Optimizer):
             if self.placement is Tier.NVME:
                 self.store.drain()
         finally:
+            self.grads.reclaim()
             if self._launched:
                 order, self._ran = self._ran, []
                 seen = set(order)
@@ -220,7 +211,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         """Waits for everything queued or launched, inside a step or not (``finish``)."""
         self.finish()
 
-    def _update(self, k: int, grad_scale: float, grads: list[torch.Tensor], step: int, waits: tuple[Any, ...],
+    def _update(self, k: int, grad_scale: float, grad: torch.Tensor, step: int, waits: tuple[Any, ...],
                 after: Any, stream: Any, group: dict[str, Any]) -> None:
         """On the stepper: one sub-group's Adam update once its gradients have landed; ``after``: the point of the
         compute stream (``stream``, the submitter's) after which the device no longer reads this sub-group's
@@ -243,7 +234,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         slot = None
         if master.device.type == "cuda":  # state on the device (no offload): torch's fused kernel, same arithmetic
             with torch.cuda.stream(stream):  # ordered after the backward that wrote the gradients
-                self._fused_torch(master, exp_avg, exp_avg_sq, self.grad_slice(sg, grads), group, grad_scale, step)
+                self._fused_torch(master, exp_avg, exp_avg_sq, grad, group, grad_scale, step)
                 target.copy_(master)
             out = None
         else:
@@ -258,7 +249,7 @@ class OffloadedAdam(torch.optim.Optimizer):
             hyper = dict(step=step, lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
                          eps=group["eps"], weight_decay=group["weight_decay"], adamw_mode=group["adamw_mode"],
                          bias_correction=group["bias_correction"], grad_scale=grad_scale)
-            state = (master, self.grad_slice(sg, grads), exp_avg, exp_avg_sq, out if lowp else None)
+            state = (master, grad, exp_avg, exp_avg_sq, out if lowp else None)
             lazy = [seg for seg in sg.segments if seg.param in self._lazy]
             if lazy:
                 self._lazy_step(sg, lazy, *state, hyper)
@@ -359,20 +350,18 @@ class OffloadedAdam(torch.optim.Optimizer):
         if self._uploads is not None:
             self._uploads.close()
             self._uploads = None
-        for grads in self._grad_sets:
-            for g in grads:
-                self.store.free(Tier.DEVICE if self.placement is Tier.DEVICE else Tier.HOST, g)
+        self.grads.close()
         for block in self._state:
             self.store.free(self.placement, block)
         if self._staging is not None:
             self.store.free(Tier.HOST, self._staging)
             self._staging = None
-        self._grad_sets, self.grads, self._state = [], [], []
+        self._state = []
 
     # torch.optim.Optimizer surface that does not apply -----------------------------------------------------------
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Gradients live in the host buffers, which the engine overwrites each accumulation window."""
+        """Gradients live in the gradient buffers, which the engine overwrites each accumulation window."""
 
     def state_dict(self) -> dict[str, Any]:
         raise RuntimeError("OffloadedAdam state can be larger than memory: use engine.save_checkpoint(dir)")

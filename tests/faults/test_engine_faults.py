@@ -14,6 +14,7 @@ import errno
 import os
 import re
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -161,6 +162,44 @@ def test_exception_in_stepper_thread_surfaces_at_next_wait(tmp_path, unfaulted, 
             bounded(lambda: step(engine, data[SAVED_AT]))
         assert [t for t in threading.enumerate() if t.name == "offload-stepper"]  # still serving
         engine.load_checkpoint(ckpt)
+        for batch in data[SAVED_AT:]:
+            bounded(lambda: step(engine, batch))
+        assert_same(state(engine), unfaulted)
+
+
+def test_stepper_error_inside_backward_then_a_load_loses_nothing(tmp_path, unfaulted, monkeypatch):
+    """Gradients in sub-group slots: backward waits for a queued update to free a slot, so an error of that update
+    surfaces inside backward. Loading a checkpoint right after (no step in between) drops the failed window
+    (updates queued, gradients half sent, the error), and training on equals the run that never failed."""
+    from offload.optim import offloaded
+
+    data = batches(STEPS)
+    ckpt = tmp_path / "ckpt"
+    real, calls = offloaded.adam_step, {"n": 0}
+
+    def slow_failure_once(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            time.sleep(0.5)  # backward fills the other slots meanwhile, then waits for this one
+            raise WorkerBug("injected bug in the optimizer thread")
+        return real(*args, **kwargs)
+
+    with offload.initialize(make(), config(tmp_path)) as engine:
+        assert engine.plan().grad_slots
+        for batch in data[:SAVED_AT]:
+            step(engine, batch)
+        engine.save_checkpoint(ckpt)
+        monkeypatch.setattr(offloaded, "adam_step", slow_failure_once)
+        x, y = data[SAVED_AT]
+        waits = engine.stats()["gradient_buffers"]["waits"]
+        with pytest.raises(WorkerBug, match="optimizer thread"):
+            bounded(lambda: engine.backward(lm_loss(engine(x), y)))
+        assert engine.stats()["gradient_buffers"]["waits"] == waits + 1
+        for refused in (engine.step, lambda: engine.save_checkpoint(tmp_path / "bad")):  # state is half updated
+            with pytest.raises(RuntimeError, match=r"engine.backward raised WorkerBug.*load a checkpoint"):
+                refused()
+        assert not (tmp_path / "bad").exists()
+        assert bounded(lambda: engine.load_checkpoint(ckpt)) == f"step{SAVED_AT}"
         for batch in data[SAVED_AT:]:
             bounded(lambda: step(engine, batch))
         assert_same(state(engine), unfaulted)
