@@ -154,10 +154,13 @@ def main() -> None:
         sys.exit(f"error: the run needs about {fmt_bytes(need_ram)} of RAM (host plan + device window + the probe "
                  f"buffer) but {fmt_bytes(avail)} is available; lower --sub-group, --buffers, --live or "
                  "--probe-size, or the model size")
-    if plan.nvme + 4 * n + probe_bytes > free * 0.95:
-        sys.exit(f"error: the run needs about {fmt_bytes(plan.nvme + 4 * n + probe_bytes)} of disk (the swap files, "
-                 f"and the construction arena until initialize) but {base} has {fmt_bytes(free)} free; pass "
-                 "--nvme-dir on a larger disk or a smaller model")
+    # the arena (4 B/param) sits beside the optimizer state while initialize writes it, then gives its space back
+    # parameter by parameter as the parameters' homes are written
+    disk_need = max(plan.nvme, 12 * n + (4 * n if args.build == "init" else 0)) + probe_bytes
+    if disk_need > free * 0.95:
+        sys.exit(f"error: the run needs about {fmt_bytes(disk_need)} of disk (the swap files, and the construction "
+                 f"arena during initialize) but {base} has {fmt_bytes(free)} free; pass --nvme-dir on a larger disk "
+                 "or a smaller model")
 
     work = Path(tempfile.mkdtemp(prefix="bench-train-", dir=base))
     disk: list[tuple[float, float]] = []

@@ -6,7 +6,7 @@ handles to wait on. Start at :class:`SwapEngine`; docs/architecture.md explains 
 measures a directory over block sizes, queue depths and thread counts and picks the fastest :class:`AioConfig`.
 """
 
-from ._arena import FileArena, evict_pages, in_arena
+from ._arena import FileArena, arena_device, evict_pages, in_arena
 from ._buffers import PAGE, aligned_tensor, is_aligned, pinned_bytes
 from ._config import AioConfig
 from ._engine import SwapEngine
@@ -15,4 +15,4 @@ from ._native import FileIO, ShortTransfer
 from ._tune import TuneResult, tune_aio
 
 __all__ = ["AioConfig", "FileArena", "FileIO", "PAGE", "ShortTransfer", "SwapEngine", "SwapHandle", "TuneResult",
-           "aligned_tensor", "evict_pages", "in_arena", "is_aligned", "pinned_bytes", "tune_aio"]
+           "aligned_tensor", "arena_device", "evict_pages", "in_arena", "is_aligned", "pinned_bytes", "tune_aio"]

@@ -5,6 +5,7 @@ sharded), torch files and dicts tensor by tensor, into a model before ``initiali
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -49,6 +50,41 @@ def test_a_model_built_in_the_arena_trains_like_one_built_plainly(tmp_path):
             results.append(engine.consolidated_state_dict())
     for k in results[0]:
         assert torch.equal(results[0][k], results[1][k]), k
+
+
+def test_the_arena_gives_its_disk_back_as_parameters_leave(tmp_path):
+    """``initialize`` moves every parameter out of the arena into its homes; each parameter's range of the arena
+    file frees its disk blocks as it goes, so the disk never holds the arena and all homes at once."""
+    from nvme_swapper._arena import _region_of
+
+    cfg = config(tmp_path)
+    with offload.init(cfg) as ctx:
+        model = make()
+    file = _region_of(next(model.parameters()))._file  # keeps the descriptor open to look at the file
+    assert os.fstat(file.fd).st_blocks * 512 >= ctx.bytes > 0
+    with offload.initialize(model, cfg):
+        assert os.fstat(file.fd).st_blocks == 0
+
+
+def test_the_arena_counts_as_free_disk_for_the_nvme_budget(tmp_path, monkeypatch):
+    """The NVMe budget (95% of the free disk by default) adds the bytes of a model built in the arena on that
+    disk: initialize frees them as it writes the homes. With free space that holds the swap files only once the
+    arena is gone, a model built inside offload.init starts and one built in RAM is refused."""
+    import shutil
+
+    cfg = config(tmp_path)
+    with offload.initialize(make(), {**cfg, "offload": {"nvme_memory_budget": "1TiB"}}) as engine:
+        need = engine.memory_report()["nvme"]["peak"]
+    with offload.init(cfg):
+        model = make()
+    arena = sum(p.numel() * 4 for p in model.parameters())  # the tied weight once (the head's own died at once)
+    real = shutil.disk_usage
+    free = (need - arena // 2) * 100 // 95  # 95% of it is half the arena short of the swap files
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: real(path)._replace(free=free))
+    with pytest.raises(offload.BudgetExceeded, match="nvme tier"):
+        offload.initialize(make(), cfg)
+    with offload.initialize(model, cfg) as engine:
+        assert engine.memory_report()["nvme"]["budget"] == free * 95 // 100 + arena
 
 
 def test_without_nvme_the_context_changes_nothing(tmp_path):

@@ -40,7 +40,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from nvme_swapper import FileIO, pinned_bytes
+from nvme_swapper import FileIO, arena_device, pinned_bytes
 
 from .. import _checkpoint
 from .._cleanup import close_after_failure
@@ -140,6 +140,10 @@ class Engine:
         self.world_size, self.rank = plan.world_size, plan.rank
         nvme = {name: self._prepare_nvme(name) for name in ("offload_optimizer", "offload_param")}
         self.store = TieredStore(plan.device, dict(plan.budgets), pin_memory=plan.pin_memory, file_io=file_io)
+        for p in {id(p): p for p in self.module.parameters()}.values():  # built in offload.init's arena: its disk
+            dev = arena_device(p)  # space comes back as the parameters move to their homes
+            if dev is not None:
+                self.store.reclaimable[dev] += p.numel() * p.element_size()
         self.copies = CopyStreams(plan.device, self.store.count)
         self.layout = FlatLayout(groups, plan.sub_group_size, world_size=plan.world_size, rank=plan.rank,
                                  per_param=plan.partition is Partition.PER_PARAM, align=plan.align)

@@ -138,6 +138,8 @@ class TieredStore:
         self._swap: SwapEngine | None = None
         self._pool: BufferPool | None = None
         self._max_writes = 1  # write-backs in flight at once (open_nvme sets it)
+        # disk bytes per filesystem (st_dev) that initialize frees as it goes: the model's construction arena
+        self.reclaimable: collections.Counter[int] = collections.Counter()
 
     # plain allocations -----------------------------------------------------------------------------------------
 
@@ -186,12 +188,12 @@ class TieredStore:
 
     def claim_nvme(self, root: Path, nbytes: int, what: str, fix: str) -> None:
         """Creates the swap directory ``root`` (0700) and charges ``nbytes`` of it to the NVME tier, whose budget
-        defaults to 95% of the free space of the first filesystem claimed on; give the bytes back with
-        ``accounts[Tier.NVME].release``."""
+        defaults to 95% of the free space of the first filesystem claimed on, plus what ``reclaimable`` says will
+        be freed there; give the bytes back with ``accounts[Tier.NVME].release``."""
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
         account = self.accounts[Tier.NVME]
         if account.budget is None:
-            account.budget = shutil.disk_usage(root).free * 95 // 100
+            account.budget = shutil.disk_usage(root).free * 95 // 100 + self.reclaimable[root.stat().st_dev]
         account.reserve(nbytes, what, fix)
 
     def open_nvme(self, path: str | os.PathLike[str], aio: AioConfig, *, slot_bytes: int, buffer_count: int,
