@@ -373,7 +373,9 @@ class Checkpoint:
         self._files = [None] * len(self._files)
 
 
-def load(engine: "Engine", root: Path, tag: str | None) -> str:
+def load(engine: "Engine", root: Path, tag: str | None, before_write: Any = None) -> str:
+    """Loads ``root/tag`` into ``engine``; ``before_write()`` runs once the checkpoint has been checked against the
+    model, right before the first byte of the engine's state is overwritten."""
     ck = Checkpoint(root, tag)
     meta = ck.meta
     try:
@@ -388,6 +390,8 @@ def load(engine: "Engine", root: Path, tag: str | None) -> str:
         if missing or unexpected or wrong:
             raise ValueError(f"checkpoint {ck.folder} does not match the model: missing {missing[:5]}, "
                              f"unexpected {unexpected[:5]}, shape differs for {wrong[:5]}")
+        if before_write is not None:
+            before_write()
         for sg in layout.sub_groups:
             block = opt.stage_state(sg)
             block.zero_()  # padding between parameters

@@ -504,8 +504,18 @@ class Engine:
     def load_checkpoint(self, path: str | Path, tag: str | None = None) -> str:
         """Restores a checkpoint written by save_checkpoint (``latest`` unless ``tag``); returns the tag."""
         self._expect("engine.load_checkpoint()", Phase.IDLE, Phase.ACCUMULATING, Phase.FAILED)
-        self._discard_window()
-        tag = _checkpoint.load(self, Path(path), tag)
+        writing = []
+
+        def before_write() -> None:  # the checkpoint matches the model: from here a failure leaves a half load
+            self._discard_window()
+            writing.append(True)
+
+        try:
+            tag = _checkpoint.load(self, Path(path), tag, before_write)
+        except BaseException as exc:
+            if writing:
+                self._fail("engine.load_checkpoint", exc)
+            raise
         self.phase = Phase.IDLE
         return tag
 
