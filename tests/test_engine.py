@@ -369,6 +369,42 @@ def test_checkpoint_errors(tmp_path):
             other.load_checkpoint(engine_dir)
 
 
+def test_a_load_that_fails_after_it_began_writing_leaves_the_engine_failed(tmp_path, monkeypatch):
+    """A load whose disk fails after the checkpoint passed its checks, while the state is being overwritten
+    (an EIO injected into the third tensor read): the engine refuses to go on until a good checkpoint is loaded.
+    A checkpoint cut short fails the checks instead and changes nothing."""
+    from offload import _checkpoint
+
+    data = batches(4)
+    with offload.initialize(make(), config(tmp_path, "nvme")) as engine:
+        train(engine, data[:2])
+        engine.save_checkpoint(tmp_path / "ckpt", tag="good")
+        short = engine.save_checkpoint(tmp_path / "ckpt", tag="short")
+        for f in short.rglob("*.bin"):
+            os.truncate(f, f.stat().st_size // 2)
+        with pytest.raises(ValueError, match="truncated"):
+            engine.load_checkpoint(tmp_path / "ckpt", tag="short")
+        assert engine.phase is offload.Phase.IDLE
+        real, calls = _checkpoint.Checkpoint.read_range, {"n": 0}
+
+        def eio_on_third(self, *args):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise OSError(5, "injected EIO")
+            return real(self, *args)
+
+        monkeypatch.setattr(_checkpoint.Checkpoint, "read_range", eio_on_third)
+        with pytest.raises(OSError, match="injected EIO"):
+            engine.load_checkpoint(tmp_path / "ckpt", tag="good")
+        monkeypatch.undo()
+        assert engine.phase is offload.Phase.FAILED
+        with pytest.raises(RuntimeError, match="engine.load_checkpoint raised .* load a checkpoint"):
+            engine.backward(lm_loss(engine(data[2][0]), data[2][1]))
+        assert engine.load_checkpoint(tmp_path / "ckpt", tag="good") == "good"
+        train(engine, data[2:])
+        assert engine.global_steps == 4
+
+
 KILLED_SAVE = textwrap.dedent("""
     import sys, torch
     sys.path.insert(0, {tests!r})
