@@ -522,11 +522,13 @@ class Engine:
     def _discard_window(self) -> None:
         """Before a load replaces the state: drops what the accumulation window held, or what a backward or step
         that failed left behind (updates queued, gradients half sent, the error they already raised)."""
-        try:
-            self.optimizer.finish()
-            self.grads.wait()
-        except Exception as exc:  # noqa: BLE001 - raised once already; the load overwrites what it touched
-            log.warning("offload: loading a checkpoint over a failed step (%s: %s)", type(exc).__name__, exc)
+        for _ in range(3):  # a pending error of the stepper first, then the write-backs its failure left
+            try:
+                self.optimizer.finish()
+                self.grads.wait()
+                break
+            except Exception as exc:  # noqa: BLE001 - raised once already; the load overwrites what it touched
+                log.warning("offload: loading a checkpoint over a failed step (%s: %s)", type(exc).__name__, exc)
         self.optimizer.skip()
         self.optimizer.grads.drop()
         self.grads.new_window()
