@@ -35,6 +35,16 @@ def _save(fig: Any, path: Path) -> Path:
     return path
 
 
+def _label(ax: Any, title: str, ylabel: str, xlabel: str | None = None) -> None:
+    """Title, axis labels, legend and horizontal grid as every stacked-bar plot here has them."""
+    if xlabel is not None:
+        ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+
+
 def _count(n: float) -> str:
     return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
 
@@ -139,12 +149,10 @@ def plot_step(data: dict[str, Any], out: Path) -> list[Path]:
         ax.bar(["parts alone, in sequence"], [med[name]], 0.6, bottom=bottom, color=color, hatch=hatch,
                alpha=0.6, label=f"{name.split()[1]} alone")
         bottom += med[name]
-    ax.set_ylabel("time per step (s)")
-    ax.set_title(f"Offloaded optimizer step, time breakdown (optimizer only, no compute):\n"
-                 f"{_count(data['params_nvme'])} parameters, Adam state ({12 * data['params_nvme'] / 1e9:.3g} GB) "
-                 f"on NVMe, median of {data.get('rounds', len(data['samples']['nvme step']))} rounds", fontsize=10)
-    ax.legend(fontsize=8)
-    ax.grid(axis="y", alpha=0.3)
+    _label(ax, f"Offloaded optimizer step, time breakdown (optimizer only, no compute):\n"
+               f"{_count(data['params_nvme'])} parameters, Adam state ({12 * data['params_nvme'] / 1e9:.3g} GB) "
+               f"on NVMe, median of {data.get('rounds', len(data['samples']['nvme step']))} rounds",
+           "time per step (s)")
     return [_save(fig, out / "step_breakdown.png")]
 
 
@@ -177,12 +185,9 @@ def plot_train(data: dict[str, Any], out: Path) -> list[Path]:
     _stack(ax, x, {k: [r["breakdown"][k] for r in steps] for k in ("compute", "adam", "io", "stalled")})
     ax.axhline(s["floor_seconds"], color="black", linestyle="--",
                label=f"disk floor {s['floor_seconds']:.3g} s (bytes / measured GB/s)")
-    ax.set_xlabel("training step")
-    ax.set_ylabel("time per step (s)")
-    ax.set_title(f"Training step time breakdown: GPT {m['layers']}x{m['width']} ({_count(m['params'])} parameters),\n"
-                 f"parameters and Adam state on NVMe; median step / floor = {s['step_over_floor']:.2f}", fontsize=10)
-    ax.legend(fontsize=8)
-    ax.grid(axis="y", alpha=0.3)
+    _label(ax, f"Training step time breakdown: GPT {m['layers']}x{m['width']} ({_count(m['params'])} parameters),\n"
+               f"parameters and Adam state on NVMe; median step / floor = {s['step_over_floor']:.2f}",
+           "time per step (s)", "training step")
     paths = [_save(fig, out / "train_breakdown.png")]
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot([r["step"] for r in steps], [r["loss"] for r in steps], marker="o")
@@ -246,12 +251,8 @@ def plot_load(data: dict[str, Any], out: Path) -> list[Path]:
         ax.hlines(rows[n]["budget"] / (1 << 20), i - 0.35, i + 0.35, colors="black", linestyles="--",
                   label="host budget" if i == 0 else None)
     ax.axhline(data["checkpoint_bytes"] / (1 << 20), color=COLORS["stalled"], lw=1, label="checkpoint (fp32)")
-    ax.set_ylabel("MiB")
-    ax.set_xlabel("where the parameters live")
-    ax.set_title(f"Loading a sharded safetensors checkpoint ({_count(data['params'])} parameters, "
-                 f"{data['shards']} shards)", fontsize=10)
-    ax.legend(fontsize=8)
-    ax.grid(axis="y", alpha=0.3)
+    _label(ax, f"Loading a sharded safetensors checkpoint ({_count(data['params'])} parameters, "
+               f"{data['shards']} shards)", "MiB", "where the parameters live")
     return [_save(fig, out / "load_memory.png")]
 
 
