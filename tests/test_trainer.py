@@ -314,8 +314,8 @@ def test_model_init_and_delayed_update_evaluate_the_newest_weights(tmp_path):
     equals that of the saved model loaded back with from_pretrained."""
     cfg = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "delayed_update": True}}}
     val = dataset(8, seed=5)
-    with OffloadTrainer(model_init=lambda: gpt2(), args=arguments(tmp_path / "run", max_steps=3), train_dataset=dataset(32),
-                        eval_dataset=val, offload_config=cfg) as trainer:
+    with OffloadTrainer(model_init=lambda: gpt2(), args=arguments(tmp_path / "run", max_steps=3),
+                        train_dataset=dataset(32), eval_dataset=val, offload_config=cfg) as trainer:
         first = trainer.evaluate()["eval_loss"]
         old = trainer.engine
         trainer.train()

@@ -112,18 +112,13 @@ class GradientStream:
                 b = _Bucket(sg.index, start, min(start + bucket, sg.end))
                 self.buckets.append(b)
                 self._of_sub_group[sg.index].append(b)
-                covered = b.start
                 for seg in sg.segments:
                     lo, hi = max(b.start, seg.flat_start), min(b.end, seg.flat_start + seg.numel)
                     if lo < hi:
                         piece = _Piece(len(b.pieces), seg.param_start + lo - seg.flat_start, lo, hi - lo)
                         b.pieces.append(piece)
                         self._of_param[seg.param].append((b, piece))
-                        if lo > covered:
-                            b.gaps.append((covered - b.start, lo - b.start))
-                        covered = hi
-                if covered < b.end:
-                    b.gaps.append((covered - b.start, b.numel))
+                b.gaps = sg.padding(b.start, b.end)
 
     def _new_staging(self) -> torch.Tensor:
         return self.store.allocate(Tier.DEVICE, self._staging_numel, self._dtype, "a gradient bucket on the device",

@@ -41,14 +41,13 @@ class GradientBuffers:
     def __init__(self, layout: FlatLayout, store: TieredStore, tier: Tier, dtype: torch.dtype, *, sets: int = 1,
                  slots: int = 0) -> None:
         self.layout, self.store, self.tier, self.dtype = layout, store, tier, dtype
-        self.slots = slots
         self._sets: list[list[torch.Tensor]] = []
         self._index = 0
         self._free: list[torch.Tensor] = []  # slots no sub-group holds
         self._held: dict[int, torch.Tensor] = {}  # sub-group -> its slot, from its first gradient to its update
         self._jobs: dict[int, Any] = {}  # sub-group -> the queued job of its update (frees the slot once run)
         self.counters = {"held_peak": 0, "waits": 0, "grown": 0}  # slots held at once; waits for one; pool growth
-        self._gaps = [self._padding(sg) for sg in layout.sub_groups] if slots else []
+        self._gaps = [sg.padding() for sg in layout.sub_groups] if slots else []
         try:
             if slots:
                 for _ in range(slots):
@@ -61,17 +60,6 @@ class GradientBuffers:
         except BaseException:
             self.close()
             raise
-
-    def _padding(self, sg: Any) -> list[tuple[int, int]]:
-        """The [lo, hi) ranges of a sub-group (from its start) that no parameter covers."""
-        gaps, pos = [], sg.start
-        for seg in sg.segments:
-            if seg.flat_start > pos:
-                gaps.append((pos - sg.start, seg.flat_start - sg.start))
-            pos = seg.flat_start + seg.numel
-        if pos < sg.end:
-            gaps.append((pos - sg.start, sg.numel))
-        return gaps
 
     def _new_slot(self) -> torch.Tensor:
         return self.store.allocate(self.tier, self.layout.max_sub_group_numel, self.dtype,

@@ -52,6 +52,22 @@ class SubGroup:
     def numel(self) -> int:
         return self.end - self.start
 
+    def padding(self, lo: int | None = None, hi: int | None = None) -> list[tuple[int, int]]:
+        """The ranges of flat [lo, hi) (default: the whole sub-group) that no parameter covers, as [a, b) from
+        ``lo``: alignment padding, which must hold zeros wherever gradients are gathered."""
+        lo = self.start if lo is None else lo
+        hi = self.end if hi is None else hi
+        gaps, pos = [], lo
+        for seg in self.segments:
+            a, b = max(lo, seg.flat_start), min(hi, seg.flat_start + seg.numel)
+            if a < b:
+                if a > pos:
+                    gaps.append((pos - lo, a - lo))
+                pos = b
+        if pos < hi:
+            gaps.append((pos - lo, hi - lo))
+        return gaps
+
 
 class FlatLayout:
     """Built once from the trainable parameters; immutable after."""

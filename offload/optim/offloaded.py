@@ -4,11 +4,12 @@ Per sub-group (see :mod:`._layout`) the state is one flat fp32 block ``[master |
 allocation on HOST, or one NVMe key read and written in a single request. Gradients arrive (from the engine's
 :class:`~offload.engine._grads.GradientStream`) in :class:`~._grad_buffers.GradientBuffers`: whole buffers, or a few
 sub-group slots when updates run during backward; fp32 when micro-batches accumulate, else the training dtype (a
-bf16 gradient widened to fp32 carries no more information, and the kernel reads bf16/fp16 directly). An update first waits for the handles of the copies that bring its sub-group's
-gradients (``grad_handles``). Updating a sub-group is one pass of the CPU Adam kernel, which also writes the new
-low-precision parameters: straight into their target when it is host memory (the CPU device tier, host homes, the
-delayed update's buffer), else into a pinned staging buffer whose copy to the device then runs on the
-host-to-device stream (:class:`~offload.memory.CopyStreams`) behind the point where backward stopped reading them.
+bf16 gradient widened to fp32 carries no more information, and the kernel reads bf16/fp16 directly). An update
+first waits for the handles of the copies that bring its sub-group's gradients (``grad_handles``). Updating a
+sub-group is one pass of the CPU Adam kernel, which also writes the new low-precision parameters: straight into
+their target when it is host memory (the CPU device tier, host homes, the delayed update's buffer), else into a
+pinned staging buffer whose copy to the device then runs on the host-to-device stream
+(:class:`~offload.memory.CopyStreams`) behind the point where backward stopped reading them.
 
 All state access runs on one worker thread, the stepper, which runs jobs in submission order: the engine queues a
 sub-group as soon as its gradients are final (overlap with backward) or all remaining ones at ``step``.

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 import offload
-from models import batches, lm_loss, make, train_steps
+from models import batches, make, train_steps
 
 STEPS, SAVED_AT = 6, 2
 SHAPE = {"d": 128, "layers": 3}
