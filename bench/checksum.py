@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from nvme_swapper import AioConfig, SwapEngine, aligned_tensor  # noqa: E402
-from nvme_swapper._native import checksum, checksum_kind, memory_at  # noqa: E402
+from nvme_swapper._native import checksum, checksum_isa, checksum_kind, memory_at  # noqa: E402
 
 
 def gbps(nbytes: int, seconds: float) -> float:
@@ -104,7 +104,8 @@ def main() -> None:
     med = {on: {op: statistics.median(v) for op, v in s.items()} for on, s in samples.items()}
     ratio = {op: med[True][op] / med[False][op] for op in ("write", "read")}
     result = {
-        "checksum": checksum_kind(), "backend": backend, "o_direct": direct, "rounds": args.rounds,
+        "checksum": checksum_kind(), "isa": checksum_isa(), "backend": backend, "o_direct": direct,
+        "rounds": args.rounds,
         "bytes_per_pass": args.tensors * nbytes, "block_size": args.block_size, "queue_depth": args.queue_depth,
         "thread_count": args.threads, "gbps_median": {"off": med[False], "on": med[True]},
         "ratio_on_over_off": ratio, "samples": {"off": samples[False], "on": samples[True]},
@@ -115,7 +116,7 @@ def main() -> None:
     print(f"{'':10}{'checksum off':>14}{'checksum on':>14}{'on/off':>9}")
     for op in ("write", "read"):
         print(f"{op + ' GB/s':10}{med[False][op]:14.2f}{med[True][op]:14.2f}{ratio[op]:9.3f}")
-    print(f"checksum alone, one core: {checksum_kind()} {ours:.1f} GB/s; zlib.crc32 {crc:.1f} GB/s")
+    print(f"checksum alone, one core: {checksum_kind()} ({checksum_isa()}) {ours:.1f} GB/s; zlib.crc32 {crc:.1f} GB/s")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -28,7 +28,11 @@ arena as modules are built) and set no size: every size is derived from the budg
 
     python bench/gpu_train.py [--params 1e9 | --layers L --width W] [--tokens 512] [--batch 4] [--steps 5]
                               [--warmup 2] [--placements plain,opt-host,...] [--deepspeed auto|off]
-                              [--nvme-dir DIR] [--out results/gpu_train.json]
+                              [--rounds 1] [--nvme-dir DIR] [--out results/gpu_train.json]
+
+``--rounds R`` runs the placements R times in turn (plain, ours, plain, ours, ...) and quotes the median of the
+R rounds' ratios: on a shared machine the speed drifts by 10-25% within minutes, and a ratio of two runs taken
+minutes apart measures that drift as much as the code.
 """
 
 from __future__ import annotations
@@ -304,6 +308,9 @@ def main() -> None:
     ap.add_argument("--deepspeed", choices=["auto", "off"], default="auto",
                     help="auto: DeepSpeed beside ours when it is importable")
     ap.add_argument("--nvme-dir", default=None, help="where swap files go (default: a temporary directory)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every placement this many times, round-robin, and quote the median of each round's "
+                    "ratios (a shared machine's slow spells then hit ours and the baseline alike)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per run")
     ap.add_argument("--out", default="results/gpu_train.json")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -315,7 +322,7 @@ def main() -> None:
     unknown = [p for p in placements if p not in PLACEMENTS]
     if unknown:
         ap.error(f"--placements: unknown {unknown}; known: {', '.join(PLACEMENTS)}")
-    for name in ("steps", "batch", "tokens"):
+    for name in ("steps", "batch", "tokens", "rounds"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} must be at least 1")
     layers, width = (args.layers, args.width or 768) if args.layers else shape_for(args.params, args.vocab,
@@ -337,14 +344,15 @@ def main() -> None:
     bounds = {"compute": launch({**base, "kind": "compute", "placement": "compute"}, args.timeout),
               "pcie": launch({**base, "kind": "pcie", "placement": "pcie"}, args.timeout)}
     runs = []
-    for placement in progress(placements, "placements"):
+    order = [(r, p) for r in range(args.rounds) for p in placements]
+    for rnd, placement in progress(order, "placements"):
         kinds = ["plain"] if placement == "plain" else ["ours"] + (["deepspeed"] if has_ds else [])
         for kind in kinds:
             result = launch({**base, "kind": kind, "placement": placement}, args.timeout)
             runs.append({"framework": {"plain": "torch", "ours": "offload"}.get(kind, kind), "placement": placement,
-                         **result})
+                         "round": rnd, **result})
             _row(runs[-1])
-    summary = _summary(runs, bounds, estimates, n)
+    summary = _rounds_summary(runs, bounds, estimates, n, args.rounds)
     for line in summary.pop("lines"):
         print(line)
     out = Path(args.out)
@@ -371,6 +379,28 @@ def _row(r: dict[str, Any]) -> None:
     print(f"  {r['framework']:9s} {r['placement']:16s} {r['step_seconds']:8.3f} s {r['tokens_per_s']:9.0f} tok/s  "
           f"GPU {gpu} GiB  host {r['host_peak_rss'] / gib:7.2f} GiB  pinned {pinned} GiB  loss "
           f"{r['losses'][0]:.3f} -> {r['losses'][-1]:.3f}", flush=True)
+
+
+def _rounds_summary(runs: list[dict[str, Any]], bounds: dict[str, Any], estimates: dict[str, Any], n: int,
+                    rounds: int) -> dict[str, Any]:
+    """The summary of one round, or with several the median of each round's ratios (``per_round``: them all)."""
+    each = [_summary([r for r in runs if r["round"] == k], bounds, estimates, n) for k in range(rounds)]
+    if rounds == 1:
+        return each[0]
+    out: dict[str, Any] = {"params": n, "per_round": [{k: v for k, v in e.items() if k != "lines"} for e in each]}
+    lines = [f"\nsummary: medians of {rounds} rounds (each round runs every placement once, in turn)"]
+    for key in dict.fromkeys(k for e in each for k in e if k not in ("lines", "params")):
+        got = [e[key] for e in each if key in e]
+        if isinstance(got[0], dict):
+            out[key] = {f: statistics.median(g[f] for g in got) if isinstance(got[0][f], (int, float)) else got[0][f]
+                        for f in got[0]}
+            shown = {f: [round(g[f], 3) for g in got] for f in got[0] if f in ("ratio", "step", "host_peak_rss")}
+        else:
+            out[key], shown = statistics.median(got), {"value": [round(g, 3) for g in got]}
+        lines.append(f"  {key}: " + "; ".join(f"{f} median {statistics.median(v):.3f} (rounds: "
+                                               f"{', '.join(str(x) for x in v)})" for f, v in shown.items()))
+    out["lines"] = lines
+    return out
 
 
 def _summary(runs: list[dict[str, Any]], bounds: dict[str, Any], estimates: dict[str, Any],

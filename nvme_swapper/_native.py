@@ -10,7 +10,7 @@ Two ways to move bytes live here:
 Keeping every syscall in one small class gives the fault-injection tests a single seam (they subclass it to fail a
 chosen call with ENOSPC, EIO or a short count) without touching the engine under test.
 
-Block checksums (``swp_hash`` in ``_aio.c``, about 12 GB/s on one core) come from the same compiled library; the
+Block checksums (``swp_hash`` in ``_aio.c``, vectorized with AVX2 or SSE2, 10-30 GB/s on one core) come from the same compiled library; the
 kernel-AIO runner computes them while the I/O is in flight (writes) or as each read completes. Where the library
 cannot be built, :func:`checksum` falls back to ``zlib.crc32`` (about 4 GB/s). One process uses one of the two for
 its whole life, and checksums live only in memory, so the two never meet.
@@ -79,6 +79,9 @@ def _build() -> ctypes.CDLL:
         fn.restype = ctypes.c_long
     lib.swp_hash.argtypes = [ctypes.c_uint64, ctypes.c_uint64]
     lib.swp_hash.restype = ctypes.c_uint64
+    lib.swp_hash_isa.restype = ctypes.c_char_p
+    lib.swp_hash_variant.argtypes = [ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, u64p]
+    lib.swp_hash_variant.restype = ctypes.c_int
     return lib
 
 
@@ -129,6 +132,25 @@ def checksum(address: int, nbytes: int) -> int:
 def checksum_kind() -> str:
     """Which checksum :func:`checksum` computes in this process: "swp_hash" (C) or "crc32" (the fallback)."""
     return "swp_hash" if _library() is not None else "crc32"
+
+
+HASH_VARIANTS = ("scalar", "sse2", "avx2")
+
+
+def checksum_isa() -> str | None:
+    """The instructions ``swp_hash`` runs with here ("avx2", "sse2" or "scalar"), None without the C helper."""
+    lib = _library()
+    return lib.swp_hash_isa().decode() if lib is not None else None
+
+
+def checksum_variants(address: int, nbytes: int) -> dict[str, int]:
+    """``swp_hash`` of the bytes by each variant this CPU runs, by name: they must all agree (tests)."""
+    lib, out, value = _library(), {}, ctypes.c_uint64()
+    if lib is not None:
+        for i, name in enumerate(HASH_VARIANTS):
+            if lib.swp_hash_variant(i, address, nbytes, ctypes.byref(value)) == 0:
+                out[name] = value.value
+    return out
 
 
 class Transfers(list):

@@ -403,11 +403,18 @@ class BudgetConfig(_Section):
     host_memory_budget: int | None = None  # None: 90% of the memory available at initialize
     nvme_memory_budget: int | None = None  # None: the free space of the nvme_path filesystem, less 5%
     comm_timeout: float = 1800.0  # seconds a collective waits for the other ranks before failing (torch's default)
+    trim_host_heap: bool | None = None  # None or "auto": on when the device is the CPU (offload/memory/_heap.py)
 
     @classmethod
     def _convert(cls, name: str, value: Any, full: str) -> Any:
         if name == "comm_timeout":
             return _float(full, value, 0.0, open_lo=True)
+        if name == "trim_host_heap":
+            if value is None or (isinstance(value, str) and value.lower() == "auto"):
+                return None
+            if not isinstance(value, bool):
+                raise ValueError(f"{full} must be true, false or \"auto\", got {value!r}")
+            return value
         if name == "device":
             return check_spec(value, full)
         return None if value is None else parse_bytes(value, full)

@@ -26,6 +26,7 @@ import torch
 
 from .config import OffloadConfig
 from .memory import Tier, default_host_budget, fmt_bytes
+from .memory._heap import available as heap_trim_available
 from .optim._layout import ALIGN, PAGE_ALIGN, FlatLayout
 
 _TIER = {"none": Tier.DEVICE, "cpu": Tier.HOST, "nvme": Tier.NVME}
@@ -47,6 +48,11 @@ GRAD_SLOTS = 4
 """Sub-group slots the host gradients start with when updates run during backward (optim/_grad_buffers.py): one
 filling, one spare, two queued for the optimizer thread. Backward waits for a slot only while updates are queued,
 so the optimizer thread stays busy, and the pool grows when sub-groups fill out of order."""
+
+UPDATE_BUFFERS = 3
+"""Host staging buffers of a sub-group's new parameters on their way to NVMe homes: the writes of two sub-groups wait
+their turn on the disk (behind the parameter prefetches) while the optimizer thread updates the next. With one,
+waiting for each write took 1.07 s of the optimizer thread's 1.64 s a step on the ~100M GPT of the memory bench."""
 
 SUB_GROUP_MAX = 100_000_000  # 1.2 GB of fp32 state per sub-group: larger requests buy nothing
 PERSISTENCE = 100_000  # elements: smaller parameters stay on the device (DeepSpeed's default), budget permitting
@@ -115,6 +121,7 @@ class Plan:
     overlap: bool  # sub-groups updated during backward as their gradients become final
     delayed: bool  # one-step delayed parameter update (ZeRO-Offload's DPU)
     grad_slots: int = 0  # host gradients in this many sub-group slots (0: whole buffers, every gradient held)
+    trim_heap: bool = False  # the C heap's free pages go back to the OS during backward (offload/memory/_heap.py)
     why: Mapping[str, str] = field(default_factory=dict)
 
     @property
@@ -151,7 +158,8 @@ class Plan:
                          f"persistent up to {self.persistence_threshold:,}")
         lines.append(f"optimizer overlaps backward: {'yes' if self.overlap else 'no'}; delayed update: "
                      f"{'yes' if self.delayed else 'no'}; host gradients: "
-                     + (f"{self.grad_slots} sub-group slots" if self.grad_slots else "whole buffers"))
+                     + (f"{self.grad_slots} sub-group slots" if self.grad_slots else "whole buffers")
+                     + f"; host heap trimmed in backward: {'yes' if self.trim_heap else 'no'}")
         lines += [f"  {name}: {reason}" for name, reason in self.why.items()]
         return "\n".join(lines)
 
@@ -325,7 +333,7 @@ def expected_bytes(plan: Plan, model: ModelSizes) -> dict[Tier, int]:
     if plan.param_tier is Tier.HOST:
         out[Tier.HOST] += d * (owned if per_param else flat)
     elif plan.param_tier is Tier.NVME:
-        out[Tier.HOST] += d * max_sg  # the optimizer's staging of updated parameters
+        out[Tier.HOST] += UPDATE_BUFFERS * d * max_sg  # the optimizer's staging of updated parameters
         if per_param:
             out[Tier.HOST] += d * max(layout.piece, default=0)
             parts = [seg.numel for sg in layout.sub_groups for seg in sg.segments]
@@ -391,7 +399,26 @@ def resolve(cfg: OffloadConfig, model: ModelSizes, *, device: torch.device, worl
         sub_group_size=sizes.sub_group_size, buffer_count=sizes.buffer_count,
         max_live=sizes.max_live, prefetch_bucket=sizes.prefetch_bucket,
         persistence_threshold=sizes.persistence_threshold, grad_bucket=sizes.grad_bucket,
-        grad_staging=staged, overlap=not blockers, delayed=delayed, grad_slots=sizes.grad_slots, why=why)
+        grad_staging=staged, overlap=not blockers, delayed=delayed, grad_slots=sizes.grad_slots,
+        trim_heap=trim_heap(cfg.offload.trim_host_heap, device, why), why=why)
+
+
+def trim_heap(setting: bool | None, device: torch.device, why: dict[str, str]) -> bool:
+    """Whether backward returns the C heap's free pages: ``offload.trim_host_heap``, or by default where the
+    device is the CPU (autograd's tensors then live in that heap) and the C library can."""
+    if setting is not None:
+        if setting and not heap_trim_available():
+            raise ValueError("offload.trim_host_heap is true but this C library has no malloc_trim (glibc only); "
+                             "set it to false or \"auto\"")
+        return setting
+    if device.type != "cpu":
+        return False
+    if not heap_trim_available():
+        why["host heap"] = "not trimmed: this C library has no malloc_trim (glibc only)"
+        return False
+    why["host heap"] = ("trimmed in backward: activations freed on the CPU device return to the OS before "
+                        "backward's later allocations (offload.trim_host_heap)")
+    return True
 
 
 def resolve_budgets(cfg: OffloadConfig, device: torch.device, local_world_size: int = 1,

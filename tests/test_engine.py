@@ -21,6 +21,7 @@ import torch
 
 import offload
 import offload.plan
+from offload.memory._heap import HeapTrim, available as heap_trim_available
 from models import (DEVICE, bag_batches, bag_loss, batches, close_enough, lazy_adamw_reference, lm_loss, make,
                     make_bag, on_device, reference_model, train_steps)
 
@@ -88,6 +89,8 @@ def test_fp32_matches_torch_adamw(tmp_path, device, gradients):
         staged = engine.plan().grad_staging
         assert staged == (device != "none" and (gradients == "staged" or DEVICE.type == "cuda"))
         assert (engine.stats()["gradient_copies"]["buckets"] > 0) == staged
+        trims = engine.stats()["heap_trims"]  # on by default where autograd's tensors live in the C heap
+        assert (trims["trims"] >= 20 if DEVICE.type == "cpu" and heap_trim_available() else trims is None)
     ref = reference_fp32(20, data)
     for (name, p), (rname, r) in zip(model.named_parameters(), ref.named_parameters()):
         close_enough(p.detach(), r.detach(), 1e-5)
@@ -292,6 +295,35 @@ def test_an_error_in_a_windows_first_backward_drops_the_window(tmp_path):
     ref = reference_fp32(3, data, gas=2)
     for p, r in zip(model.parameters(), ref.parameters()):
         close_enough(p.detach(), r.detach(), 1e-5)
+
+
+def statm_rss() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not heap_trim_available(), reason="malloc_trim is glibc's; this C library has none")
+def test_heap_trim_returns_the_free_pages_of_the_heap():
+    """Small tensors freed in the middle of the heap stay resident until a trim gives their pages back."""
+    keep = [torch.ones(16 << 10) for _ in range(4000)]  # 64 KiB each, below glibc's mmap threshold: the heap
+    last = torch.ones(16 << 10)  # holds the top of the heap, so free() alone cannot shrink it
+    before = statm_rss()
+    del keep
+    freed = statm_rss()
+    trim = HeapTrim(every=1 << 20)
+    trim.begin_backward()
+    after = statm_rss()
+    assert before - freed < 64 << 20 < freed - after  # of the 256 MiB freed, most comes back only at the trim
+    trim.add(1 << 20)
+    assert trim.stats()["trims"] == 2 and last.sum() == 16 << 10
+
+
+def test_trim_host_heap_key(tmp_path):
+    for value, want in ((True, True), (False, False), ("auto", DEVICE.type == "cpu" and heap_trim_available())):
+        cfg = config(tmp_path, "cpu", offload={"trim_host_heap": value})
+        with offload.initialize(make(), cfg) as engine:
+            assert engine.plan().trim_heap is want and (engine.stats()["heap_trims"] is not None) is want
+    with pytest.raises(ValueError, match=r"offload.trim_host_heap must be true, false or \"auto\", got 'yes'"):
+        offload.initialize(make(), config(tmp_path, "cpu", offload={"trim_host_heap": "yes"}))
 
 
 def test_optimizer_state_four_times_host_budget_on_nvme(tmp_path):

@@ -32,7 +32,7 @@ import torch
 
 from nvme_swapper import AioConfig, SwapEngine, SwapHandle
 
-from ..memory import CopyStreams, Tier, TieredStore, wait_all
+from ..memory import AllOf, CopyStreams, Tier, TieredStore, wait_all
 from ..optim._layout import FlatLayout, SubGroup
 from ._comm import Comm
 
@@ -144,17 +144,19 @@ class ParamShards:
         handles = [self._swap.write(self._key(i, start), staged[start : start + n]) for start, n in self._parts[i]]
         self._wait(handles, Tier.HOST, Tier.NVME)
 
-    def write_updated(self, sg: SubGroup, values: torch.Tensor) -> None:
-        """On the optimizer thread, after sub-group ``sg``'s update (``values``: its new low-precision range): its
-        parts of this rank's pieces go to their NVMe keys before the optimizer reuses ``values``."""
-        assert self._swap is not None
+    def write_updated(self, sg: SubGroup, values: torch.Tensor) -> AllOf:
+        """On the optimizer thread, after sub-group ``sg``'s update (``values``: its new low-precision range): starts
+        writing its parts of this rank's pieces to their NVMe keys; the handle completes them (the optimizer reuses
+        ``values`` only after)."""
+        assert self._swap is not None and self.store is not None
         r, piece = self.comm.rank, self.layout.piece
         handles: list[SwapHandle] = []
         for seg in sg.segments:
             lo = seg.flat_start - sg.start
             key = self._key(seg.param, seg.param_start - r * piece[seg.param])
             handles.append(self._swap.write(key, values[lo : lo + seg.numel]))
-        self._wait(handles, Tier.HOST, Tier.NVME)
+        self.store.count(Tier.HOST, Tier.NVME, sum(h.nbytes for h in handles))
+        return AllOf(handles)
 
     def _wait(self, handles: list[SwapHandle], src: Tier, dst: Tier) -> None:
         """Waits for every handle (all of them, even after a failure, so no I/O is left on reused memory)."""

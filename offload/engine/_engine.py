@@ -48,7 +48,7 @@ from .._device import fast_bf16
 from .._precision import LossScaler
 from ..config import OffloadConfig
 from ..dist import Comm, GradPartition, ReduceBuckets, join
-from ..memory import CopyStreams, TieredStore, prepare_nvme_path
+from ..memory import CopyStreams, HeapTrim, TieredStore, prepare_nvme_path
 from ..optim._layout import FlatLayout
 from ..optim._schedule import WarmupSchedule, build_scheduler
 from ..optim.offloaded import OffloadedAdam
@@ -57,6 +57,7 @@ from ._grads import GradientStream
 from ._weights import Weights
 
 log = logging.getLogger("offload")
+TRIMS_PER_BACKWARD = 4  # heap trims after the first, spread over backward by gradient bytes
 
 
 class Phase(Enum):
@@ -114,6 +115,7 @@ class Engine:
         self.grads: GradientStream | None = None
         self._zero: GradPartition | None = None
         self._reduce: ReduceBuckets | None = None  # stages 1-2 on several ranks
+        self._heap: HeapTrim | None = None  # the CPU device's free heap pages returned during backward
         self.comm = Comm(join(cfg.offload.comm_timeout, cfg.offload.device))
         try:
             self._build(param_groups, _file_io)
@@ -157,6 +159,8 @@ class Engine:
                                        grad_sets=2 if plan.delayed else 1, grad_slots=plan.grad_slots,
                                        lazy_rows=sparse if cfg.sparse_gradients == "lazy" else None)
         self.lr_scheduler = build_scheduler(cfg.scheduler, self.optimizer)
+        if plan.trim_heap:
+            self._heap = HeapTrim(every=sizes.numel * plan.dtype_bytes // TRIMS_PER_BACKWARD)
         self._zero = GradPartition(self.comm, self.layout)
         self.weights = Weights(plan, self.module, self.layout, self.store, self.copies, self.comm, self.optimizer,
                                aio=cfg.aio, nvme_path=nvme["offload_param"])
@@ -257,6 +261,8 @@ class Engine:
         if self._reduce is not None:
             self._reduce.begin_micro_batch()
         self._seen_micro.clear()
+        if self._heap is not None:
+            self._heap.begin_backward()
         try:
             (loss.float() * (self.scaler.scale / divisor)).backward()
             if self._reduce is not None:
@@ -295,6 +301,8 @@ class Engine:
             else:
                 self.grads.receive(i, flat)
         self._seen_micro.add(i)
+        if self._heap is not None:
+            self._heap.add(grad.numel() * grad.element_size())
         if self.weights.params is not None:
             self.weights.params.grad_done(p)
         p.grad = None  # the device copy is no longer needed (a copy in flight holds it until it has run)
@@ -445,6 +453,7 @@ class Engine:
             "nvme": self.store.swap_stats(),
             "params": self.weights.stats(),
             "reduce": self._reduce.stats() if self._reduce is not None else None,  # stages 1-2 on several ranks
+            "heap_trims": self._heap.stats() if self._heap is not None else None,  # CPU device only
             # collectives (none with one rank): totals since initialize, and the last optimizer step's (the
             # reduce-scatters of its micro-batches included); payload: the ZeRO paper's measure, wire: ring sends
             "comm": {**self.comm.stats(), "last_step": dict(self.last_step_comm)},

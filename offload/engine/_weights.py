@@ -26,11 +26,11 @@ from nvme_swapper import aligned_tensor
 
 from .._cleanup import close_after_failure
 from ..dist import Comm, GradPartition, ParamShards
-from ..memory import Copy, CopyStreams, Tier, TieredStore, fmt_bytes
+from ..memory import AllOf, Copy, CopyStreams, Tier, TieredStore, fmt_bytes
 from ..optim._layout import FlatLayout
 from ..optim.offloaded import OffloadedAdam
 from ..params import ParameterOffload
-from ..plan import Partition, Plan
+from ..plan import UPDATE_BUFFERS, Partition, Plan
 
 _FIX_HOST = "raise offload.host_memory_budget or home the parameters on nvme"
 
@@ -139,7 +139,8 @@ class Weights:
                 self.shards = ParamShards(comm, layout, self.copies, store=self.store, dtype=plan.dtype,
                                           nvme_path=nvme_path, aio=aio,  # staging kept: the pieces in flight
                                           staging_cap=plan.prefetch_bucket // plan.world_size + max(layout.piece))
-                optimizer.attach_device([], on_updated=self.shards.write_updated, dtype=plan.dtype)
+                optimizer.attach_device([], on_updated=self.shards.write_updated, dtype=plan.dtype,
+                                        update_buffers=UPDATE_BUFFERS)
             else:  # each home holds this rank's piece of every parameter
                 flats = [self._allocate_host(layout.owned_numel(g), f"this rank's share of the parameters of param "
                                              f"group {g}", "raise offload.host_memory_budget or use more ranks")
@@ -159,7 +160,8 @@ class Weights:
                     homes[i] = view.view(-1)
             optimizer.attach_device(flats)
         else:
-            optimizer.attach_device([], on_updated=self._write_homes, dtype=plan.dtype)
+            optimizer.attach_device([], on_updated=self._write_homes, dtype=plan.dtype,
+                                    update_buffers=UPDATE_BUFFERS)
         self._move_buffers()
         self.params = ParameterOffload(
             self.module, layout.params + frozen, homes + [None] * len(frozen), self.store, self.copies, plan.dtype,
@@ -175,12 +177,13 @@ class Weights:
                 parts[seg.param].append((seg.param_start, seg.numel))
         return parts
 
-    def _write_homes(self, sg: Any, values: torch.Tensor) -> None:
-        """On the optimizer thread, after a sub-group's update: its segments go to their keys of the NVMe homes."""
+    def _write_homes(self, sg: Any, values: torch.Tensor) -> AllOf:
+        """On the optimizer thread, after a sub-group's update: starts writing its segments to their keys of the
+        NVMe homes; the handle completes them (``values`` stays untouched until then)."""
         assert self.params is not None
-        for seg in sg.segments:
-            lo = seg.flat_start - sg.start
-            self.params.write_home_part(seg.param, seg.param_start, values[lo : lo + seg.numel])
+        return AllOf([self.params.write_home_part(seg.param, seg.param_start,
+                                                  values[seg.flat_start - sg.start:][: seg.numel])
+                      for seg in sg.segments])
 
     # reading and writing values ---------------------------------------------------------------------------------
 

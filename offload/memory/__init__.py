@@ -1,12 +1,14 @@
 """The tiers: budgets and accounting (``_tiers``), the staging-buffer pool (``_pool``), the tiered store that
-places and moves bytes across DEVICE, HOST and NVME (``_store``), and the device<->host copies with their streams,
-events and pinned staging (``_copies``)."""
+places and moves bytes across DEVICE, HOST and NVME (``_store``), the device<->host copies with their streams,
+events and pinned staging (``_copies``), and the C heap's free pages returned during backward on a CPU device
+(``_heap``)."""
 
 from ._pool import BufferPool
 from ._store import Residency, TieredStore, Transfer, default_host_budget, prepare_nvme_path
 from ._tiers import BUDGET_KEYS, BudgetExceeded, Tier, TierAccount, fmt_bytes
-from ._copies import DONE, Copy, StagingRing, CopyStreams, wait_all
+from ._copies import DONE, AllOf, Copy, StagingRing, CopyStreams, wait_all
+from ._heap import HeapTrim
 
-__all__ = ["BUDGET_KEYS", "DONE", "BudgetExceeded", "BufferPool", "Copy", "CopyStreams", "Residency", "StagingRing",
+__all__ = ["BUDGET_KEYS", "DONE", "AllOf", "BudgetExceeded", "BufferPool", "Copy", "CopyStreams", "HeapTrim", "Residency", "StagingRing",
            "Tier", "TierAccount", "TieredStore", "Transfer", "default_host_budget", "fmt_bytes", "prepare_nvme_path",
            "wait_all"]

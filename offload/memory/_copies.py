@@ -214,6 +214,18 @@ class StagingRing:
             self.buffers = []
 
 
+class AllOf:
+    """Several transfers in flight as one handle; ``wait()`` completes them all (the first error raised after all
+    have settled, so no transfer is left on memory about to be reused)."""
+
+    def __init__(self, handles: list[Any]) -> None:
+        self.handles = handles
+
+    def wait(self) -> None:
+        handles, self.handles = self.handles, []
+        wait_all(handles)
+
+
 def wait_all(handles: Sequence[Waitable]) -> None:
     """Waits for every handle, even after one fails (so no copy or I/O is left on memory about to be reused); the
     first error is raised."""

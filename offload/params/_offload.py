@@ -56,19 +56,7 @@ import torch
 from nvme_swapper import AioConfig, SwapEngine, aligned_tensor
 
 from .._cleanup import close_after_failure
-from ..memory import BudgetExceeded, Copy, CopyStreams, Tier, TieredStore, wait_all
-
-
-class _AllOf:
-    """Reads of a parameter's NVMe parts in flight; ``wait()`` completes them all (the first error raised after all
-    have settled, so no read is left writing into memory about to be reused)."""
-
-    def __init__(self, handles: list[Any]) -> None:
-        self.handles = handles
-
-    def wait(self) -> None:
-        handles, self.handles = self.handles, []
-        wait_all(handles)
+from ..memory import DONE, AllOf, BudgetExceeded, Copy, CopyStreams, Tier, TieredStore, wait_all
 
 
 class ParamState(Enum):
@@ -240,11 +228,11 @@ class ParameterOffload:
     def _key(rec: _Param, start: int) -> str:
         return f"param/{rec.index}/{start}"
 
-    def _read_parts(self, rec: _Param, dst: torch.Tensor) -> "_AllOf":
+    def _read_parts(self, rec: _Param, dst: torch.Tensor) -> "AllOf":
         """Starts reading every part of ``rec``'s NVMe home into its range of ``dst`` (flat, the parameter's
         size)."""
         assert self._swap is not None
-        return _AllOf([self._swap.read(self._key(rec, start), dst[start : start + n]) for start, n in rec.parts])
+        return AllOf([self._swap.read(self._key(rec, start), dst[start : start + n]) for start, n in rec.parts])
 
     # hooks ------------------------------------------------------------------------------------------------------
 
@@ -600,19 +588,19 @@ class ParameterOffload:
             rec.stale = True
         else:
             flat = value.reshape(-1)
-            for start, n in rec.parts:
-                self.write_home_part(index, start, flat[start : start + n])
+            wait_all([self.write_home_part(index, start, flat[start : start + n]) for start, n in rec.parts])
 
-    def write_home_part(self, index: int, start: int, value: torch.Tensor) -> None:
-        """Stores elements ``start``.. of a parameter's new value in its home: one of the parts of an NVMe home (the
-        optimizer thread writes each sub-group's segment as soon as it is updated), or a range of a host copy."""
+    def write_home_part(self, index: int, start: int, value: torch.Tensor) -> Any:
+        """Starts storing elements ``start``.. of a parameter's new value in its home: one of the parts of an NVMe
+        home (the optimizer thread writes each sub-group's segment as soon as it is updated), or a range of a host
+        copy. Returns the write's handle: ``value`` must stay untouched until it has been waited on."""
         rec = self.params[index]
         if rec.home is not None:  # persistent: a host copy, uploaded at the next refresh
             rec.home[start : start + value.numel()].copy_(value)
             rec.stale = True
-            return
+            return DONE
         assert self._swap is not None and (start, value.numel()) in rec.parts
-        self._swap.write(self._key(rec, start), value).wait()  # the staging memory is reused right after
+        return self._swap.write(self._key(rec, start), value)
 
     def read_home(self, index: int) -> torch.Tensor:
         """A parameter's current value from its home, as a new host tensor in its shape."""

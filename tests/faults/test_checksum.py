@@ -12,10 +12,12 @@ import os
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from _faults import bounded
 from nvme_swapper import AioConfig, SwapEngine, aligned_tensor
-from nvme_swapper._native import _library, checksum, memory_at
+from nvme_swapper._native import _library, checksum, checksum_isa, checksum_variants, memory_at
 
 BS = 1 << 16
 SIZES = {"a": 5000, "b": 3 * BS + 4096 + 12, "c": 2 * BS}  # bytes; "b" spans four blocks, the last one short
@@ -135,6 +137,63 @@ def test_checksum_properties():
     a = checksum(buf.data_ptr(), 64)
     view[0:8], view[8:16] = bytes(range(9, 17)), bytes(range(1, 9))
     assert checksum(buf.data_ptr(), 64) != a
+
+
+_M = (1 << 64) - 1
+_KEYS = (0x40d68dea0c3e39b3, 0xf6069bcb4e650071, 0xf4a91fdc907de039, 0x856e8bb9e2118d5e, 0xcba2113022300068,
+         0xb0d8c24a75bc7ade, 0x11acd26bf8662e5d, 0xd78807ba63a2a004, 0x12598145f5dd65fd, 0x067c72245c3de249,
+         0x8dd646b953495095, 0x79f38251848589bc, 0x907f6d4cf1b77b5d, 0x460e2e87e2076c82, 0x727f5d3d83e6b8ed,
+         0x088ffaa84ca13e1e, 0x0522330b5c893202, 0xa6150904fc034975, 0xea013e1b185ed6a8, 0x495593ef97e28dfc,
+         0xf99498b7703aae40, 0x75bad36ebcfb3491, 0xd6eeb32ea3760f7c, 0xe6c00031cec46577)
+
+
+def _mix64(h: int) -> int:
+    h ^= h >> 33
+    h = h * 0xff51afd7ed558ccd & _M
+    h ^= h >> 33
+    h = h * 0xc4ceb9fe1a85ec53 & _M
+    return h ^ (h >> 33)
+
+
+def reference_hash(data: bytes) -> int:
+    """swp_hash as the docs define it (docs/reliability.md), in Python integers: the C variants must equal it."""
+    acc = [_KEYS[(i + 3) % 8] for i in range(8)]
+
+    def accumulate(stripe: bytes, key: int) -> None:
+        for i in range(8):
+            w = int.from_bytes(stripe[8 * i:8 * i + 8], "little")
+            k = w ^ _KEYS[key + i]
+            acc[i ^ 1] = (acc[i ^ 1] + w) & _M
+            acc[i] = (acc[i] + (k & 0xffffffff) * (k >> 32)) & _M
+
+    whole = len(data) // 64
+    for s in range(whole):
+        accumulate(data[64 * s:64 * s + 64], s % 16)
+        if s % 16 == 15:
+            for i in range(8):
+                a = acc[i] ^ (acc[i] >> 47) ^ _KEYS[16 + i]
+                acc[i] = a * 0x9e3779b1 & _M
+    if len(data) % 64:
+        accumulate(data[64 * whole:].ljust(64, b"\0"), whole % 16)
+    h = _mix64(len(data) ^ 0x9e3779b97f4a7c15)
+    for i in range(8):
+        h = (_mix64(h ^ acc[i]) + i) & _M
+    return h
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.binary(min_size=0, max_size=5000), offset=st.integers(0, 63))
+def test_every_hash_variant_equals_the_reference(data, offset):
+    """The SSE2 and AVX2 rounds (whichever this CPU runs) give the scalar definition's hash at any length and
+    any alignment of the bytes."""
+    assert _library() is not None, "the C helper builds here"
+    buf = torch.zeros(len(data) + 64, dtype=torch.uint8)
+    if data:
+        buf[offset:offset + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    got = checksum_variants(buf.data_ptr() + offset, len(data))
+    assert "scalar" in got and (checksum_isa() == "scalar" or "sse2" in got)
+    assert set(got.values()) == {reference_hash(data)}
+    assert checksum(buf.data_ptr() + offset, len(data)) == got[checksum_isa()]
 
 
 def test_fallback_without_the_c_helper_still_detects_changes(tmp_path, monkeypatch):
