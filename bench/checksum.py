@@ -116,7 +116,8 @@ def main() -> None:
     print(f"{'':10}{'checksum off':>14}{'checksum on':>14}{'on/off':>9}")
     for op in ("write", "read"):
         print(f"{op + ' GB/s':10}{med[False][op]:14.2f}{med[True][op]:14.2f}{ratio[op]:9.3f}")
-    print(f"checksum alone, one core: {checksum_kind()} ({checksum_isa()}) {ours:.1f} GB/s; zlib.crc32 {crc:.1f} GB/s")
+    print(f"checksum alone, one core: {checksum_kind()} ({checksum_isa()}) {ours:.1f} GB/s; "
+          f"zlib.crc32 {crc:.1f} GB/s")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")

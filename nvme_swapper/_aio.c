@@ -93,14 +93,16 @@ static void rounds_sse2(uint64_t *acc, const unsigned char *p, uint64_t rounds) 
                 __m128i w = _mm_loadu_si128((const __m128i *)(p + j * STRIPE + 16 * i));
                 __m128i k = _mm_xor_si128(w, _mm_loadu_si128((const __m128i *)(KEYS + j + 2 * i)));
                 __m128i prod = _mm_mul_epu32(k, _mm_srli_epi64(k, 32));
-                a[i] = _mm_add_epi64(a[i], _mm_add_epi64(prod, _mm_shuffle_epi32(w, _MM_SHUFFLE(1, 0, 3, 2))));
+                __m128i swapped = _mm_shuffle_epi32(w, _MM_SHUFFLE(1, 0, 3, 2));
+                a[i] = _mm_add_epi64(a[i], _mm_add_epi64(prod, swapped));
             }
         }
         for (int i = 0; i < LANES / 2; ++i) {
             __m128i x = _mm_xor_si128(a[i], _mm_srli_epi64(a[i], 47));
             x = _mm_xor_si128(x, _mm_loadu_si128((const __m128i *)(KEYS + ROUND + 2 * i)));
             /* x * prime mod 2^64, prime < 2^32: lo(x) * prime + (hi(x) * prime << 32) */
-            a[i] = _mm_add_epi64(_mm_mul_epu32(x, prime), _mm_slli_epi64(_mm_mul_epu32(_mm_srli_epi64(x, 32), prime), 32));
+            a[i] = _mm_add_epi64(_mm_mul_epu32(x, prime),
+                                 _mm_slli_epi64(_mm_mul_epu32(_mm_srli_epi64(x, 32), prime), 32));
         }
     }
     for (int i = 0; i < LANES / 2; ++i) _mm_storeu_si128((__m128i *)(acc + 2 * i), a[i]);
@@ -116,7 +118,8 @@ __attribute__((target("avx2"))) static void rounds_avx2(uint64_t *acc, const uns
                 __m256i w = _mm256_loadu_si256((const __m256i *)(p + j * STRIPE + 32 * i));
                 __m256i k = _mm256_xor_si256(w, _mm256_loadu_si256((const __m256i *)(KEYS + j + 4 * i)));
                 __m256i prod = _mm256_mul_epu32(k, _mm256_srli_epi64(k, 32));
-                a[i] = _mm256_add_epi64(a[i], _mm256_add_epi64(prod, _mm256_shuffle_epi32(w, _MM_SHUFFLE(1, 0, 3, 2))));
+                __m256i swapped = _mm256_shuffle_epi32(w, _MM_SHUFFLE(1, 0, 3, 2));
+                a[i] = _mm256_add_epi64(a[i], _mm256_add_epi64(prod, swapped));
             }
         }
         for (int i = 0; i < LANES / 4; ++i) {

@@ -9,6 +9,6 @@ from ._tiers import BUDGET_KEYS, BudgetExceeded, Tier, TierAccount, fmt_bytes
 from ._copies import DONE, AllOf, Copy, StagingRing, CopyStreams, wait_all
 from ._heap import HeapTrim
 
-__all__ = ["BUDGET_KEYS", "DONE", "AllOf", "BudgetExceeded", "BufferPool", "Copy", "CopyStreams", "HeapTrim", "Residency", "StagingRing",
-           "Tier", "TierAccount", "TieredStore", "Transfer", "default_host_budget", "fmt_bytes", "prepare_nvme_path",
-           "wait_all"]
+__all__ = ["BUDGET_KEYS", "DONE", "AllOf", "BudgetExceeded", "BufferPool", "Copy", "CopyStreams", "HeapTrim",
+           "Residency", "StagingRing", "Tier", "TierAccount", "TieredStore", "Transfer", "default_host_budget",
+           "fmt_bytes", "prepare_nvme_path", "wait_all"]
