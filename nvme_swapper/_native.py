@@ -12,8 +12,8 @@ chosen call with ENOSPC, EIO or a short count) without touching the engine under
 
 Block checksums (``swp_hash`` in ``_aio.c``, vectorized with AVX2 or SSE2, 10-30 GB/s on one core) come from the
 same compiled library; the kernel-AIO runner computes them while the I/O is in flight (writes) or as each read
-completes. Where the library cannot be built, :func:`checksum` falls back to ``zlib.crc32`` (about 4 GB/s). One process uses one of the two for
-its whole life, and checksums live only in memory, so the two never meet.
+completes. Where the library cannot be built, :func:`checksum` falls back to ``zlib.crc32`` (about 4 GB/s). One
+process uses one of the two for its whole life, and checksums live only in memory, so the two never meet.
 """
 
 from __future__ import annotations

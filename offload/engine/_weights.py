@@ -181,9 +181,11 @@ class Weights:
         """On the optimizer thread, after a sub-group's update: starts writing its segments to their keys of the
         NVMe homes; the handle completes them (``values`` stays untouched until then)."""
         assert self.params is not None
-        return AllOf([self.params.write_home_part(seg.param, seg.param_start,
-                                                  values[seg.flat_start - sg.start:][: seg.numel])
-                      for seg in sg.segments])
+        handles = []
+        for seg in sg.segments:
+            lo = seg.flat_start - sg.start
+            handles.append(self.params.write_home_part(seg.param, seg.param_start, values[lo : lo + seg.numel]))
+        return AllOf(handles)
 
     # reading and writing values ---------------------------------------------------------------------------------
 

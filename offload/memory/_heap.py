@@ -9,8 +9,10 @@ free 388 MB). ``malloc_trim(0)`` returns the free pages of every arena (MADV_DON
 the CPU's counterpart of emptying CUDA's caching allocator, and changes no allocator setting.
 
 :class:`HeapTrim` calls it at the start of backward and then each time another ``every`` bytes of gradients have
-arrived (a quarter of the model's), so the activations backward has already freed stop counting before
-its later allocations.  glibc only: :func:`available` says whether this process's C library has it.
+arrived (a quarter of the model's), so the activations backward has already freed stop counting before its later
+allocations. The price: the released pages fault back in when the next forward reuses the heap (4-10% of a step
+on that GPT, docs/architecture.md "Host heap"). glibc only: :func:`available` says whether this process's C
+library has it.
 """
 
 from __future__ import annotations

@@ -228,7 +228,7 @@ class ParameterOffload:
     def _key(rec: _Param, start: int) -> str:
         return f"param/{rec.index}/{start}"
 
-    def _read_parts(self, rec: _Param, dst: torch.Tensor) -> "AllOf":
+    def _read_parts(self, rec: _Param, dst: torch.Tensor) -> AllOf:
         """Starts reading every part of ``rec``'s NVMe home into its range of ``dst`` (flat, the parameter's
         size)."""
         assert self._swap is not None
