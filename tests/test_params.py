@@ -13,7 +13,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import offload
-from models import DEVICE, batches, lm_loss, make, on_device
+from models import DEVICE, batches, lm_loss, make, on_device, reference_model
+from offload.params import ParamState
 
 LR = 3e-3
 
@@ -110,6 +111,64 @@ def test_prefetch_keeps_up_in_steady_state(tmp_path):
     assert s["hit_rate"] >= 0.95, s  # resident or already in flight when asked for
     assert s["last_step"]["hit_rate"] >= 0.95 and s["last_step"]["waited"] == 0
     assert s["last_step"]["fetches"] * 4 == s["fetches"]  # four identical steps since the reset
+
+
+def test_first_parameters_land_from_the_update(tmp_path):
+    """With NVMe homes, the parameters the next forward needs first take their new values from the optimizer as it
+    writes them home, instead of being read back: every step lands the same ones, the next forward finds them on
+    the device, and the result is still torch's."""
+    data = batches(6)
+    model = make()
+    ref, ref_losses = reference(make(), data, gpt_loss)
+    with offload.initialize(model, config(tmp_path, "nvme", "nvme")) as engine:
+        losses = run(engine, data[:2], gpt_loss)  # the first step records the order
+        engine.weights.params.reset_counters()
+        read_before = engine.stats()["params"]["nvme"]["bytes_read"]
+        losses += run(engine, data[2:], gpt_loss)
+        s = engine.stats()["params"]
+        first = model.tok.weight  # the forward's first parameter, updated last
+        assert engine.weights.params.params[engine.weights.params.index_of(first)].state is ParamState.AVAILABLE
+    assert_same(model, ref, losses, ref_losses)
+    assert s["last_step"]["landed"] >= 2 and s["landed"] == 4 * s["last_step"]["landed"], s
+    assert s["last_step"]["waited"] == 0
+    homed = sum(p.numel() * 4 for p in model.parameters() if p.numel() > 100)
+    assert s["nvme"]["bytes_read"] - read_before < 4 * 2 * homed  # forward and backward each read less than all
+
+
+def test_write_parameter_reaches_a_landed_copy(tmp_path):
+    """A value written between steps (a checkpoint load) replaces the copy a landing left on the device."""
+    data = batches(3)
+    model = make()
+    with offload.initialize(model, config(tmp_path, "nvme")) as engine:
+        run(engine, data[:2], gpt_loss)
+        assert engine.stats()["params"]["last_step"]["landed"] > 0
+        initial = reference_model()  # the values before training
+        for p, r in zip(model.parameters(), initial.parameters()):
+            engine.write_parameter(p, r.detach())
+        with torch.no_grad():
+            got = engine(data[2][0])
+            want = initial(on_device(data[2][0]))
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_skipped_step_cancels_the_landing(tmp_path):
+    """An fp16 step skipped for overflow writes nothing: the parameters set to land are read from their homes."""
+    data = batches(4)
+    model = make()
+    cfg = config(tmp_path, "nvme", fp16={"enabled": True, "initial_scale_power": 8, "hysteresis": 1})
+    with offload.initialize(model, cfg) as engine:
+        run(engine, data[:2], gpt_loss)
+        x = data[2][0]
+        with torch.no_grad():
+            before = engine(x)
+        engine.backward(gpt_loss(engine.module, data[2]) * float("inf"))
+        engine.step()
+        assert engine.stats()["skipped_steps"] == 1
+        with torch.no_grad():
+            after = engine(x)
+        run(engine, data[3:], gpt_loss)
+        assert engine.stats()["params"]["last_step"]["landed"] > 0
+    assert torch.equal(before, after)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")

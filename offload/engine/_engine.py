@@ -263,6 +263,8 @@ class Engine:
         self._seen_micro.clear()
         if self._heap is not None:
             self._heap.begin_backward()
+        if self.weights.params is not None:
+            self.weights.params.begin_backward(step_follows=self._last_micro)
         try:
             (loss.float() * (self.scaler.scale / divisor)).backward()
             if self._reduce is not None:
@@ -292,6 +294,8 @@ class Engine:
                 "activation checkpointing over a parameter also used outside the checkpointed segment; use "
                 "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)")
         grad = grad.detach()
+        if self.weights.params is not None:  # before the update can start: a parameter set to land is marked so
+            self.weights.params.grad_done(p)
         if self._reduce is not None:  # several ranks, stages 0-2: summed onto the owners bucket by bucket
             self._reduce.add(i, grad if grad.is_sparse else grad.reshape(-1))
         else:
@@ -303,8 +307,6 @@ class Engine:
         self._seen_micro.add(i)
         if self._heap is not None:
             self._heap.add(grad.numel() * grad.element_size())
-        if self.weights.params is not None:
-            self.weights.params.grad_done(p)
         p.grad = None  # the device copy is no longer needed (a copy in flight holds it until it has run)
 
     def _sub_group_ready(self, k: int) -> None:

@@ -167,7 +167,7 @@ class Weights:
             self.module, layout.params + frozen, homes + [None] * len(frozen), self.store, self.copies, plan.dtype,
             persistence_threshold=plan.persistence_threshold, max_live=plan.max_live, bucket=plan.prefetch_bucket,
             nvme_path=nvme_path if plan.param_tier is Tier.NVME else None, aio=aio, shards=self.shards,
-            scratch=optimizer.update_staging, parts=self._segments())
+            scratch=optimizer.update_staging, parts=self._segments(), land=not plan.delayed)
 
     def _segments(self) -> list[list[tuple[int, int]]]:
         """Per trainable parameter, the (start, numel) of its segment in each optimizer sub-group, in order."""

@@ -5,6 +5,7 @@ swap key per parameter on NVMe; stage 3 on several ranks: this rank's piece, on 
 :class:`offload.dist.ParamShards`) and a device state, explicit in :class:`ParamState`:
 
     RELEASED --fetch--> FETCHING --(copy/read done)--> AVAILABLE --release (no user left)--> RELEASED
+    AVAILABLE --(gradient done, an update follows)--> LANDING --(the update wrote every part)--> AVAILABLE
 
 While RELEASED, ``p.data`` is one NaN element expanded to the parameter's shape (the shape stays true for
 autograd, which lays out a gradient to match it, and a use that bypassed the hooks shows as NaN rather than as
@@ -30,6 +31,14 @@ on the host-to-device stream and the compute stream waits for that copy on the G
 an NVMe home is read into a pinned staging buffer (a pool counted on the HOST tier) and copied on by the fetch
 thread. A device buffer handed to a new fetch is written only after the compute stream has passed the point where
 its previous parameter was released. On the CPU the same calls copy on the fetch thread.
+
+Landing: with NVMe homes, the first parameters of the forward trace (as many as the first prefetch would start)
+are the last whose gradients backward finishes, and the optimizer updates them last. Instead of writing them to
+NVMe and reading them straight back for the next forward, a parameter among them keeps its device buffer when its
+gradient is done (LANDING, still counted in the window) and the optimizer thread, as it writes each updated part
+home, also copies it into that buffer (:meth:`write_home_part`; a host-to-device copy with CUDA). ``updated`` makes
+those whose every part landed AVAILABLE; any other leaves the window, as does a landing that a fetch needs the room
+of, or that no update completed (a skipped step). The next forward then starts without waiting for the disk.
 
 Prefetch: the first step records the order parameters are fetched in (forward and backward separately); later
 steps, at each fetch, start the fetches of the next parameters in that order as long as the live parameters stay
@@ -63,6 +72,15 @@ class ParamState(Enum):
     RELEASED = "released"
     FETCHING = "fetching"
     AVAILABLE = "available"
+    LANDING = "landing"  # not usable: its device buffer waits for the optimizer's new values (see "Landing")
+
+
+@dataclass(eq=False)
+class _Landing:
+    """The parts of a LANDING parameter the optimizer has yet to copy in, and the copies it made (CUDA)."""
+
+    left: set[int]  # starts of the parts not landed yet
+    copies: list[Any] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -101,14 +119,16 @@ class ParameterOffload:
                  store: TieredStore, copies: CopyStreams, dtype: torch.dtype, *, persistence_threshold: int,
                  max_live: int, bucket: int, nvme_path: str | None = None, aio: AioConfig | None = None,
                  shards: Any = None, scratch: torch.Tensor | None = None,
-                 parts: list[list[tuple[int, int]]] | None = None) -> None:
+                 parts: list[list[tuple[int, int]]] | None = None, land: bool = False) -> None:
         """``shards`` (a :class:`offload.dist.ParamShards`, several ranks): the homes of the parameters it covers
         are pieces on each rank; fetching one is an all-gather (collective: every rank fetches in the same
         order, which the same model, trace and window make true). ``scratch``: a host buffer of the caller's,
         idle during construction, that NVMe homes are written through (else one is allocated for it).
         ``parts``: per parameter, the (start, numel) ranges its NVMe home is kept in, one key each (the
         optimizer's sub-group segments, so an update writes its own keys); parameters without (frozen ones) are
-        cut in ranges of at most ``scratch``'s size."""
+        cut in ranges of at most ``scratch``'s size. ``land``: updates are written by the optimizer thread during
+        the step that follows each backward (not delayed), so the next forward's first parameters may land (see
+        "Landing")."""
         self.module, self.store, self.copies, self.dtype = module, store, copies, dtype
         self.shards = shards
         self.device = store.device
@@ -122,7 +142,11 @@ class ParameterOffload:
         self._evictable: collections.OrderedDict[int, _Param] = collections.OrderedDict()  # unused, oldest first
         self.cached_numel = 0  # live + cached stays within max_live: the device window's bound
         self.counters = {"resident": 0, "in_flight": 0, "waited": 0, "fetches": 0, "released": 0,
-                         "trace_invalidations": 0}
+                         "trace_invalidations": 0, "landed": 0}
+        self._land = land
+        self._to_land: set[int] = set()  # chosen at the start of a backward an update follows
+        self._landing: dict[int, _Landing] = {}  # shared with the optimizer thread, under _landing_lock
+        self._landing_lock = threading.Lock()
         self._mark = dict(self.counters)  # counters at the end of the last optimizer step
         self.last_step: dict[str, float] = {}
         self._swap: SwapEngine | None = None
@@ -316,6 +340,8 @@ class ParameterOffload:
         """Makes ``rec`` AVAILABLE on the device (waiting if needed), then prefetches along the trace."""
         self._follow_trace(rec)
         self._evictable.pop(rec.index, None)  # in use again
+        if rec.state is ParamState.LANDING:  # needed before the update it waits for: read the home instead
+            self._cancel_landing(rec)
         self.counters["fetches"] += 1
         if rec.state is ParamState.AVAILABLE:
             if rec.stale:
@@ -333,8 +359,11 @@ class ParameterOffload:
 
     def release(self, rec: _Param, reuse: bool = True) -> None:
         """Back to RELEASED. ``reuse=False`` when autograd may still hold the device tensor (unpacked for a
-        backward node that has not run yet): its buffer is dropped, not handed to the next fetch."""
+        backward node that has not run yet): its buffer is dropped, not handed to the next fetch. A LANDING parameter gives up its landing."""
         self._evictable.pop(rec.index, None)
+        if rec.state is ParamState.LANDING:
+            self._cancel_landing(rec)
+            return
         if rec.persistent or rec.users > 0 or rec.state is ParamState.RELEASED:
             return
         if rec.state is ParamState.FETCHING:
@@ -348,6 +377,67 @@ class ParameterOffload:
         self.live_numel -= rec.numel
         rec.device = None
         rec.param.data = self._placeholder(rec)
+        rec.state = ParamState.RELEASED
+        self.counters["released"] += 1
+
+    # landing ---------------------------------------------------------------------------------------------------
+
+    def _landing_head(self) -> set[int]:
+        """The parameters the first prefetch after an update would start (the head of the forward trace, within
+        the prefetch bucket and the window) whose homes are this object's NVMe keys."""
+        order = self._traces["forward"].order
+        limit, total, chosen = min(self.bucket, self.max_live), 0, set()
+        for idx in dict.fromkeys(order):
+            rec = self.params[idx]
+            if rec.persistent:
+                continue
+            if total and total + rec.numel > limit:
+                break
+            total += rec.numel
+            if rec.home is None and not rec.sharded:
+                chosen.add(idx)
+        return chosen
+
+    def _begin_landing(self, rec: _Param) -> None:
+        """AVAILABLE -> LANDING: the buffer stays in the window for the optimizer to copy the new values into,
+        once the compute stream has passed this point (its last read of the old ones)."""
+        self._by_storage.pop(rec.device.untyped_storage().data_ptr(), None)
+        rec.after = self.copies.mark()
+        rec.param.data = self._placeholder(rec)
+        rec.state = ParamState.LANDING
+        with self._landing_lock:
+            self._landing[rec.index] = _Landing({start for start, _ in rec.parts})
+
+    def _complete_landing(self, rec: _Param) -> bool:
+        """LANDING -> AVAILABLE if every part landed (the compute stream waits for the copies), else released."""
+        with self._landing_lock:
+            land = self._landing.get(rec.index)
+            if land is None or land.left:
+                land = None
+            else:
+                del self._landing[rec.index]
+        if land is None:
+            self._cancel_landing(rec)
+            return False
+        for copy in land.copies:
+            self.copies.use(copy)
+        rec.state, rec.stale, rec.after = ParamState.AVAILABLE, False, None
+        rec.param.data = rec.device.view(rec.shape)
+        self._by_storage[rec.device.untyped_storage().data_ptr()] = rec
+        self.counters["landed"] += 1
+        return True
+
+    def _cancel_landing(self, rec: _Param) -> None:
+        """LANDING -> RELEASED: the optimizer copies nothing more in; the buffer goes back to the cache once the
+        copies it made have run."""
+        with self._landing_lock:
+            land = self._landing.pop(rec.index, None)
+        for copy in land.copies if land is not None else ():
+            copy.wait()
+        self._cache.setdefault(rec.numel, []).append((rec.device, rec.after))
+        self.cached_numel += rec.numel
+        self.live_numel -= rec.numel
+        rec.device = rec.after = None
         rec.state = ParamState.RELEASED
         self.counters["released"] += 1
 
@@ -528,8 +618,13 @@ class ParameterOffload:
             rec.users = 0
 
     def begin_step(self) -> None:
-        """Before a forward: traces restart from the top; a recorded forward (eval, no backward) stops recording."""
+        """Before a forward: traces restart from the top; a recorded forward (eval, no backward) stops recording.
+        A landing no update completed (a skipped step) ends here."""
         self._reset_users()
+        self._to_land = set()
+        for rec in self.params:
+            if rec.state is ParamState.LANDING:
+                self._cancel_landing(rec)
         self._phase = "forward"
         for trace in self._traces.values():
             trace.pos = 0
@@ -537,12 +632,19 @@ class ParameterOffload:
         if forward.recording and forward.order:
             forward.recording = False
 
+    def begin_backward(self, step_follows: bool) -> None:
+        """Before backward: with an update to follow, choose the parameters that will land (see "Landing")."""
+        self._to_land = self._landing_head() if self._land and step_follows and self._swap is not None else set()
+
     def end_backward(self, step_follows: bool) -> None:
-        """After backward: release what backward fetched and close the recording of both traces. Unless an
-        optimizer step comes first (it would make copies fetched now stale), start the next forward's fetches."""
+        """After backward: release what backward fetched (landings stay, for the update) and close the recording
+        of both traces. Unless an optimizer step comes first (it would make copies fetched now stale), start the
+        next forward's fetches."""
         self._reset_users()
+        self._to_land = set()
         for rec in self.params:
-            self.release(rec)
+            if rec.state is not ParamState.LANDING or not step_follows:
+                self.release(rec)
         self._frozen_in_backward.clear()
         for trace in self._traces.values():
             if trace.order:
@@ -555,16 +657,23 @@ class ParameterOffload:
     def grad_done(self, param: torch.nn.Parameter) -> None:
         """A trainable parameter's gradient is accumulated: backward will not use it again."""
         rec = self._by_param.get(id(param))
-        if rec is not None and rec.users == 0:
+        if rec is None or rec.users > 0:
+            return
+        if rec.index in self._to_land and rec.state is ParamState.AVAILABLE:
+            self._begin_landing(rec)
+        else:
             self.release(rec)
 
     def updated(self) -> None:
-        """The optimizer has written new parameters to every home: mark device copies stale and start the next
-        forward's fetches."""
+        """The optimizer has written new parameters to every home: landed parameters are AVAILABLE, other device
+        copies stale; start the next forward's fetches."""
+        landed = {rec.index for rec in self.params if rec.state is ParamState.LANDING and self._complete_landing(rec)}
         self.last_step = self._rates({k: v - self._mark[k] for k, v in self.counters.items()})
         self._mark = dict(self.counters)
         self._reset_users()
         for rec in self.params:
+            if rec.index in landed:
+                continue
             if rec.persistent:
                 rec.stale = True
                 if rec.sharded:  # a collective: now, in index order on every rank, not at whichever fetch
@@ -589,18 +698,34 @@ class ParameterOffload:
         else:
             flat = value.reshape(-1)
             wait_all([self.write_home_part(index, start, flat[start : start + n]) for start, n in rec.parts])
+            if rec.state is ParamState.LANDING:
+                self._cancel_landing(rec)
+            elif rec.state is not ParamState.RELEASED:  # a copy on the device (prefetched): it gets the new value
+                if rec.state is ParamState.FETCHING:
+                    self._finish(rec)
+                self._upload_now(rec, flat)
 
     def write_home_part(self, index: int, start: int, value: torch.Tensor) -> Any:
         """Starts storing elements ``start``.. of a parameter's new value in its home: one of the parts of an NVMe
         home (the optimizer thread writes each sub-group's segment as soon as it is updated), or a range of a host
-        copy. Returns the write's handle: ``value`` must stay untouched until it has been waited on."""
+        copy; a LANDING parameter's device buffer gets it too. Returns the handle of the write (and copy):
+        ``value`` must stay untouched until it has been waited on."""
         rec = self.params[index]
         if rec.home is not None:  # persistent: a host copy, uploaded at the next refresh
             rec.home[start : start + value.numel()].copy_(value)
             rec.stale = True
             return DONE
         assert self._swap is not None and (start, value.numel()) in rec.parts
-        return self._swap.write(self._key(rec, start), value)
+        write = self._swap.write(self._key(rec, start), value)
+        with self._landing_lock:  # held while copying: a cancel on the training thread waits for this copy
+            land = self._landing.get(index)
+            if land is None or start not in land.left:
+                return write
+            copy = self.copies.to_device(rec.device[start : start + value.numel()], value, after=rec.after)
+            land.left.discard(start)
+            if copy is not DONE:
+                land.copies.append(copy)
+        return write if copy is DONE else AllOf([write, copy])
 
     def read_home(self, index: int) -> torch.Tensor:
         """A parameter's current value from its home, as a new host tensor in its shape."""
@@ -648,6 +773,8 @@ class ParameterOffload:
         self._copier.shutdown(wait=True)  # fetches in flight land first
         self.copies.synchronize()  # and so do their copies: homes and staging are freed below
         for rec in self.params:  # hand the model back whole, as plain tensors
+            if rec.state is ParamState.LANDING:
+                self._cancel_landing(rec)
             if rec.state is ParamState.FETCHING:
                 self._finish(rec)
             if rec.state is ParamState.RELEASED or rec.stale:
