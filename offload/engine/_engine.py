@@ -57,7 +57,6 @@ from ._grads import GradientStream
 from ._weights import Weights
 
 log = logging.getLogger("offload")
-TRIMS_PER_BACKWARD = 4  # heap trims after the first, spread over backward by gradient bytes
 
 
 class Phase(Enum):
@@ -160,7 +159,7 @@ class Engine:
                                        lazy_rows=sparse if cfg.sparse_gradients == "lazy" else None)
         self.lr_scheduler = build_scheduler(cfg.scheduler, self.optimizer)
         if plan.trim_heap:
-            self._heap = HeapTrim(every=sizes.numel * plan.dtype_bytes // TRIMS_PER_BACKWARD)
+            self._heap = HeapTrim(sizes.numel * plan.dtype_bytes)
         self._zero = GradPartition(self.comm, self.layout)
         self.weights = Weights(plan, self.module, self.layout, self.store, self.copies, self.comm, self.optimizer,
                                aio=cfg.aio, nvme_path=nvme["offload_param"])
