@@ -400,7 +400,9 @@ class ParameterOffload:
 
     def _begin_landing(self, rec: _Param) -> None:
         """AVAILABLE -> LANDING: the buffer stays in the window for the optimizer to copy the new values into,
-        once the compute stream has passed this point (its last read of the old ones)."""
+        once the compute stream has passed this point (its last read of the old ones). Not evictable: only a fetch
+        that finds no other room takes it back (``_make_room``)."""
+        self._evictable.pop(rec.index, None)
         self._by_storage.pop(rec.device.untyped_storage().data_ptr(), None)
         rec.after = self.copies.mark()
         rec.param.data = self._placeholder(rec)
