@@ -6,6 +6,7 @@ swap key per parameter on NVMe; stage 3 on several ranks: this rank's piece, on 
 
     RELEASED --fetch--> FETCHING --(copy/read done)--> AVAILABLE --release (no user left)--> RELEASED
     AVAILABLE --(gradient done, an update follows)--> LANDING --(the update wrote every part)--> AVAILABLE
+                                                      LANDING --(a fetch, no room, no update)--> RELEASED
 
 While RELEASED, ``p.data`` is one NaN element expanded to the parameter's shape (the shape stays true for
 autograd, which lays out a gradient to match it, and a use that bypassed the hooks shows as NaN rather than as
@@ -359,7 +360,8 @@ class ParameterOffload:
 
     def release(self, rec: _Param, reuse: bool = True) -> None:
         """Back to RELEASED. ``reuse=False`` when autograd may still hold the device tensor (unpacked for a
-        backward node that has not run yet): its buffer is dropped, not handed to the next fetch. A LANDING parameter gives up its landing."""
+        backward node that has not run yet): its buffer is dropped, not handed to the next fetch. A LANDING
+        parameter gives up its landing."""
         self._evictable.pop(rec.index, None)
         if rec.state is ParamState.LANDING:
             self._cancel_landing(rec)
