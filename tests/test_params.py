@@ -135,32 +135,6 @@ def test_first_parameters_land_from_the_update(tmp_path):
     assert s["nvme"]["bytes_read"] - read_before < 4 * 2 * homed  # forward and backward each read less than all
 
 
-@pytest.mark.skipif(DEVICE.type != "cpu", reason="size classes are for a device in host memory (CUDA's caching "
-                    "allocator makes a new buffer cheap)")
-def test_window_buffers_are_reused_across_sizes(tmp_path):
-    """A tight window on the CPU: the block's 3072- and 4096-element matrices share buffers (one size class), so
-    steady steps allocate few new ones (each a fresh mapping the kernel zeroes) and results stay torch's."""
-    data = batches(6)
-    model = make()
-    ref, ref_losses = reference(make(), data, gpt_loss)
-    with offload.initialize(model, config(tmp_path, "nvme", live=12_000, bucket=6_000)) as engine:
-        store, made = engine.store, []
-        allocate = store.allocate
-
-        def counting(tier, numel, *args, **kwargs):
-            made.append(numel)
-            return allocate(tier, numel, *args, **kwargs)
-
-        losses = run(engine, data[:2], gpt_loss)
-        store.allocate = counting
-        losses += run(engine, data[2:], gpt_loss)  # 4 steady steps: with a class per size, 40 new buffers
-        caps = {p.numel(): engine.weights.params.params[engine.weights.params.index_of(p)].cap
-                for p in model.parameters() if p.numel() > 100}
-    assert_same(model, ref, losses, ref_losses)
-    assert caps[3072] == caps[4096] == 4096 and caps[1024] == 1024
-    assert len(made) < 4, made  # fewer than one a step
-
-
 def test_write_parameter_reaches_a_landed_copy(tmp_path):
     """A value written between steps (a checkpoint load) replaces the copy a landing left on the device."""
     data = batches(3)

@@ -93,9 +93,7 @@ class _Param:
     home: torch.Tensor | None  # HOST home: a view of the optimizer's flat host buffer (or a private host copy)
     persistent: bool
     state: ParamState = ParamState.RELEASED
-    device: torch.Tensor | None = None  # the parameter's elements: ``buffer``, or its first ``numel`` elements
-    buffer: torch.Tensor | None = None  # the window's buffer holding it, ``cap`` elements
-    cap: int = 0  # elements of the window its buffer takes (its size class; see ``_size_classes``)
+    device: torch.Tensor | None = None
     after: Any = None  # a reused device buffer: the compute-stream point after which it may be overwritten
     pending: Any = None  # the fetch in flight (a Copy, a SwapHandle, a gather or a Future), cleared when waited
     users: int = 0  # modules currently running with it (a module may be entered again before it exits)
@@ -194,7 +192,6 @@ class ParameterOffload:
         parameters on the device. A parameter is recorded once its home holds its value, so ``close`` after a
         failure here hands back exactly the parameters that moved."""
         writing = owned = None
-        classes = self._size_classes([p.numel() for p in params if p.numel() > persistence_threshold])
         if self._swap is not None:
             largest = max((n for i, p in enumerate(params) if p.numel() > persistence_threshold
                            and not (self.shards is not None and self.shards.covers(i))
@@ -208,8 +205,7 @@ class ParameterOffload:
         try:
             for i, (p, home) in enumerate(zip(params, homes)):
                 persistent = p.numel() <= persistence_threshold
-                rec = _Param(i, p, p.shape, p.numel(), home, persistent, parts=tuple(self._parts[i]),
-                             cap=classes.get(p.numel(), p.numel()) if not persistent else p.numel())
+                rec = _Param(i, p, p.shape, p.numel(), home, persistent, parts=tuple(self._parts[i]))
                 rec.sharded = self.shards is not None and self.shards.covers(i)
                 if rec.sharded:
                     pass  # the engine filled this rank's piece; every rank starts from the same full values
@@ -234,18 +230,6 @@ class ParameterOffload:
         finally:
             if owned is not None:
                 self.store.free(Tier.HOST, owned)
-
-    def _size_classes(self, sizes: list[int]) -> dict[int, int]:
-        """With the device in host memory: the buffer size each parameter size takes, the largest parameter size
-        up to 1.5x its own (a block's 1.77M and 2.36M-element matrices share 2.36M buffers). A released buffer is
-        reused only within its class, and a window as tight as the derived one holds few cached buffers: with
-        exact sizes it allocated anew at almost every fetch, and the kernel zeroed about 0.45 GB of fresh pages a
-        step on the ~100M GPT (docs/benchmarks.md). On CUDA, where the caching allocator makes a new buffer cheap,
-        every size is its own class."""
-        if self.device.type != "cpu":
-            return {}
-        distinct = sorted(set(sizes))
-        return {n: max(m for m in distinct if n <= m <= n * 3 // 2) for n in distinct}
 
     def _check_window(self, sizes: list[int], persistence_threshold: int) -> None:
         """The window plus the persistent parameters must fit the device budget: fail here, not mid-step."""
@@ -369,7 +353,7 @@ class ParameterOffload:
             self._finish(rec)
         else:
             self.counters["waited"] += 1
-            self._make_room(rec.cap, keep=rec)
+            self._make_room(rec.numel, keep=rec)
             self._start(rec)
             self._finish(rec)
         self._prefetch()
@@ -387,13 +371,13 @@ class ParameterOffload:
         if rec.state is ParamState.FETCHING:
             self._finish(rec)
         self._by_storage.pop(rec.device.untyped_storage().data_ptr(), None)
-        if reuse:  # fetches of the same size class reuse it, once the compute stream is past this point
-            self._cache.setdefault(rec.cap, []).append((rec.buffer, self.copies.mark()))
-            self.cached_numel += rec.cap
+        if reuse:  # fetches of same-shaped parameters reuse it, once the compute stream is past this point
+            self._cache.setdefault(rec.numel, []).append((rec.device, self.copies.mark()))
+            self.cached_numel += rec.numel
         else:
-            self.store.free(Tier.DEVICE, rec.buffer)
-        self.live_numel -= rec.cap
-        rec.device = rec.buffer = None
+            self.store.free(Tier.DEVICE, rec.device)
+        self.live_numel -= rec.numel
+        rec.device = None
         rec.param.data = self._placeholder(rec)
         rec.state = ParamState.RELEASED
         self.counters["released"] += 1
@@ -454,10 +438,10 @@ class ParameterOffload:
             land = self._landing.pop(rec.index, None)
         for copy in land.copies if land is not None else ():
             copy.wait()
-        self._cache.setdefault(rec.cap, []).append((rec.buffer, rec.after))
-        self.cached_numel += rec.cap
-        self.live_numel -= rec.cap
-        rec.device = rec.buffer = rec.after = None
+        self._cache.setdefault(rec.numel, []).append((rec.device, rec.after))
+        self.cached_numel += rec.numel
+        self.live_numel -= rec.numel
+        rec.device = rec.after = None
         rec.state = ParamState.RELEASED
         self.counters["released"] += 1
 
@@ -465,22 +449,21 @@ class ParameterOffload:
         return torch.full((1,), float("nan"), dtype=self.dtype, device=self.device).expand(rec.shape)
 
     def _materialize(self, rec: _Param) -> None:
-        """A device buffer for ``rec``: a cached one of its size class (no allocation, no page faults), else a new
-        one after dropping cached buffers until the window has room."""
-        cached = self._cache.get(rec.cap)
+        """A device buffer for ``rec``: a cached one of its size (no allocation, no page faults), else a new one
+        after dropping cached buffers until the window has room."""
+        cached = self._cache.get(rec.numel)
         if cached and not rec.persistent:
-            rec.buffer, rec.after = cached.pop(0)  # the oldest: the compute stream is likeliest past its mark
-            self.cached_numel -= rec.cap
+            rec.device, rec.after = cached.pop(0)  # the oldest: the compute stream is likeliest past its mark
+            self.cached_numel -= rec.numel
         else:
             rec.after = None
             if not rec.persistent:
-                self._trim(self.max_live - self.live_numel - rec.cap)
+                self._trim(self.max_live - self.live_numel - rec.numel)
             with self.copies.copy_stream():  # filled by a copy on that stream, used on the compute stream
-                rec.buffer = self.store.allocate(Tier.DEVICE, rec.cap, self.dtype, f"parameter {rec.index} on the "
+                rec.device = self.store.allocate(Tier.DEVICE, rec.numel, self.dtype, f"parameter {rec.index} on the "
                                                  "device", "raise offload.device_memory_budget or lower "
                                                  "zero_optimization.stage3_max_live_parameters",
                                                  prefault=False)  # the fetch writes it whole
-        rec.device = rec.buffer if rec.cap == rec.numel else rec.buffer[: rec.numel]
         self._by_storage[rec.device.untyped_storage().data_ptr()] = rec
 
     def _trim(self, keep: int) -> None:
@@ -495,7 +478,7 @@ class ParameterOffload:
         self._materialize(rec)
         self.in_flight_numel += rec.numel
         if not rec.persistent:
-            self.live_numel += rec.cap
+            self.live_numel += rec.numel
         if rec.sharded:
             rec.pending = self.shards.fetch(rec.index, rec.device)
         elif rec.home is None:
@@ -619,8 +602,8 @@ class ParameterOffload:
                 break
             # forward may evict (the oldest are needed last, in backward); in backward every evictable parameter
             # is left from forward and needed before anything further along the trace: only freed room is used
-            room = self._evict(rec.cap) if self._phase == "forward" else \
-                self.live_numel + rec.cap <= self.max_live
+            room = self._evict(rec.numel) if self._phase == "forward" else \
+                self.live_numel + rec.numel <= self.max_live
             if not room:
                 break
             try:
@@ -800,13 +783,13 @@ class ParameterOffload:
                 self._finish(rec)
             if rec.state is ParamState.RELEASED or rec.stale:
                 rec.param.data = self.copies.upload(self.read_home(rec.index))
-                if rec.buffer is not None:
-                    self.store.free(Tier.DEVICE, rec.buffer)
-                    rec.device = rec.buffer = None
+                if rec.device is not None:
+                    self.store.free(Tier.DEVICE, rec.device)
+                    rec.device = None
             else:
                 rec.param.data = rec.device.view(rec.shape).clone()
-                self.store.free(Tier.DEVICE, rec.buffer)
-                rec.device = rec.buffer = None
+                self.store.free(Tier.DEVICE, rec.device)
+                rec.device = None
             rec.state = ParamState.RELEASED
         self._trim(0)
         for bufs in self._staging.values():
