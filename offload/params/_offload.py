@@ -376,11 +376,20 @@ class ParameterOffload:
             self.cached_numel += rec.numel
         else:
             self.store.free(Tier.DEVICE, rec.device)
+        self._released(rec)
+
+    def _released(self, rec: _Param) -> None:
+        """The end of every way back to RELEASED, once the buffer is cached or freed."""
         self.live_numel -= rec.numel
-        rec.device = None
+        rec.device = rec.after = None
         rec.param.data = self._placeholder(rec)
         rec.state = ParamState.RELEASED
         self.counters["released"] += 1
+
+    def _available(self, rec: _Param) -> None:
+        """The end of every way to AVAILABLE (a fetch waited for, a landing completed)."""
+        rec.state, rec.stale = ParamState.AVAILABLE, False
+        rec.param.data = rec.device.view(rec.shape)
 
     # landing ---------------------------------------------------------------------------------------------------
 
@@ -425,8 +434,8 @@ class ParameterOffload:
             return False
         for copy in land.copies:
             self.copies.use(copy)
-        rec.state, rec.stale, rec.after = ParamState.AVAILABLE, False, None
-        rec.param.data = rec.device.view(rec.shape)
+        rec.after = None
+        self._available(rec)
         self._by_storage[rec.device.untyped_storage().data_ptr()] = rec
         self.counters["landed"] += 1
         return True
@@ -440,10 +449,7 @@ class ParameterOffload:
             copy.wait()
         self._cache.setdefault(rec.numel, []).append((rec.device, rec.after))
         self.cached_numel += rec.numel
-        self.live_numel -= rec.numel
-        rec.device = rec.after = None
-        rec.state = ParamState.RELEASED
-        self.counters["released"] += 1
+        self._released(rec)
 
     def _placeholder(self, rec: _Param) -> torch.Tensor:
         return torch.full((1,), float("nan"), dtype=self.dtype, device=self.device).expand(rec.shape)
@@ -545,9 +551,7 @@ class ParameterOffload:
             self.copies.hold(rec.device)  # allocated on the copy stream, read on the compute stream
         finally:
             self.store.stall_seconds += time.perf_counter() - t
-        rec.state = ParamState.AVAILABLE
-        rec.stale = False
-        rec.param.data = rec.device.view(rec.shape)
+        self._available(rec)
 
     def _refresh(self, rec: _Param) -> None:
         """A persistent parameter after an optimizer step: copy its new value from the home."""
