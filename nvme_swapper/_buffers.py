@@ -73,6 +73,7 @@ class _HostRegion:
         global _pinned
         if hasattr(mmap, "MADV_DONTFORK"):  # a forked child (a DataLoader worker) must not make these pages
             self._map.madvise(mmap.MADV_DONTFORK)  # copy-on-write: the GPU's copies would land in the child's
+        self.device = torch.cuda.current_device()
         error = int(torch.cuda.cudart().cudaHostRegister(self.address, nbytes, _CUDA_HOST_REGISTER_PORTABLE))
         if error:
             raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {error}: the host cannot "
@@ -91,8 +92,9 @@ class _HostRegion:
     def __del__(self) -> None:
         global _pinned
         if self.pinned:
-            try:
-                torch.cuda.cudart().cudaHostUnregister(self.address)
+            try:  # under the device it was registered on: the last view may die on a thread whose current
+                with torch.cuda.device(self.device):  # device is another GPU, without a context there yet
+                    torch.cuda.cudart().cudaHostUnregister(self.address)
             except Exception:  # noqa: BLE001 - interpreter exit: CUDA may be gone already
                 pass
             with _pinned_lock:

@@ -1,6 +1,7 @@
 """The one place the training device is decided, from ``offload.device``: "auto", "cpu", "cuda" or "cuda:N".
 
-"auto" is ``cuda:LOCAL_RANK`` when CUDA is available and the CPU otherwise (the DEVICE tier is then CPU memory held
+"auto" is ``cuda:LOCAL_RANK`` when CUDA is available (cuda:0 when the launcher made one GPU visible to each
+process) and the CPU otherwise (the DEVICE tier is then CPU memory held
 to ``offload.device_memory_budget``); "cuda" insists on CUDA. The process-group join (:func:`offload.dist.join`)
 calls :func:`resolve_device` once per engine, makes the device current and picks the backend from it (NCCL for
 CUDA, gloo for the CPU); every layer then reads ``Plan.device``. Nothing else asks ``torch.cuda.is_available()``
@@ -38,21 +39,31 @@ def resolve_device(spec: str = "auto", *, local_rank: int | None = None, local_w
         raise ValueError(f"offload.device is {spec!r} but there is no CUDA device (torch.cuda.is_available() is "
                          "False); set offload.device to \"auto\" or \"cpu\"")
     count = torch.cuda.device_count()
+    isolated = _one_gpu_per_process(count)
     if spec.startswith("cuda:"):
         index = int(spec.split(":")[1])
         if index >= count:
             raise ValueError(f"offload.device is {spec!r} but this machine has {count} CUDA device(s) (cuda:0.."
                              f"cuda:{count - 1})")
-        if local_world_size > 1:
+        if local_world_size > 1 and not isolated:
             raise ValueError(f"offload.device {spec!r} names one GPU for all {local_world_size} ranks on this "
                              "machine; set it to \"cuda\" (each rank takes cuda:LOCAL_RANK) or \"auto\"")
         return torch.device("cuda", index)
+    if isolated:
+        return torch.device("cuda", 0)
     if local_world_size > count or local_rank >= count:
         raise RuntimeError(f"{max(local_world_size, local_rank + 1)} ranks on this machine but {count} CUDA "
                            f"device(s): NCCL cannot put several ranks on one GPU. Launch at most {count} process(es) "
                            f"per machine (torchrun --nproc-per-node {count}), or set offload.device to \"cpu\" to "
                            "train on the CPU over gloo")
     return torch.device("cuda", local_rank)
+
+
+def _one_gpu_per_process(count: int) -> bool:
+    """Whether the launcher gave this process a GPU of its own (CUDA_VISIBLE_DEVICES naming one device, as SLURM's
+    ``--gpus-per-task=1`` does): every rank then sees it as cuda:0, whatever its local rank."""
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return count == 1 and len(visible) == 1
 
 
 def default_device() -> torch.device:

@@ -12,6 +12,14 @@ import queue
 import threading
 from typing import Any
 
+import torch
+
+
+def bind_thread(device: torch.device | None) -> None:
+    """Makes ``device`` the calling thread's current CUDA device (nothing for the CPU or None)."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.set_device(device)
+
 
 class Job:
     """One job of a :class:`Worker`; ``wait()`` returns once it has run, or raises the error it raised (a job
@@ -33,9 +41,12 @@ class Job:
 
 
 class Worker:
-    """One named thread running jobs in submission order; ``close()`` finishes what is queued and joins it."""
+    """One named thread running jobs in submission order; ``close()`` finishes what is queued and joins it.
+    ``device``: the engine's device, made the thread's current CUDA device (a thread starts on cuda:0, where any
+    implicit CUDA call would otherwise create a context for a rank training on another GPU)."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, device: torch.device | None = None) -> None:
+        self._device = device
         self._queue: queue.SimpleQueue[tuple[Any, tuple[Any, ...], Job] | None] = queue.SimpleQueue()
         self._idle = threading.Condition()
         self._pending = 0
@@ -65,6 +76,7 @@ class Worker:
             self._thread.join()
 
     def _run(self) -> None:
+        bind_thread(self._device)
         while (item := self._queue.get()) is not None:
             fn, args, job = item
             try:

@@ -1,4 +1,5 @@
-"""Shared fixtures: real filesystems to test against (a size-limited ext4 image, a tmpfs), mounted when we are root."""
+"""Shared fixtures: real filesystems to test against (a size-limited ext4 image, a tmpfs), mounted when we are root;
+the thread-leak check; the session's set-up for runs on CUDA."""
 
 from __future__ import annotations
 
@@ -9,6 +10,19 @@ import threading
 from pathlib import Path
 
 import pytest
+
+# Runs that must agree bit for bit (an engine against its reference, a child process against this one) need
+# cuBLAS's deterministic workspace on CUDA; child processes inherit it.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Builds the C++ Adam kernel before the first test, so that a cold build (a minute on a fresh machine) is not
+    charged to whichever engine test comes first under a per-test time limit (a failed build falls back to the
+    torch implementation with a warning, and the kernel's own tests fail)."""
+    from offload.ops._cpu_adam import cpu_adam_backend
+
+    cpu_adam_backend()
 
 
 def _run(*cmd: str) -> bool:

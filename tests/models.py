@@ -1,7 +1,7 @@
 """Small models for tests: a GPT-style transformer with tied embeddings and a position *parameter* (not a module),
 deterministic (no dropout). Its blocks are the package's (offload/models.py).
 
-``DEVICE`` is where the library trains on this machine (``offload.default_device()``: CUDA when present): engines
+``DEVICE`` is where the library trains on this machine (``offload.device: "auto"``: CUDA when present): engines
 run there, and so do the references they are checked against (``reference_model``, ``on_device``), so the two
 share kernels; results are compared on the CPU. On CUDA the attention runs its deterministic (math) kernel, so
 runs that must agree bit for bit do, in this process and in the subprocesses that import this module.
@@ -13,10 +13,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import offload
+from offload._device import resolve_device
 from offload.models import Block, GPTConfig
 
-DEVICE = offload.default_device()
+# local_rank=0: the rank processes of the multi-rank tests import this module too (with LOCAL_RANK 1, 2, more ranks
+# than a one-GPU machine has GPUs); their engines choose their own device, this is the test process's reference.
+DEVICE = resolve_device("auto", local_rank=0)
 if DEVICE.type == "cuda":
     torch.backends.cuda.enable_flash_sdp(False)  # flash and memory-efficient attention backward use atomics
     torch.backends.cuda.enable_mem_efficient_sdp(False)

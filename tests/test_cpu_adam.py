@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import logging
+import sys
 
 import pytest
 import torch
@@ -585,3 +586,15 @@ def test_environment_overrides_are_validated(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setenv(_cpu_adam.ISA_ENV, "neon")
     with pytest.raises(ValueError, match="OFFLOAD_CPU_ADAM_ISA='neon'"):
         cpu_adam_backend()
+
+
+def test_cpu_flags_without_py_cpuinfo_come_from_the_kernel(monkeypatch):
+    """Where py-cpuinfo is missing (a machine set up without the package's dependencies), the flags come from
+    /proc/cpuinfo, so the kernel is as wide as the CPU allows rather than scalar."""
+    with_package = supported_isas()
+    _cpu_adam.cpu_flags.cache_clear()
+    monkeypatch.setitem(sys.modules, "cpuinfo", None)  # import cpuinfo raises ImportError
+    try:
+        assert supported_isas() == with_package
+    finally:
+        _cpu_adam.cpu_flags.cache_clear()

@@ -4,6 +4,7 @@ Each test runs on whichever device this machine has (tests/models.py: DEVICE); a
 
 from __future__ import annotations
 
+import gc
 import threading
 from collections import namedtuple
 
@@ -61,6 +62,27 @@ def test_device_key_names_what_is_allowed(tmp_path):
     if not CUDA:
         with pytest.raises(ValueError, match="offload.device is 'cuda' but there is no CUDA device"):
             offload.initialize(make(), config(tmp_path, device="cuda"))
+        return
+    for spec in ("cuda", "cuda:0"):
+        with offload.initialize(make(), config(tmp_path, device=spec)) as engine:
+            assert engine.device == torch.device("cuda", 0)
+            assert next(engine.module.parameters()).device == torch.device("cuda", 0)
+
+
+def test_a_gpu_of_its_own_per_rank_is_cuda_0(monkeypatch):
+    """A launcher that makes one GPU visible to each process (SLURM's --gpus-per-task=1): every rank trains on its
+    cuda:0. The same count of one GPU without CUDA_VISIBLE_DEVICES is one GPU shared by the ranks: an error. (The
+    machine's CUDA is stood in for: the rule is about what the process sees.)"""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    for spec in ("auto", "cuda", "cuda:0"):
+        assert resolve_device(spec, local_rank=2, local_world_size=4) == torch.device("cuda", 0)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    with pytest.raises(RuntimeError, match="4 ranks on this machine but 1 CUDA device"):
+        resolve_device("auto", local_rank=2, local_world_size=4)
+    with pytest.raises(ValueError, match="names one GPU for all 4 ranks"):
+        resolve_device("cuda:0", local_rank=2, local_world_size=4)
 
 
 def test_more_ranks_than_gpus_is_an_error_that_names_the_fix():
@@ -143,6 +165,7 @@ def test_a_failure_inside_initialize_surfaces_as_itself(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(not CUDA, reason="page-locked memory is registered with CUDA")
 def test_pinned_host_memory_is_exactly_what_was_asked():
+    gc.collect()  # buffers of earlier tests waiting in reference cycles would unregister during the count
     base = pinned_bytes()
     sizes = [1000, 4096, (3 << 20) + 5, 100 << 20]
     bufs = [aligned_tensor(n, torch.uint8, pin_memory=True) for n in sizes]

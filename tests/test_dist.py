@@ -25,6 +25,9 @@ import offload
 from offload.plan import UPDATE_BUFFERS
 from models import bag_batches, bag_loss, batches, lazy_adamw_reference, lm_loss, make, make_bag, train_steps
 
+# Module fixtures start 18 runs of 2 and 3 rank processes inside the first test that uses them.
+pytestmark = pytest.mark.timeout(900)
+
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 LR, WD = 3e-3, 0.01
@@ -108,6 +111,7 @@ def config(stage: int, device: str, nvme: Path, persist: int = 0, param: str = "
         cfg["zero_optimization"].update(offload_param={"device": param, "nvme_path": str(nvme)},
                                         stage3_max_live_parameters=8192,
                                         stage3_prefetch_bucket_size=4096, stage3_param_persistence_threshold=persist)
+    cfg["offload"].update(extra.pop("offload", {}))
     cfg.update(extra)
     return cfg
 
@@ -457,7 +461,8 @@ def test_torchrun_runs_an_unchanged_training_script(tmp_path):
         cmd = [sys.executable, str(script)] if launcher == "python" else \
             [shutil.which("torchrun") or "torchrun", "--nproc-per-node", "2", "--master-port", str(free_port()),
              str(script)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+        env = {**os.environ, "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
         assert f"world {1 if launcher == 'python' else 2}" in done.stdout
@@ -516,7 +521,7 @@ def test_reduce_buckets_deliver_every_gradient_once_in_any_order(sizes, bucket, 
     buckets are issued in their fixed order, and in backward's usual order (reverse registration) two pool buffers
     suffice."""
     from offload.dist import Comm, ReduceBuckets, join
-    from offload.memory import Tier, TieredStore
+    from offload.memory import DONE, CopyStreams, Tier, TieredStore
     from offload.optim._layout import FlatLayout
 
     params = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
@@ -525,15 +530,18 @@ def test_reduce_buckets_deliver_every_gradient_once_in_any_order(sizes, bucket, 
     comm = Comm(join(60, "cpu"))
     got: dict[int, torch.Tensor] = {}
 
-    def deliver(i: int, values: torch.Tensor, base: int) -> None:
+    def deliver(i: int, values: torch.Tensor, base: int) -> list:
         assert i not in got and base == 0
         got[i] = values.clone()
+        return [DONE]
 
     usual = data.draw(st.booleans())
     order = list(reversed(range(len(sizes)))) if usual else data.draw(st.permutations(range(len(sizes))))
     missing = set() if usual else set(data.draw(st.lists(st.sampled_from(range(len(sizes))), max_size=3)))
     grads = [torch.randn(n) for n in sizes]
-    rb = ReduceBuckets(comm, layout, store, bucket=bucket, dtype=torch.float32, overlap=True, deliver=deliver)
+    copies = CopyStreams(torch.device("cpu"), lambda *_: None)
+    rb = ReduceBuckets(comm, layout, store, copies, bucket=bucket, dtype=torch.float32, overlap=True,
+                       deliver=deliver)
     try:
         for _ in range(2):  # two micro-batches: the pool's buffers are reused
             got.clear()

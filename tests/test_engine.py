@@ -361,7 +361,7 @@ def test_budgets_that_cannot_fit_fail_at_initialize(tmp_path):
     assert not [t for t in threading.enumerate() if t.name.startswith(("offload", "nvme_swapper"))]
 
 
-@pytest.mark.parametrize("device, dtype", [("nvme", torch.float32), ("cpu", torch.bfloat16)])
+@pytest.mark.parametrize("device, dtype", [("nvme", torch.float32), ("cpu", torch.bfloat16), ("none", torch.bfloat16)])
 def test_checkpoint_resume_is_bit_identical(tmp_path, device, dtype):
     data = batches(20)
     extra = {"bf16": {"enabled": True}} if dtype == torch.bfloat16 else {}
@@ -618,6 +618,9 @@ def test_accumulation_boundary_set_by_the_caller(tmp_path):
         assert engine.global_steps == 2
         with pytest.raises(ValueError, match="True, False or None"):
             engine.set_gradient_accumulation_boundary(1)
+    with offload.initialize(make(), config(tmp_path / "one", "cpu")) as engine:
+        with pytest.raises(ValueError, match="gradient_accumulation_steps is 1.*longest window"):
+            engine.set_gradient_accumulation_boundary(False)
     ref = reference_model()
     opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, betas=(0.9, 0.99), eps=1e-8)
     for window in windows:

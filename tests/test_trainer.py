@@ -24,7 +24,7 @@ pytest.importorskip("accelerate")
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
 
 from offload.integrations.transformers import OffloadTrainer, trainer_config  # noqa: E402
-from tests.models import DEVICE  # noqa: E402
+from models import DEVICE  # noqa: E402
 
 VOCAB = 64
 
@@ -224,6 +224,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.timeout(900)  # two torchrun launches of two ranks
 def test_two_ranks_under_torchrun_match_the_plain_trainer_with_ddp(tmp_path):
     """torchrun --nproc-per-node 2 (gloo, CPU): OffloadTrainer's engine partitions the optimizer state over the
     ranks in place of DDP; losses and gradient norms equal the plain Trainer's (DDP) step by step."""
@@ -232,7 +233,8 @@ def test_two_ranks_under_torchrun_match_the_plain_trainer_with_ddp(tmp_path):
         script = tmp_path / f"train_{name}.py"  # not offload.py: the script's folder comes first on sys.path
         script.write_text(TWO_RANKS.format(out=str(tmp_path / name), plain=name == "plain",
                                            nvme=str(tmp_path / "nvme"), result=str(tmp_path / f"{name}.json")))
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+            [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")])}
         done = subprocess.run([shutil.which("torchrun") or "torchrun", "--nproc-per-node", "2", "--master-port",
                                str(free_port()), str(script)], capture_output=True, text=True, timeout=300, env=env,
                               cwd=tmp_path)

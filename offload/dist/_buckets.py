@@ -15,7 +15,8 @@ early waits, in its buffer, for those before it; when backward ends, a bucket st
 with zeros for them (such parameters update with a zero gradient, as on one rank) and everything left is issued.
 
 Buffers (:class:`BucketState` says where each bucket is): a bucket takes a device buffer from a pool when its first
-gradient arrives. Two buffers serve the usual order (one filling while the previous one's reduce runs); a bucket
+gradient arrives; a buffer goes back to the pool with the copies still reading it (``deliver`` returns them), which
+the compute stream waits for before it writes there again. Two buffers serve the usual order (one filling while the previous one's reduce runs); a bucket
 needing one when none is free first completes the oldest reduce in flight, and only when none is in flight (the
 gradients came far out of order) is another allocated, on the DEVICE tier (``peak_buffers`` counts them).
 
@@ -39,7 +40,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..memory import Tier, TieredStore
+from ..memory import Copy, CopyStreams, Tier, TieredStore
 from ..optim._layout import FlatLayout
 from ._comm import Comm
 from ._sparse import exchange_rows, sparse_pays, touched_rows
@@ -76,17 +77,17 @@ class ReduceBuckets:
     """Owns the buckets and their device buffers of one engine (stages 1-2, world size > 1); see the module
     docstring. Call ``begin_micro_batch``, ``add`` from each gradient hook, ``end_backward``, and ``close``."""
 
-    def __init__(self, comm: Comm, layout: FlatLayout, store: TieredStore, *, bucket: int, dtype: torch.dtype,
-                 overlap: bool, deliver: Callable[[int, torch.Tensor, int], None],
+    def __init__(self, comm: Comm, layout: FlatLayout, store: TieredStore, copies: CopyStreams, *, bucket: int,
+                 dtype: torch.dtype, overlap: bool, deliver: Callable[[int, torch.Tensor, int], list[Copy]],
                  sparse: frozenset[int] = frozenset()) -> None:
-        self.comm, self.layout, self.store, self.dtype = comm, layout, store, dtype
+        self.comm, self.layout, self.store, self.copies, self.dtype = comm, layout, store, copies, dtype
         self.overlap, self._deliver, self._sparse = overlap, deliver, sparse
         self.sparse_sent = {"rows": 0, "dense": 0}  # sparse buckets: sent as rows, or dense (rows cost more)
         self.bucket = max(bucket, 1)
         self.buckets: list[_Bucket] = []
         self._of_param: list[_Bucket | None] = [None] * len(layout.params)
         self._cut()
-        self._free: list[torch.Tensor] = []
+        self._free: list[tuple[torch.Tensor, list[Copy]]] = []  # pool buffers and the copies still reading them
         self._buffers = 0  # pool buffers allocated
         self.peak_buffers = 0
         self._next = 0  # the next bucket to issue, in ``buckets`` order
@@ -223,20 +224,24 @@ class ReduceBuckets:
         self._in_flight.pop(0)
         b.works = []
         lo, hi = self.layout.owned[b.group]
+        reads: list[Copy] = []
         for i in b.params:
             off, n = self.layout.param_offset[i], self.layout.params[i].numel()
             a, z = max(off, lo), min(off + n, hi)
             if a < z:
-                self._deliver(i, b.buf[a - b.start : z - b.start], a - off)
+                reads += self._deliver(i, b.buf[a - b.start : z - b.start], a - off)
         if b.pooled:
-            self._free.append(b.buf)
+            self._free.append((b.buf, reads))
         b.buf, b.pooled, b.state = None, False, BucketState.DONE
 
     def _take_buffer(self) -> torch.Tensor:
         while not self._free and any(b.pooled for b in self._in_flight):
             self._complete(self._in_flight[0])
         if self._free:
-            return self._free.pop()
+            buf, reads = self._free.pop()
+            for copy in reads:  # the compute stream writes into it only after they have read it
+                self.copies.use(copy)
+            return buf
         buf = self.store.allocate(Tier.DEVICE, self.bucket, self.dtype, "a gradient reduce bucket", _FIX,
                                   prefault=False)
         self._buffers += 1
@@ -267,8 +272,8 @@ class ReduceBuckets:
         self._in_flight = []
         for b in self.buckets:
             if b.pooled and b.buf is not None:
-                self._free.append(b.buf)
+                self._free.append((b.buf, []))
             b.buf, b.pooled = None, False
-        for buf in self._free:
+        for buf, _ in self._free:
             self.store.free(Tier.DEVICE, buf)
         self._free, self._buffers = [], 0

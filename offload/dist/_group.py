@@ -93,6 +93,17 @@ def _env_int(name: str, default: int | None = None) -> int:
         raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
 
 
+def _local_place(rank: int, world: int) -> tuple[int, int]:
+    """(local rank, ranks on this machine) of a group the user started: torchrun's LOCAL_RANK and LOCAL_WORLD_SIZE,
+    else ranks filling each machine's GPUs in order (rank % GPUs), as launchers that set neither do."""
+    if os.environ.get("LOCAL_RANK"):
+        return _env_int("LOCAL_RANK"), _env_int("LOCAL_WORLD_SIZE", world)
+    per_machine = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if per_machine == 0:
+        return rank, world
+    return rank % per_machine, min(world, per_machine)
+
+
 def _device_for(spec: str, local_rank: int, local_world_size: int) -> tuple[torch.device, str]:
     """This rank's device (made current when CUDA) and the backend that moves its tensors."""
     device = resolve_device(spec, local_rank=local_rank, local_world_size=local_world_size)
@@ -107,7 +118,7 @@ def join(timeout: float, device_spec: str = "auto") -> ProcessGroup:
     delta = datetime.timedelta(seconds=timeout)
     if dist.is_available() and dist.is_initialized():
         world, rank = dist.get_world_size(), dist.get_rank()
-        local_rank, local_world = _env_int("LOCAL_RANK", rank), _env_int("LOCAL_WORLD_SIZE", world)
+        local_rank, local_world = _local_place(rank, world)
         if world == 1:
             device, _ = _device_for(device_spec, local_rank, 1)
             return ProcessGroup(Origin.SINGLE, device, timeout=timeout)

@@ -172,7 +172,8 @@ class ParamShards:
         so the reads overlap the compute before the parameter is needed, and every rank issues the gathers in the
         order it fetched, which is the same everywhere."""
         piece, r = self.layout.piece[i], self.comm.rank
-        out = torch.empty(piece * self.comm.world_size, dtype=self.dtype, device=self.device)
+        with self.copies.copy_stream():  # memory no kernel of the compute stream may still be using: the copy
+            out = torch.empty(piece * self.comm.world_size, dtype=self.dtype, device=self.device)  # waits for none
         inp = out[r * piece : (r + 1) * piece]  # the all-gather takes this rank's chunk of out in place
         if self._swap is None:
             return self._gather(out, inp, self.pieces[i], dst)
@@ -188,11 +189,10 @@ class ParamShards:
         if self.device.type == "cpu":
             inp.copy_(source)
         else:
-            copy = self.copies.to_device(inp, source, after=self.copies.mark())  # out's memory: the compute
-            # stream's, which may have freed it moments ago
-            self.copies.use(copy)  # the collective, issued behind the current stream, sees it
+            copy = self.copies.to_device(inp, source, after=None)
+            self.copies.use(copy, out)  # the collective, issued behind the current stream, sees it
             if self._swap is not None:
-                copy.wait()  # the staging piece is refilled by a later fetch
+                copy.wait()  # the staging piece is refilled by a later fetch (the copy waits for nothing else)
         return _Gathered(self.comm.all_gather(out, inp, async_op=True), out, dst)
 
     def _issue(self, pending: "_PieceRead") -> None:

@@ -167,7 +167,7 @@ class Engine:
                                     on_ready=self._sub_group_ready)
         self.optimizer.grad_handles = self.grads.handles
         if plan.world_size > 1 and not self.layout.per_param:
-            self._reduce = ReduceBuckets(self.comm, self.layout, self.store, bucket=plan.grad_bucket,
+            self._reduce = ReduceBuckets(self.comm, self.layout, self.store, self.copies, bucket=plan.grad_bucket,
                                          dtype=plan.dtype, overlap=cfg.zero_optimization.overlap_comm,
                                          deliver=self.grads.receive, sparse=frozenset(sparse))
         self._install_hooks()
@@ -238,6 +238,10 @@ class Engine:
         accumulation steps (DeepSpeed's method of the same name)."""
         if is_boundary is not None and not isinstance(is_boundary, bool):
             raise ValueError(f"set_gradient_accumulation_boundary expects True, False or None, got {is_boundary!r}")
+        if is_boundary is False and self.gradient_accumulation_steps == 1:
+            raise ValueError("set_gradient_accumulation_boundary(False) adds the next micro-batch to a window, but "
+                             "gradient_accumulation_steps is 1, so the engine was built without room to add "
+                             "gradients up; set gradient_accumulation_steps to the longest window you use")
         self._boundary = is_boundary
 
     def backward(self, loss: torch.Tensor, *, scale_wrt_gas: bool = True) -> None:

@@ -31,7 +31,7 @@ from typing import Any, Callable
 import torch
 
 from .._worker import Worker
-from ..memory import BudgetExceeded, CopyStreams, StagingRing, Tier, TieredStore, wait_all
+from ..memory import BudgetExceeded, Copy, CopyStreams, StagingRing, Tier, TieredStore, wait_all
 from ..optim._layout import FlatLayout
 from ..plan import Plan
 
@@ -100,7 +100,7 @@ class GradientStream:
                 if self.accumulate:
                     self._landing = StagingRing(store, 3, self._staging_numel, plan.dtype,
                                                 "pinned landing buffers of accumulated gradients", _FIX)
-                    self._adds = Worker("offload-grads")
+                    self._adds = Worker("offload-grads", copies.device)
             except BaseException:
                 self.close()
                 raise
@@ -139,9 +139,11 @@ class GradientStream:
         for b in self.buckets:
             b.written = False
 
-    def receive(self, i: int, grad: torch.Tensor, base: int = 0) -> None:
+    def receive(self, i: int, grad: torch.Tensor, base: int = 0) -> list[Copy]:
         """Parameter ``i``'s final gradient (flat, on the device; its elements from ``base`` of the flattened
-        parameter). May be freed when this returns."""
+        parameter). May be freed when this returns (the allocator keeps it for the copies in flight); returns
+        those copies, which a caller that writes into ``grad``'s memory again must ``use`` first."""
+        reads: list[Copy] = []
         for bucket, piece in self._of_param[i]:
             assert not bucket.arrived[piece.index], "a gradient piece arrived twice (the engine checks this)"
             src = grad[piece.param_start - base : piece.param_start - base + piece.numel]
@@ -149,7 +151,7 @@ class GradientStream:
                 if bucket.staging is None and not bucket.single and not self._open(bucket):
                     bucket.single = True
                 if bucket.single:
-                    self._send(bucket, piece.flat_start, src, single=True)
+                    reads.append(self._send(bucket, piece.flat_start, src, single=True))
                 else:
                     lo = piece.flat_start - bucket.start
                     bucket.staging[lo : lo + piece.numel].copy_(src)
@@ -159,6 +161,7 @@ class GradientStream:
             bucket.pending -= 1
             if bucket.pending == 0:
                 self._flush(bucket)
+        return reads
 
     def end_backward(self) -> None:
         """Sends every bucket still open or incomplete, zeros where a parameter got no gradient."""
@@ -202,7 +205,7 @@ class GradientStream:
         else:
             dst.copy_(src)
 
-    def _send(self, bucket: _Bucket, flat_start: int, src: torch.Tensor, *, single: bool = False) -> Any:
+    def _send(self, bucket: _Bucket, flat_start: int, src: torch.Tensor, *, single: bool = False) -> Copy:
         """Staged mode: one asynchronous copy of ``src`` (device) to its place in the host gradient buffer, through
         a landing buffer and an add on the optimizer thread when micro-batches accumulate."""
         lo = flat_start - self.layout.sub_groups[bucket.sub_group].start

@@ -199,7 +199,9 @@ class Weights:
         """Sets a parameter's low-precision value wherever it lives (rounded to its dtype)."""
         with torch.no_grad():
             if self.params is not None:
-                self.params.write_home(self.params.index_of(p), value.to(self.plan.dtype).reshape(-1))
+                # homes are host memory or NVMe files, whose writes take host tensors only
+                host = value.detach().to("cpu", self.plan.dtype).reshape(-1)
+                self.params.write_home(self.params.index_of(p), host)
             else:
                 self._place(p.data, value)
 

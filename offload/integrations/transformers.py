@@ -75,7 +75,9 @@ _FROM_ARGS: list[tuple[tuple[str, ...], Any]] = [
     (("optimizer", "params", "betas"), lambda a: [a.adam_beta1, a.adam_beta2]),
     (("optimizer", "params", "eps"), lambda a: a.adam_epsilon),
     (("optimizer", "params", "weight_decay"), lambda a: a.weight_decay),
-    (("offload", "device"), lambda a: "cpu" if a.device.type == "cpu" else str(a.device)),
+    # several ranks: each takes cuda:LOCAL_RANK, the device the Trainer gave it ("cuda:N" would name one for all)
+    (("offload", "device"),
+     lambda a: "cpu" if a.device.type == "cpu" else "cuda" if a.world_size > 1 else str(a.device)),
 ]
 _ARG_NAMES = {("train_micro_batch_size_per_gpu",): "per_device_train_batch_size",
               ("train_batch_size",): "per_device_train_batch_size x gradient_accumulation_steps x world_size",

@@ -55,14 +55,22 @@ _TORCH_CHUNK = 1 << 18
 
 @functools.lru_cache(maxsize=1)
 def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as py-cpuinfo reports them (empty when it cannot tell)."""
+    """The CPU's feature flags as py-cpuinfo reports them, else as Linux's /proc/cpuinfo lists them (the same
+    names), else none (the scalar kernel)."""
     try:
         import cpuinfo
 
         return frozenset(cpuinfo.get_cpu_info().get("flags", ()))
-    except Exception as exc:  # py-cpuinfo shells out and parses; any failure just means "assume nothing"
-        logger.warning("offload: could not read CPU flags (%s); CPU Adam uses the scalar kernel", exc)
-        return frozenset()
+    except Exception as exc:  # py-cpuinfo shells out and parses; any failure just means "ask the kernel"
+        error: Exception = exc
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    logger.warning("offload: could not read CPU flags (%s); CPU Adam uses the scalar kernel", error)
+    return frozenset()
 
 
 def supported_isas() -> list[str]:

@@ -81,6 +81,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         self.grads = GradientBuffers(layout, store, Tier.DEVICE if placement is Tier.DEVICE else Tier.HOST,
                                      grad_dtype, sets=grad_sets, slots=grad_slots)
         self._state: list[torch.Tensor] = []
+        self._staged: dict[int, torch.Tensor] = {}  # host blocks stage_state handed out for state on a CUDA device
         if placement is Tier.NVME:
             if not nvme_path:
                 raise ValueError("zero_optimization.offload_optimizer.nvme_path is required for device \"nvme\"")
@@ -102,7 +103,7 @@ class OffloadedAdam(torch.optim.Optimizer):
                                        f"optimizer state of sub-group {sg.index}", _FIX_HOST)
                 self._init_state(sg, block)
                 self._state.append(block)
-        self._stepper = Worker("offload-stepper")
+        self._stepper = Worker("offload-stepper", copies.device)
         self._warm_kernel()
 
     @staticmethod
@@ -240,10 +241,15 @@ class OffloadedAdam(torch.optim.Optimizer):
         t = time.perf_counter()
         slot = None
         if master.device.type == "cuda":  # state on the device (no offload): torch's fused kernel, same arithmetic
+            out = None
             with torch.cuda.stream(stream):  # ordered after the backward that wrote the gradients
                 self._fused_torch(master, exp_avg, exp_avg_sq, grad, group, grad_scale, step)
-                target.copy_(master)
-            out = None
+                if self._on_updated is None:
+                    target.copy_(master)
+                else:  # parameters homed on NVMe: their new values go there through a host staging buffer
+                    slot, staged = self._updates.take()
+                    out = staged[:n]
+                    self.copies.to_host(out, master.to(out.dtype)).wait()
         else:
             if self._on_updated is not None:
                 slot, staged = self._updates.take()
@@ -320,26 +326,38 @@ class OffloadedAdam(torch.optim.Optimizer):
 
     def _fused_torch(self, master: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor,
                      group: dict[str, Any], grad_scale: float, step_number: int) -> None:
-        """State on a CUDA device (no offload): torch's fused kernel does the same arithmetic."""
+        """State on a CUDA device (no offload): torch's fused kernel does the same arithmetic. It always corrects
+        for bias, by 1 - beta**step: without bias correction it is given an infinite step, where that is exactly 1
+        (betas are below 1). Scalars are filled on the device: a tensor made from a Python number would be a
+        blocking copy, which waits for the compute stream."""
         fn = torch._fused_adamw_ if group["adamw_mode"] else torch._fused_adam_
         grad = grad.float()  # the fused kernel takes one dtype for state and gradients
-        step = torch.tensor(float(step_number), device=master.device)
+        on = dict(dtype=torch.float32, device=master.device)
+        step = torch.full((), float(step_number) if group["bias_correction"] else float("inf"), **on)
         fn([master], [grad], [m], [v], [], [step], lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
            weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False, maximize=False,
-           grad_scale=torch.tensor(grad_scale, device=master.device) if grad_scale != 1.0 else None)
+           grad_scale=torch.full((), grad_scale, **on) if grad_scale != 1.0 else None)
 
     # state access (the stepper is idle whenever these run) ------------------------------------------------------
 
     def read_state(self, sg: SubGroup) -> torch.Tensor:
-        """The sub-group's ``[master | exp_avg | exp_avg_sq]`` block (a staged copy for NVMe: call ``done_state``)."""
+        """The sub-group's ``[master | exp_avg | exp_avg_sq]`` block in host memory (a staged copy for NVMe, a
+        copy of state on a CUDA device; call ``done_state``, with ``dirty`` if it was written)."""
         if self.placement is Tier.NVME:
             return self.store.acquire(self._key(sg))
+        if self._on_cuda:
+            self._staged[sg.index] = block = self.copies.download(self._state[sg.index])
+            return block
         return self._state[sg.index]
 
     def stage_state(self, sg: SubGroup) -> torch.Tensor:
-        """The sub-group's block, to be overwritten whole (NVMe: a staging buffer, not read first)."""
+        """The sub-group's block in host memory, to be overwritten whole (NVMe: a staging buffer, not read first;
+        state on a CUDA device: a host block that ``done_state(dirty=True)`` copies there)."""
         if self.placement is Tier.NVME:
             return self.store.stage(self._key(sg))
+        if self._on_cuda:
+            self._staged[sg.index] = block = torch.empty(self._state[sg.index].shape, dtype=torch.float32)
+            return block
         return self._state[sg.index]
 
     def skip(self) -> None:
@@ -352,6 +370,13 @@ class OffloadedAdam(torch.optim.Optimizer):
                 self.store.evict(self._key(sg))
             else:
                 self.store.release(self._key(sg))
+        staged = self._staged.pop(sg.index, None)
+        if staged is not None and dirty:
+            self._state[sg.index].copy_(staged)  # on the calling thread's stream, from pageable memory: blocking
+
+    @property
+    def _on_cuda(self) -> bool:
+        return self.placement is Tier.DEVICE and self.copies.cuda
 
     def close(self) -> None:
         self._stepper.close()

@@ -66,6 +66,7 @@ import torch
 from nvme_swapper import AioConfig, SwapEngine, aligned_tensor
 
 from .._cleanup import close_after_failure
+from .._worker import bind_thread
 from ..memory import DONE, AllOf, BudgetExceeded, Copy, CopyStreams, Tier, TieredStore, wait_all
 
 
@@ -98,7 +99,7 @@ class _Param:
     pending: Any = None  # the fetch in flight (a Copy, a SwapHandle, a gather or a Future), cleared when waited
     users: int = 0  # modules currently running with it (a module may be entered again before it exits)
     parts: tuple[tuple[int, int], ...] = ()  # NVMe home: (start, numel) of each key, covering the parameter
-    stale: bool = False  # persistent: the optimizer has written a newer value to the home
+    stale: bool = False  # AVAILABLE, but the home holds a newer value (copied again at the next fetch)
     sharded: bool = False  # stage 3 on several ranks: the home is this rank's piece; a fetch all-gathers
 
 
@@ -151,7 +152,8 @@ class ParameterOffload:
         self._mark = dict(self.counters)  # counters at the end of the last optimizer step
         self.last_step: dict[str, float] = {}
         self._swap: SwapEngine | None = None
-        self._copier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="offload-fetch")
+        self._copier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="offload-fetch",
+                                                             initializer=bind_thread, initargs=(self.device,))
         self._hooks: list[Any] = []
         self.params: list[_Param] = []
         self._by_param: dict[int, _Param] = {}
@@ -693,24 +695,28 @@ class ParameterOffload:
         self._prefetch()
 
     def write_home(self, index: int, value: torch.Tensor) -> None:
-        """Stores a parameter's new low-precision value in its home (the optimizer thread calls this when the
-        home is not the flat host buffer it writes into)."""
+        """Stores a parameter's new low-precision value (a host tensor) in its home, and in the device copy it may
+        have (a prefetched one too). On the training thread, between steps: ``write_parameter`` and the loads of
+        checkpoints and state dicts."""
         rec = self.params[index]
+        if rec.state is ParamState.FETCHING:  # its copy may still be reading the home about to be overwritten
+            self._finish(rec)
+            self.copies.synchronize()
+        if rec.state is ParamState.LANDING:
+            self._cancel_landing(rec)
         if rec.sharded:
             self.shards.write(index, value)
             if rec.persistent:
                 self._upload_now(rec, value)
+            elif rec.state is ParamState.AVAILABLE:
+                rec.stale = True  # gathered again at its next fetch
         elif rec.home is not None:
             rec.home.copy_(value.reshape(-1))
             rec.stale = True
         else:
             flat = value.reshape(-1)
             wait_all([self.write_home_part(index, start, flat[start : start + n]) for start, n in rec.parts])
-            if rec.state is ParamState.LANDING:
-                self._cancel_landing(rec)
-            elif rec.state is not ParamState.RELEASED:  # a copy on the device (prefetched): it gets the new value
-                if rec.state is ParamState.FETCHING:
-                    self._finish(rec)
+            if rec.state is ParamState.AVAILABLE:
                 self._upload_now(rec, flat)
 
     def write_home_part(self, index: int, start: int, value: torch.Tensor) -> Any:
