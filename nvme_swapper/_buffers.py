@@ -48,6 +48,17 @@ def is_aligned(t: torch.Tensor, alignment: int = PAGE) -> bool:
     return t.data_ptr() % alignment == 0
 
 
+def _clear_last_cuda_error() -> None:
+    """Resets CUDA's last-error state after a failed call: torch checks it after every kernel launch, so a refused
+    registration would otherwise be reported again, as the error of an unrelated kernel, after the caller has
+    handled it (by unpinned buffers, say). torch does not bind cudaGetLastError; the runtime it loaded does."""
+    try:
+        major = (torch.version.cuda or "").split(".")[0]
+        ctypes.CDLL(f"libcudart.so.{major}").cudaGetLastError()
+    except (OSError, AttributeError):
+        pass
+
+
 class _HostRegion:
     """One anonymous mapping, aligned, optionally registered with CUDA; unregistered (then unmapped) when the last
     tensor viewing it is gone. Tensors keep it alive through the ctypes array they are built on."""
@@ -76,6 +87,7 @@ class _HostRegion:
         self.device = torch.cuda.current_device()
         error = int(torch.cuda.cudart().cudaHostRegister(self.address, nbytes, _CUDA_HOST_REGISTER_PORTABLE))
         if error:
+            _clear_last_cuda_error()
             raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {error}: the host cannot "
                                "page-lock that much memory (see ulimit -l and the memory free), or an earlier CUDA "
                                "error is being reported here; lower the host budget or set pin_memory to false")
