@@ -76,7 +76,10 @@ class Worker:
             self._thread.join()
 
     def _run(self) -> None:
-        bind_thread(self._device)
+        try:
+            bind_thread(self._device)
+        except BaseException as exc:  # every job then fails with it: it surfaces at the next wait
+            self._error = exc
         while (item := self._queue.get()) is not None:
             fn, args, job = item
             try:

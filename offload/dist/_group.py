@@ -93,17 +93,6 @@ def _env_int(name: str, default: int | None = None) -> int:
         raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
 
 
-def _local_place(rank: int, world: int) -> tuple[int, int]:
-    """(local rank, ranks on this machine) of a group the user started: torchrun's LOCAL_RANK and LOCAL_WORLD_SIZE,
-    else ranks filling each machine's GPUs in order (rank % GPUs), as launchers that set neither do."""
-    if os.environ.get("LOCAL_RANK"):
-        return _env_int("LOCAL_RANK"), _env_int("LOCAL_WORLD_SIZE", world)
-    per_machine = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if per_machine == 0:
-        return rank, world
-    return rank % per_machine, min(world, per_machine)
-
-
 def _device_for(spec: str, local_rank: int, local_world_size: int) -> tuple[torch.device, str]:
     """This rank's device (made current when CUDA) and the backend that moves its tensors."""
     device = resolve_device(spec, local_rank=local_rank, local_world_size=local_world_size)
@@ -118,11 +107,17 @@ def join(timeout: float, device_spec: str = "auto") -> ProcessGroup:
     delta = datetime.timedelta(seconds=timeout)
     if dist.is_available() and dist.is_initialized():
         world, rank = dist.get_world_size(), dist.get_rank()
-        local_rank, local_world = _local_place(rank, world)
         if world == 1:
-            device, _ = _device_for(device_spec, local_rank, 1)
+            device, _ = _device_for(device_spec, _env_int("LOCAL_RANK", 0), 1)
             return ProcessGroup(Origin.SINGLE, device, timeout=timeout)
-        device, backend = _device_for(device_spec, local_rank, local_world)
+        if os.environ.get("LOCAL_RANK"):
+            local_rank, local_world = _env_int("LOCAL_RANK"), _env_int("LOCAL_WORLD_SIZE", world)
+            device, backend = _device_for(device_spec, local_rank, local_world)
+        else:  # started without torchrun's variables: ranks fill each machine's GPUs in order
+            gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            local_rank = rank % gpus if gpus else rank
+            device, backend = _device_for(device_spec, local_rank, min(world, gpus) if gpus else world)
+            local_world = world  # how many ranks share this machine is unknown: budgets assume they all do
         group = dist.new_group(timeout=delta, backend=backend)
         store = None
         try:  # private, but the only handle on the user's store; without it failures cannot name the rank

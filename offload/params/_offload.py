@@ -706,10 +706,8 @@ class ParameterOffload:
             self._cancel_landing(rec)
         if rec.sharded:
             self.shards.write(index, value)
-            if rec.persistent:
+            if rec.state is ParamState.AVAILABLE:  # the full value is here: no gather (a collective) needed
                 self._upload_now(rec, value)
-            elif rec.state is ParamState.AVAILABLE:
-                rec.stale = True  # gathered again at its next fetch
         elif rec.home is not None:
             rec.home.copy_(value.reshape(-1))
             rec.stale = True
