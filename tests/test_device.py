@@ -1,12 +1,18 @@
 """The device, decided in one place: ``offload.device``, inputs moved to it, parameters placed on it, step phases
-checked, page-locked host memory of exact size, and failures inside ``initialize`` that surface as themselves.
+checked, page-locked host memory of exact size, failures inside ``initialize`` that surface as themselves, and
+(CUDA) every placement's copies ordered across streams as torch's stream sanitizer checks them.
 Each test runs on whichever device this machine has (tests/models.py: DEVICE); a few need CUDA and say so."""
 
 from __future__ import annotations
 
 import gc
+import json
+import os
+import subprocess
+import sys
 import threading
 from collections import namedtuple
+from pathlib import Path
 
 import pytest
 import torch
@@ -193,3 +199,55 @@ def test_gradient_copies_do_not_block_the_compute_stream(tmp_path):
         report = engine.memory_report()
     assert copies["buckets"] > 0 and copies["pieces"] == 0
     assert report["host"]["pinned"] > 0
+
+
+# One engine per placement, three steps each, in a child process (the sanitizer is switched on for a whole process).
+SANITIZED = """
+import json, sys
+sys.path.insert(0, {tests!r})
+import offload
+from models import batches, lm_loss, make
+for name, cfg in json.loads({configs!r}).items():
+    with offload.initialize(make(), cfg) as engine:
+        for x, y in batches(3 * cfg.get("gradient_accumulation_steps", 1)):
+            engine.backward(lm_loss(engine(x), y))
+            engine.step()
+    print("clean:", name, flush=True)
+"""
+
+
+def sanitizer_configs(root: Path) -> dict[str, dict]:
+    """The placements whose copies cross streams: gradients through device buckets (accumulated too), updated
+    parameters uploaded from pinned staging, a delayed update, parameters fetched into a window from host and NVMe
+    homes (landing included), and state left on the device beside NVMe homes."""
+    def zero(opt: str, param: str | None = None, **extra) -> dict:
+        z = {"stage": 3 if param else 2, "sub_group_size": 4096,
+             "offload_optimizer": {"device": opt, "nvme_path": str(root / "opt"), **extra}}
+        if param:
+            z.update(offload_param={"device": param, "nvme_path": str(root / "param")},
+                     stage3_max_live_parameters=10_000, stage3_prefetch_bucket_size=4_000,
+                     stage3_param_persistence_threshold=100)
+        return z
+    bf16 = {"bf16": {"enabled": True}, "aio": {"block_size": 1 << 16}}
+    return {
+        "optimizer on the host": {"zero_optimization": zero("cpu"), **bf16},
+        "micro-batches accumulated": {"zero_optimization": zero("cpu"), "gradient_accumulation_steps": 2, **bf16},
+        "delayed update": {"zero_optimization": zero("cpu", delayed_update=True), **bf16},
+        "parameters on the host": {"zero_optimization": zero("cpu", "cpu"), **bf16},
+        "everything on NVMe": {"zero_optimization": zero("nvme", "nvme"), **bf16},
+        "state on the device, parameters on NVMe": {"zero_optimization": zero("none", "nvme"), **bf16},
+    }
+
+
+@pytest.mark.skipif(not CUDA, reason="torch's CUDA stream sanitizer checks the ordering of CUDA streams")
+@pytest.mark.timeout(900)
+def test_no_stream_race_under_the_cuda_sanitizer(tmp_path):
+    """torch's stream sanitizer (TORCH_CUDA_SANITIZER) follows every kernel the training thread launches and every
+    event: a device tensor written on one stream and used on another without an event between them fails the run.
+    (The worker threads' copies are not followed: the sanitizer's dispatch mode is per thread.)"""
+    configs = sanitizer_configs(tmp_path)
+    script = SANITIZED.format(tests=str(Path(__file__).resolve().parent), configs=json.dumps(configs))
+    env = {**os.environ, "TORCH_CUDA_SANITIZER": "1"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=850)
+    assert done.returncode == 0 and "CSAN" not in done.stderr, done.stdout[-1000:] + done.stderr[-6000:]
+    assert done.stdout.count("clean:") == len(configs)
