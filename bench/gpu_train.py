@@ -10,10 +10,11 @@ peak RSS, GPU peak and pinned memory are the run's own, and an out-of-memory run
   opt+params-nvme  ZeRO-Infinity: Adam state and parameters on NVMe
 
 (``--dtype fp32``, the default on a CPU without native bf16, where torch's bf16 matmuls are ~100x slower: fp32
-parameters everywhere and no autocast.) Each run by this library and, when ``deepspeed`` is importable (never a dependency), by DeepSpeed with the same
-keys. Per run: median step time (forward + backward + optimizer step, after warm-up), tokens/s, GPU peak (torch's
-allocator), host peak RSS (VmHWM) and pinned bytes, the loss per step, and the parts of a step from the engine's
-counters (CPU Adam, the share of it hidden in backward, bytes to and from the device, NVMe stalls).
+parameters everywhere and no autocast.) Each run by this library and, when ``deepspeed`` is importable (never a
+dependency), by DeepSpeed with the same keys. Per run: median step time (forward + backward + optimizer step, after
+warm-up), tokens/s, GPU peak (torch's allocator), host peak RSS (VmHWM) and pinned bytes, the loss per step, and the
+parts of a step from the engine's counters (CPU Adam, the share of it hidden in backward, bytes to and from the
+device, NVMe stalls). The JSON is written after every run, so a bench cut short keeps what it measured.
 
 Bounds measured in the same run, each in a process of its own: ``compute`` (forward + backward of the bf16 model,
 no optimizer; absent when it does not fit) and ``pcie`` (the gradient bytes device-to-host and the parameter bytes
@@ -159,11 +160,16 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _torch_pinned() -> int | None:
-    """Bytes torch's pinned (caching host) allocator holds, where this torch reports it."""
+    """The most bytes torch's pinned (caching host) allocator held, cached blocks included, where this torch reports
+    it (the key changed between releases)."""
     try:
-        return int(torch.cuda.memory.host_memory_stats().get("reserved_bytes.current", 0))
+        stats = torch.cuda.memory.host_memory_stats()
     except (AttributeError, RuntimeError):
         return None
+    for key in ("allocated_bytes.peak", "reserved_bytes.peak", "reserved_bytes.current"):
+        if key in stats:
+            return int(stats[key])
+    return None
 
 
 def _compute_step(model: GPT) -> Any:
@@ -233,7 +239,7 @@ def _deepspeed(cfg: GPTConfig, placement: str, work: Path, batch: int, dtype: st
     model = build(cfg, torch.bfloat16 if dtype == "bf16" else torch.float32)
     ds_config = config_for(placement, work, batch, dtype)
     if "nvme" in json.dumps(ds_config["zero_optimization"]):
-        ds_config["aio"] = {"block_size": 1 << 20, "queue_depth": 8, "thread_count": 1}
+        ds_config["aio"] = {"block_size": 1 << 20, "queue_depth": 8, "intra_op_parallelism": 1}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -281,14 +287,26 @@ def launch(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
         try:
             done = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True,
                                   text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return {"status": f"timed out after {timeout:.0f} s"}
-    for line in reversed(done.stdout.splitlines()):
+        except subprocess.TimeoutExpired as exc:  # a child that printed its result and then hung at exit counts
+            out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
+            return _result_in(out) or {"status": f"timed out after {timeout:.0f} s"}
+    result = _result_in(done.stdout)
+    if result is not None:
+        return result
+    text = done.stderr or done.stdout
+    if "out of memory" in text.lower() or "OutOfMemoryError" in text:
+        return {"status": "out of memory"}
+    if done.returncode == -9:
+        return {"status": "killed (SIGKILL: the host out of memory?)"}
+    tail = text.strip().splitlines()[-3:]
+    return {"status": f"failed (exit {done.returncode}): {' | '.join(tail)[-300:]}"}
+
+
+def _result_in(stdout: str) -> dict[str, Any] | None:
+    for line in reversed(stdout.splitlines()):
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
-    tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-    oom = any("out of memory" in line.lower() or "OutOfMemoryError" in line for line in tail)
-    return {"status": "out of memory" if oom else f"failed (exit {done.returncode}): {' | '.join(tail)[-300:]}"}
+    return None
 
 
 def main() -> None:
@@ -317,7 +335,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.child:
         print("RESULT " + json.dumps(child(json.loads(args.child)), default=str), flush=True)
-        return
+        os._exit(0)  # a peer's communicator or I/O threads may hang the exit; the result is out
     placements = [p.strip() for p in args.placements.split(",") if p.strip()]
     unknown = [p for p in placements if p not in PLACEMENTS]
     if unknown:
@@ -343,7 +361,17 @@ def main() -> None:
                                                               dtype_bytes=2 if dtype == "bf16" else 4)}
     bounds = {"compute": launch({**base, "kind": "compute", "placement": "compute"}, args.timeout),
               "pcie": launch({**base, "kind": "pcie", "placement": "pcie"}, args.timeout)}
-    runs = []
+    runs: list[dict[str, Any]] = []
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(summary: dict[str, Any] | None) -> None:  # after every run: a bench cut short keeps what it measured
+        out.write_text(json.dumps({"model": {**cfg.__dict__, "params": n, "batch": args.batch, "tokens": args.tokens},
+                                   "device": name, "dtype": dtype, "bounds": bounds, "runs": runs,
+                                   "summary": summary, "complete": summary is not None,
+                                   "estimates": {k: v.__dict__ for k, v in estimates.items()}}, indent=2,
+                                  default=str))
+
     order = [(r, p) for r in range(args.rounds) for p in placements]
     for rnd, placement in progress(order, "placements"):
         kinds = ["plain"] if placement == "plain" else ["ours"] + (["deepspeed"] if has_ds else [])
@@ -352,14 +380,11 @@ def main() -> None:
             runs.append({"framework": {"plain": "torch", "ours": "offload"}.get(kind, kind), "placement": placement,
                          "round": rnd, **result})
             _row(runs[-1])
+            write(None)
     summary = _rounds_summary(runs, bounds, estimates, n, args.rounds)
     for line in summary.pop("lines"):
         print(line)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"model": {**cfg.__dict__, "params": n, "batch": args.batch, "tokens": args.tokens},
-                               "device": name, "dtype": dtype, "bounds": bounds, "runs": runs, "summary": summary,
-                               "estimates": {k: v.__dict__ for k, v in estimates.items()}}, indent=2, default=str))
+    write(summary)
     print(f"\nwrote {out}")
 
 
@@ -440,8 +465,9 @@ def _summary(runs: list[dict[str, Any]], bounds: dict[str, Any], estimates: dict
             est = estimates[est_name].host
             out[f"host_estimate/{placement}"] = {"estimate": est, "store_peak": store_peak,
                                                   "rss_peak": r["host_peak_rss"], "ratio": store_peak / est}
-            lines.append(f"  {placement}: host estimate {est / (1 << 30):.2f} GiB, measured {store_peak / (1 << 30):.2f}"
-                         f" GiB (tier peak), {r['host_peak_rss'] / (1 << 30):.2f} GiB RSS")
+            gib = 1 << 30
+            lines.append(f"  {placement}: host estimate {est / gib:.2f} GiB, measured {store_peak / gib:.2f}"
+                         f" GiB (tier peak), {r['host_peak_rss'] / gib:.2f} GiB RSS")
     out["lines"] = lines
     out["params"] = n
     return out
