@@ -144,7 +144,9 @@ class GradientStream:
         parameter). May be freed when this returns (the allocator keeps it for the copies in flight); returns
         those copies, which a caller that writes into ``grad``'s memory again must ``use`` first."""
         reads: list[Copy] = []
-        for bucket, piece in self._of_param[i]:
+        # last bucket first, as backward fills them: a parameter spanning several completes the one already open
+        # (its later neighbours came first) before it opens the next, so two staging buffers suffice
+        for bucket, piece in reversed(self._of_param[i]):
             assert not bucket.arrived[piece.index], "a gradient piece arrived twice (the engine checks this)"
             src = grad[piece.param_start - base : piece.param_start - base + piece.numel]
             if self.staged:

@@ -132,20 +132,21 @@ class OffloadedAdam(torch.optim.Optimizer):
 
     def attach_device(self, flats: list[torch.Tensor], on_updated: Any = None,
                       dtype: torch.dtype | None = None, *, owned_only: bool = False,
-                      update_buffers: int = 1) -> None:
+                      update_buffers: int = 1, upload: bool = False) -> None:
         """Where updates put the new low-precision parameters: ``flats`` (one flat buffer per group: the device's
         own, host buffers copied to the device later, or the parameters' host home), or, with ``on_updated``, one of
         ``update_buffers`` staging buffers handed to ``on_updated(sub_group, values)`` after each update (parameters
         homed on NVMe), which starts the writes and returns their handle: the buffer is reused once that is done, so
         the next updates run while the writes wait their turn on the disk.
-        ``owned_only``: each flat covers only this rank's range of its group (partitioned parameters, stage 3)."""
+        ``owned_only``: each flat covers only this rank's range of its group (partitioned parameters, stage 3).
+        ``upload``: ``flats`` are the device's and the new values reach them through pinned staging (CUDA)."""
         self._device_flats = flats
         self._flat_base = [self.layout.owned[g][0] if owned_only else 0 for g in range(len(flats))]
         self._on_updated = on_updated
         if on_updated is not None:
             self._updates = StagingRing(self.store, update_buffers, self.layout.max_sub_group_numel,
                                         dtype or flats[0].dtype, "staging of updated parameters for NVMe", _FIX_HOST)
-        elif flats and flats[0].device.type == "cuda" and self.placement is not Tier.DEVICE:
+        elif upload and flats and self.placement is not Tier.DEVICE:
             self._uploads = StagingRing(self.store, 2, self.layout.max_sub_group_numel, flats[0].dtype,
                                         "pinned staging of updated parameters for the device", _FIX_HOST)
 
@@ -254,7 +255,7 @@ class OffloadedAdam(torch.optim.Optimizer):
             if self._on_updated is not None:
                 slot, staged = self._updates.take()
                 out = staged[:n]
-            elif target.device.type == "cpu":
+            elif self._uploads is None:
                 out = target
             else:
                 slot, staged = self._uploads.take()

@@ -121,7 +121,7 @@ class ParameterOffload:
                  store: TieredStore, copies: CopyStreams, dtype: torch.dtype, *, persistence_threshold: int,
                  max_live: int, bucket: int, nvme_path: str | None = None, aio: AioConfig | None = None,
                  shards: Any = None, scratch: torch.Tensor | None = None,
-                 parts: list[list[tuple[int, int]]] | None = None, land: bool = False) -> None:
+                 parts: list[list[tuple[int, int]]] | None = None, land: bool = False, staged: bool = False) -> None:
         """``shards`` (a :class:`offload.dist.ParamShards`, several ranks): the homes of the parameters it covers
         are pieces on each rank; fetching one is an all-gather (collective: every rank fetches in the same
         order, which the same model, trace and window make true). ``scratch``: a host buffer of the caller's,
@@ -130,7 +130,9 @@ class ParameterOffload:
         optimizer's sub-group segments, so an update writes its own keys); parameters without (frozen ones) are
         cut in ranges of at most ``scratch``'s size. ``land``: updates are written by the optimizer thread during
         the step that follows each backward (not delayed), so the next forward's first parameters may land (see
-        "Landing")."""
+        "Landing"). ``staged``: NVMe reads land in pinned staging and the fetch thread copies them to the device
+        (CUDA); otherwise they are read straight into the device buffer (the CPU device tier)."""
+        self._staged = staged
         self.module, self.store, self.copies, self.dtype = module, store, copies, dtype
         self.shards = shards
         self.device = store.device
@@ -145,7 +147,7 @@ class ParameterOffload:
         self.cached_numel = 0  # live + cached stays within max_live: the device window's bound
         self.counters = {"resident": 0, "in_flight": 0, "waited": 0, "fetches": 0, "released": 0,
                          "trace_invalidations": 0, "landed": 0}
-        self._land = land
+        self._may_land = land
         self._to_land: set[int] = set()  # chosen at the start of a backward an update follows
         self._landing: dict[int, _Landing] = {}  # shared with the optimizer thread, under _landing_lock
         self._landing_lock = threading.Lock()
@@ -491,12 +493,12 @@ class ParameterOffload:
             rec.pending = self.shards.fetch(rec.index, rec.device)
         elif rec.home is None:
             assert self._swap is not None
-            if not self.copies.cuda:  # the device tier is host memory: read straight into the buffer
+            if not self._staged:  # the device tier is host memory: read straight into the buffer
                 rec.pending = self._read_parts(rec, rec.device)
             else:
                 staging = self._take_staging(rec.numel)
                 reads = self._read_parts(rec, staging)
-                rec.pending = self._copier.submit(self._land, reads, staging, rec.device, rec.after)
+                rec.pending = self._copier.submit(self._copy_staged, reads, staging, rec.device, rec.after)
         elif self.copies.cuda:
             rec.pending = self.copies.to_device(rec.device, rec.home, after=rec.after)
         else:  # a memcpy: on the fetch thread, beside compute
@@ -506,7 +508,7 @@ class ParameterOffload:
         if rec.home is None and not rec.sharded:
             self.store.count(Tier.NVME, Tier.HOST, rec.numel * rec.param.element_size())
 
-    def _land(self, handle: Any, staging: torch.Tensor, dst: torch.Tensor, after: Any) -> Copy:
+    def _copy_staged(self, handle: Any, staging: torch.Tensor, dst: torch.Tensor, after: Any) -> Copy:
         """On the fetch thread: once an NVMe read has landed in ``staging``, copy it to the device buffer."""
         try:
             handle.wait()
@@ -644,7 +646,7 @@ class ParameterOffload:
 
     def begin_backward(self, step_follows: bool) -> None:
         """Before backward: with an update to follow, choose the parameters that will land (see "Landing")."""
-        self._to_land = self._landing_head() if self._land and step_follows and self._swap is not None else set()
+        self._to_land = self._landing_head() if self._may_land and step_follows and self._swap is not None else set()
 
     def end_backward(self, step_follows: bool) -> None:
         """After backward: release what backward fetched (landings stay, for the update) and close the recording
