@@ -61,10 +61,11 @@ SWAP_SLACK = 256 << 20
 they replace: the spare room bounds the writes in flight)."""
 
 STAGE_ON_CPU = False
-"""Tests set this to run the CUDA path's staging on the CPU: the gradient buckets (device staging buffers, pinned
-landing buffers, the accumulation thread), the pinned staging updated parameters are uploaded from, and the staging
-parameters read from NVMe land in before their copy to the device. Without it, the CPU copies and reads straight
-into their destinations."""
+"""Tests set this to run the CUDA path on the CPU, streams aside: the gradient buckets (device staging buffers,
+pinned landing buffers, the accumulation thread), the pinned staging updated parameters are uploaded from, the
+staging parameters read from NVMe land in before their copy to the device, and torch's fused Adam with host copies
+for checkpoints when the state stays on the device. Without it, the CPU copies and reads straight into their
+destinations and updates all state with its own kernel."""
 
 
 class Partition(Enum):
@@ -120,7 +121,8 @@ class Plan:
     persistence_threshold: int
     grad_bucket: int  # elements of gradient per device-to-host copy
     grad_staging: bool  # gradients gather in device buckets before one copy each (CUDA)
-    host_staging: bool  # copies to the device pass through pinned staging: updated parameters, NVMe reads (CUDA)
+    cuda_path: bool  # the CUDA path's copies and kernels: pinned staging of uploads and of NVMe reads, torch's
+    # fused Adam for state on the device (CUDA; on the CPU in tests: STAGE_ON_CPU)
     overlap: bool  # sub-groups updated during backward as their gradients become final
     delayed: bool  # one-step delayed parameter update (ZeRO-Offload's DPU)
     grad_slots: int = 0  # host gradients in this many sub-group slots (0: whole buffers, every gradient held)
@@ -309,7 +311,7 @@ def expected_bytes(plan: Plan, model: ModelSizes) -> dict[Tier, int]:
         if plan.partition is Partition.FLAT:
             full = 4 if plan.accumulate and plan.stage <= 1 else d
             out[Tier.DEVICE] += full * flat
-        if plan.host_staging and plan.optimizer_tier is not Tier.DEVICE and not plan.delayed:
+        if plan.cuda_path and plan.optimizer_tier is not Tier.DEVICE and not plan.delayed:
             out[Tier.HOST] += 2 * max_sg * d  # pinned staging of updated parameters
         if plan.delayed:
             out[Tier.HOST] += d * flat
@@ -347,7 +349,7 @@ def expected_bytes(plan: Plan, model: ModelSizes) -> dict[Tier, int]:
             held = [seg.numel for sg in layout.sub_groups for seg in sg.segments
                     if model.params[seg.param] > plan.persistence_threshold]
             out[Tier.NVME] += d * (sum(held) + max(held, default=0))  # a key per part, and one spare extent
-            if plan.host_staging:  # pinned staging of reads, kept by size: the fetches in flight at once
+            if plan.cuda_path:  # pinned staging of reads, kept by size: the fetches in flight at once
                 if not plan.delayed and sum(homed) <= min(plan.prefetch_bucket, plan.max_live):
                     # every homed parameter lands from the update after the first step, whose fetches wait one
                     # at a time: one buffer per size
@@ -387,8 +389,8 @@ def resolve(cfg: OffloadConfig, model: ModelSizes, *, device: torch.device, worl
     ) if cond]
     if blockers:
         why["overlap"] = "off: " + "; ".join(blockers)
-    host_staging = device.type == "cuda" or STAGE_ON_CPU
-    staged = host_staging and optimizer_tier is not Tier.DEVICE
+    cuda_path = device.type == "cuda" or STAGE_ON_CPU
+    staged = cuda_path and optimizer_tier is not Tier.DEVICE
     dtype_bytes = torch.empty((), dtype=cfg.dtype).element_size()
     slots = grad_slots(not blockers, accumulate, optimizer_tier, why)
     sizes, chosen = choose_sizes(
@@ -408,7 +410,7 @@ def resolve(cfg: OffloadConfig, model: ModelSizes, *, device: torch.device, worl
         sub_group_size=sizes.sub_group_size, buffer_count=sizes.buffer_count,
         max_live=sizes.max_live, prefetch_bucket=sizes.prefetch_bucket,
         persistence_threshold=sizes.persistence_threshold, grad_bucket=sizes.grad_bucket,
-        grad_staging=staged, host_staging=host_staging, overlap=not blockers, delayed=delayed,
+        grad_staging=staged, cuda_path=cuda_path, overlap=not blockers, delayed=delayed,
         grad_slots=sizes.grad_slots, trim_heap=trim_heap(cfg.offload.trim_host_heap, device, why), why=why)
 
 

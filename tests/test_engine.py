@@ -361,8 +361,13 @@ def test_budgets_that_cannot_fit_fail_at_initialize(tmp_path):
     assert not [t for t in threading.enumerate() if t.name.startswith(("offload", "nvme_swapper"))]
 
 
-@pytest.mark.parametrize("device, dtype", [("nvme", torch.float32), ("cpu", torch.bfloat16), ("none", torch.bfloat16)])
-def test_checkpoint_resume_is_bit_identical(tmp_path, device, dtype):
+@pytest.mark.parametrize("device, dtype, cuda_path", [("nvme", torch.float32, False), ("cpu", torch.bfloat16, False),
+                                                     ("none", torch.bfloat16, False), ("none", torch.bfloat16, True)])
+def test_checkpoint_resume_is_bit_identical(tmp_path, monkeypatch, device, dtype, cuda_path):
+    """``cuda_path``: state left on the device is updated by torch's fused kernel and checkpointed through host
+    copies, as on CUDA (offload.plan.STAGE_ON_CPU)."""
+    if cuda_path:
+        monkeypatch.setattr(offload.plan, "STAGE_ON_CPU", True)
     data = batches(20)
     extra = {"bf16": {"enabled": True}} if dtype == torch.bfloat16 else {}
     model = make()

@@ -103,15 +103,17 @@ def test_tiny_gpt_matches_unoffloaded(tmp_path, home, optimizer):
     assert list((tmp_path / "param").glob("*")) == [] or home == "cpu"
 
 
-def test_nvme_reads_through_pinned_staging_as_on_cuda(tmp_path, monkeypatch):
+@pytest.mark.parametrize("optimizer", ["cpu", "none"])
+def test_nvme_reads_through_pinned_staging_as_on_cuda(tmp_path, monkeypatch, optimizer):
     """The CUDA path of NVMe homes, on this machine's device (offload.plan.STAGE_ON_CPU): reads land in staging
-    buffers and the fetch thread copies them on, updated parameters are uploaded through staging too; the results
-    are torch's AdamW's. (On CUDA this is the real path.)"""
+    buffers and the fetch thread copies them on; the new values of an update go home through staging, from the
+    CPU kernel or (optimizer "none") from torch's fused kernel over state on the device. The results are torch's
+    AdamW's. (On CUDA this is the real path.)"""
     monkeypatch.setattr(offload.plan, "STAGE_ON_CPU", True)
     data = batches(6)
     model = make()
     ref, ref_losses = reference(make(), data, gpt_loss)
-    with offload.initialize(model, config(tmp_path, "nvme", live=10_000, bucket=4_000)) as engine:
+    with offload.initialize(model, config(tmp_path, "nvme", optimizer, live=10_000, bucket=4_000)) as engine:
         losses = run(engine, data, gpt_loss)
         staging = engine.weights.params._staging
         assert staging and engine.stats()["params"]["last_step"]["landed"] > 0

@@ -156,7 +156,8 @@ class Engine:
                                        group_options=options, nvme_path=nvme["offload_optimizer"],
                                        buffer_count=plan.buffer_count, aio=cfg.aio, grad_dtype=plan.grad_dtype,
                                        grad_sets=2 if plan.delayed else 1, grad_slots=plan.grad_slots,
-                                       lazy_rows=sparse if cfg.sparse_gradients == "lazy" else None)
+                                       lazy_rows=sparse if cfg.sparse_gradients == "lazy" else None,
+                                       cuda_path=plan.cuda_path)
         self.lr_scheduler = build_scheduler(cfg.scheduler, self.optimizer)
         if plan.trim_heap:
             self._heap = HeapTrim(sizes.numel * plan.dtype_bytes)

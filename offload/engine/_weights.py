@@ -60,7 +60,7 @@ class Weights:
                                                 "offload_optimizer.delayed_update") for f in self.flats]
                     optimizer.attach_device(host)
                 else:
-                    optimizer.attach_device(self.flats, upload=plan.host_staging)
+                    optimizer.attach_device(self.flats, upload=plan.cuda_path)
             else:
                 self._offload(comm, optimizer, aio, nvme_path)
         except BaseException as exc:
@@ -168,7 +168,7 @@ class Weights:
             persistence_threshold=plan.persistence_threshold, max_live=plan.max_live, bucket=plan.prefetch_bucket,
             nvme_path=nvme_path if plan.param_tier is Tier.NVME else None, aio=aio, shards=self.shards,
             scratch=optimizer.update_staging, parts=self._segments(), land=not plan.delayed,
-            staged=plan.host_staging)
+            staged=plan.cuda_path)
 
     def _segments(self) -> list[list[tuple[int, int]]]:
         """Per trainable parameter, the (start, numel) of its segment in each optimizer sub-group, in order."""

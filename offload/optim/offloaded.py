@@ -46,11 +46,14 @@ class OffloadedAdam(torch.optim.Optimizer):
     def __init__(self, layout: FlatLayout, store: TieredStore, copies: CopyStreams, cfg: OptimizerConfig,
                  placement: Tier, *, group_options: list[dict[str, Any]] | None = None, nvme_path: str | None = None,
                  buffer_count: int = 4, aio: Any = None, grad_dtype: torch.dtype = torch.float32,
-                 grad_sets: int = 1, grad_slots: int = 0, lazy_rows: dict[int, int] | None = None) -> None:
+                 grad_sets: int = 1, grad_slots: int = 0, lazy_rows: dict[int, int] | None = None,
+                 cuda_path: bool = False) -> None:
         """``grad_sets``, ``grad_slots``: the shape of the gradient buffers (see :class:`GradientBuffers`).
         ``lazy_rows``: {parameter index: row width} of parameters (embeddings) whose rows with a zero gradient
         are left as they are by a step (parameter, moments and weight decay: lazy Adam) instead of updated as
-        dense Adam does; only with the state offloaded (the CPU kernel)."""
+        dense Adam does; only with the state offloaded (the CPU kernel). ``cuda_path``: state on the device is
+        updated by torch's fused kernel on the compute stream and read by checkpoints through host copies (CUDA;
+        see ``offload.plan.STAGE_ON_CPU``)."""
         n_groups = len(layout.group_numel)
         options = group_options or [{} for _ in range(n_groups)]
         groups = [{"params": [p for p, pg in zip(layout.params, layout.param_group) if pg == g], **options[g]}
@@ -59,6 +62,7 @@ class OffloadedAdam(torch.optim.Optimizer):
                         bias_correction=cfg.bias_correction, adamw_mode=cfg.adamw_mode)
         super().__init__(groups, defaults)
         self.layout, self.store, self.copies, self.placement = layout, store, copies, placement
+        self._fused = placement is Tier.DEVICE and cuda_path
         self._lazy = lazy_rows or {}
         if self._lazy and placement is Tier.DEVICE:
             raise ValueError('sparse_gradients "lazy" updates embedding rows with the CPU Adam kernel: offload the '
@@ -241,7 +245,7 @@ class OffloadedAdam(torch.optim.Optimizer):
             target = self._device_flats[sg.group][sg.start - base : sg.end - base]
         t = time.perf_counter()
         slot = None
-        if master.device.type == "cuda":  # state on the device (no offload): torch's fused kernel, same arithmetic
+        if self._fused:  # state on the device (no offload): torch's fused kernel, same arithmetic
             out = None
             with torch.cuda.stream(stream):  # ordered after the backward that wrote the gradients
                 self._fused_torch(master, exp_avg, exp_avg_sq, grad, group, grad_scale, step)
@@ -346,7 +350,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         copy of state on a CUDA device; call ``done_state``, with ``dirty`` if it was written)."""
         if self.placement is Tier.NVME:
             return self.store.acquire(self._key(sg))
-        if self._on_cuda:
+        if self._fused:
             self._staged[sg.index] = block = self.copies.download(self._state[sg.index])
             return block
         return self._state[sg.index]
@@ -356,7 +360,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         state on a CUDA device: a host block that ``done_state(dirty=True)`` copies there)."""
         if self.placement is Tier.NVME:
             return self.store.stage(self._key(sg))
-        if self._on_cuda:
+        if self._fused:
             self._staged[sg.index] = block = torch.empty(self._state[sg.index].shape, dtype=torch.float32)
             return block
         return self._state[sg.index]
@@ -374,10 +378,6 @@ class OffloadedAdam(torch.optim.Optimizer):
         staged = self._staged.pop(sg.index, None)
         if staged is not None and dirty:
             self._state[sg.index].copy_(staged)  # on the calling thread's stream, from pageable memory: blocking
-
-    @property
-    def _on_cuda(self) -> bool:
-        return self.placement is Tier.DEVICE and self.copies.cuda
 
     def close(self) -> None:
         self._stepper.close()
