@@ -1,8 +1,8 @@
 """The one place the training device is decided, from ``offload.device``: "auto", "cpu", "cuda" or "cuda:N".
 
 "auto" is ``cuda:LOCAL_RANK`` when CUDA is available (cuda:0 when the launcher made one GPU visible to each
-process) and the CPU otherwise (the DEVICE tier is then CPU memory held
-to ``offload.device_memory_budget``); "cuda" insists on CUDA. The process-group join (:func:`offload.dist.join`)
+process) and the CPU otherwise (the DEVICE tier is then CPU memory held to ``offload.device_memory_budget``);
+"cuda" insists on CUDA. The process-group join (:func:`offload.dist.join`)
 calls :func:`resolve_device` once per engine, makes the device current and picks the backend from it (NCCL for
 CUDA, gloo for the CPU); every layer then reads ``Plan.device``. Nothing else asks ``torch.cuda.is_available()``
 to decide where a tensor goes. Tests and scripts that want "the device this machine trains on" call

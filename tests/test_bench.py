@@ -88,7 +88,8 @@ def test_bench_gpu_runs_each_placement_in_its_own_process(tmp_path, capsys):
     assert rc == 0, capsys.readouterr()
     data = json.loads((results / "gpu_train.json").read_text())
     runs = {(r["framework"], r["placement"]): r for r in data["runs"]}
-    assert set(runs) == {("torch", "plain"), ("offload", "opt-host")} and all(r["status"] == "ok" for r in runs.values())
+    assert set(runs) == {("torch", "plain"), ("offload", "opt-host")}
+    assert all(r["status"] == "ok" for r in runs.values())
     ours, plain = runs["offload", "opt-host"], runs["torch", "plain"]
     assert ours["losses"][0] == pytest.approx(plain["losses"][0], rel=1e-2)  # the same model and first batch
     assert ours["parts"]["adam"] > 0 and ours["host_peak_rss"] > 0

@@ -16,9 +16,10 @@ with zeros for them (such parameters update with a zero gradient, as on one rank
 
 Buffers (:class:`BucketState` says where each bucket is): a bucket takes a device buffer from a pool when its first
 gradient arrives; a buffer goes back to the pool with the copies still reading it (``deliver`` returns them), which
-the compute stream waits for before it writes there again. Two buffers serve the usual order (one filling while the previous one's reduce runs); a bucket
-needing one when none is free first completes the oldest reduce in flight, and only when none is in flight (the
-gradients came far out of order) is another allocated, on the DEVICE tier (``peak_buffers`` counts them).
+the compute stream waits for before it writes there again. Two buffers serve the usual order (one filling while the
+previous one's reduce runs); a bucket needing one when none is free first completes the oldest reduce in flight,
+and only when none is in flight (the gradients came far out of order) is another allocated, on the DEVICE tier
+(``peak_buffers`` counts them).
 
 Completing a bucket waits for its reduces and hands this rank's part of each parameter in it to ``deliver(i,
 values, base)`` (the engine's :class:`~offload.engine._grads.GradientStream`, which copies it to the host share, or

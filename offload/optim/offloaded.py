@@ -85,7 +85,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         self.grads = GradientBuffers(layout, store, Tier.DEVICE if placement is Tier.DEVICE else Tier.HOST,
                                      grad_dtype, sets=grad_sets, slots=grad_slots)
         self._state: list[torch.Tensor] = []
-        self._staged: dict[int, torch.Tensor] = {}  # host blocks stage_state handed out for state on a CUDA device
+        self._staged: dict[int, torch.Tensor] = {}  # host copies of device state handed out by read/stage_state
         if placement is Tier.NVME:
             if not nvme_path:
                 raise ValueError("zero_optimization.offload_optimizer.nvme_path is required for device \"nvme\"")
