@@ -120,7 +120,6 @@ class Plan:
     prefetch_bucket: int  # stage 3: elements of fetches in flight
     persistence_threshold: int
     grad_bucket: int  # elements of gradient per device-to-host copy
-    grad_staging: bool  # gradients gather in device buckets before one copy each (CUDA)
     cuda_path: bool  # the CUDA path's copies and kernels: pinned staging of uploads and of NVMe reads, torch's
     # fused Adam for state on the device (CUDA; on the CPU in tests: STAGE_ON_CPU)
     overlap: bool  # sub-groups updated during backward as their gradients become final
@@ -142,6 +141,12 @@ class Plan:
     @property
     def cuda(self) -> bool:
         return self.device.type == "cuda"
+
+    @property
+    def grad_staging(self) -> bool:
+        """Gradients gather in device buckets before one copy each to the host (the CUDA path, when the optimizer
+        is offloaded)."""
+        return self.cuda_path and self.optimizer_tier is not Tier.DEVICE
 
     @property
     def dtype_bytes(self) -> int:
@@ -410,7 +415,7 @@ def resolve(cfg: OffloadConfig, model: ModelSizes, *, device: torch.device, worl
         sub_group_size=sizes.sub_group_size, buffer_count=sizes.buffer_count,
         max_live=sizes.max_live, prefetch_bucket=sizes.prefetch_bucket,
         persistence_threshold=sizes.persistence_threshold, grad_bucket=sizes.grad_bucket,
-        grad_staging=staged, cuda_path=cuda_path, overlap=not blockers, delayed=delayed,
+        cuda_path=cuda_path, overlap=not blockers, delayed=delayed,
         grad_slots=sizes.grad_slots, trim_heap=trim_heap(cfg.offload.trim_host_heap, device, why), why=why)
 
 

@@ -93,7 +93,7 @@ def estimate(num_params: int | None = None, *, model: torch.nn.Module | None = N
                     sub_group_size=chosen.sub_group_size, buffer_count=chosen.buffer_count,
                     max_live=chosen.max_live,
                     prefetch_bucket=chosen.prefetch_bucket, persistence_threshold=chosen.persistence_threshold,
-                    grad_bucket=chosen.grad_bucket, grad_staging=staged, cuda_path=cuda, overlap=overlap,
+                    grad_bucket=chosen.grad_bucket, cuda_path=cuda, overlap=overlap,
                     delayed=False, grad_slots=chosen.grad_slots, why=why)
         used = {t.value: b for t, b in expected_bytes(plan, sizes).items()}
         given = {"device": gpu_mem, "host": budgets[Tier.HOST], "nvme": budgets[Tier.NVME]}
