@@ -1,4 +1,5 @@
-"""Worker: one thread that runs submitted jobs in order, each with a :class:`Job` handle to wait on.
+"""Worker: one thread that runs submitted jobs in order (or, when asked, the lowest key first), each with a
+:class:`Job` handle to wait on.
 
 Used for the optimizer's stepper (all access to optimizer state during a step) and for the gradient stream's
 accumulation adds. A job that raises marks its handle failed (``Job.wait()`` re-raises its own error) and the
@@ -8,7 +9,7 @@ thread surfaces at the next wait, never silently.
 
 from __future__ import annotations
 
-import queue
+import sys
 import threading
 from typing import Any
 
@@ -43,22 +44,29 @@ class Job:
 class Worker:
     """One named thread running jobs in submission order; ``close()`` finishes what is queued and joins it.
     ``device``: the engine's device, made the thread's current CUDA device (a thread starts on cuda:0, where any
-    implicit CUDA call would otherwise create a context for a rank training on another GPU)."""
+    implicit CUDA call would otherwise create a context for a rank training on another GPU).
+
+    ``lowest_first``: while set, the next job run is the queued one with the lowest ``key`` (jobs without one
+    after those with one, in order). The optimizer sets it once backward has ended, so the sub-groups the next
+    forward needs first are updated first."""
 
     def __init__(self, name: str, device: torch.device | None = None) -> None:
         self._device = device
-        self._queue: queue.SimpleQueue[tuple[Any, tuple[Any, ...], Job] | None] = queue.SimpleQueue()
+        self._queued: list[tuple[int, Any, tuple[Any, ...], Job]] = []  # (key, fn, args, job), submission order
         self._idle = threading.Condition()
-        self._pending = 0
+        self._pending = 0  # queued or running
+        self._closing = False
         self._error: BaseException | None = None
+        self.lowest_first = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, fn: Any, *args: Any) -> Job:
+    def submit(self, fn: Any, *args: Any, key: int | None = None) -> Job:
         job = Job()
         with self._idle:
             self._pending += 1
-        self._queue.put((fn, args, job))
+            self._queued.append((sys.maxsize if key is None else key, fn, args, job))
+            self._idle.notify_all()
         return job
 
     def wait_idle(self) -> None:
@@ -72,15 +80,30 @@ class Worker:
 
     def close(self) -> None:
         if self._thread.is_alive():
-            self._queue.put(None)
+            with self._idle:
+                self._closing = True
+                self._idle.notify_all()
             self._thread.join()
+
+    def _next(self) -> tuple[Any, tuple[Any, ...], Job] | None:
+        """The next job to run, waiting for one; None once closing with nothing queued."""
+        with self._idle:
+            while not self._queued and not self._closing:
+                self._idle.wait()
+            if not self._queued:
+                return None
+            i = 0
+            if self.lowest_first:  # a few hundred sub-groups at most: a scan is cheaper than keeping a heap
+                i = min(range(len(self._queued)), key=lambda j: self._queued[j][0])
+            _, fn, args, job = self._queued.pop(i)
+            return fn, args, job
 
     def _run(self) -> None:
         try:
             bind_thread(self._device)
         except BaseException as exc:  # every job then fails with it: it surfaces at the next wait
             self._error = exc
-        while (item := self._queue.get()) is not None:
+        while (item := self._next()) is not None:
             fn, args, job = item
             try:
                 if self._error is not None:  # after a failure, later jobs are skipped until someone waits

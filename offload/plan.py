@@ -123,6 +123,7 @@ class Plan:
     cuda_path: bool  # the CUDA path's copies and kernels: pinned staging of uploads and of NVMe reads, torch's
     # fused Adam for state on the device (CUDA; on the CPU in tests: STAGE_ON_CPU)
     overlap: bool  # sub-groups updated during backward as their gradients become final
+    overlap_forward: bool  # step() returns with updates queued; each module's forward waits for its own
     delayed: bool  # one-step delayed parameter update (ZeRO-Offload's DPU)
     grad_slots: int = 0  # host gradients in this many sub-group slots (0: whole buffers, every gradient held)
     trim_heap: bool = False  # the C heap's free pages go back to the OS during backward (offload/memory/_heap.py)
@@ -166,7 +167,8 @@ class Plan:
         if self.param_tier is not Tier.DEVICE:
             lines.append(f"parameter window {self.max_live:,} elements, {self.prefetch_bucket:,} in flight, "
                          f"persistent up to {self.persistence_threshold:,}")
-        lines.append(f"optimizer overlaps backward: {'yes' if self.overlap else 'no'}; delayed update: "
+        lines.append(f"optimizer overlaps backward: {'yes' if self.overlap else 'no'}; the next forward: "
+                     f"{'yes' if self.overlap_forward else 'no'}; delayed update: "
                      f"{'yes' if self.delayed else 'no'}; host gradients: "
                      + (f"{self.grad_slots} sub-group slots" if self.grad_slots else "whole buffers")
                      + f"; host heap trimmed in backward: {'yes' if self.trim_heap else 'no'}")
@@ -394,6 +396,16 @@ def resolve(cfg: OffloadConfig, model: ModelSizes, *, device: torch.device, worl
     ) if cond]
     if blockers:
         why["overlap"] = "off: " + "; ".join(blockers)
+    beside_forward = [reason for cond, reason in (
+        (not zero.offload_optimizer.overlap_forward, "offload_optimizer.overlap_forward is false"),
+        (optimizer_tier is not Tier.HOST, "the optimizer state is not on the host"),
+        (param_tier is not Tier.DEVICE, "parameter offload fetches from the homes the update writes"),
+        (world_size > 1, "several ranks gather the updated parameters first"),
+        (delayed, "the delayed update hides the whole step instead"),
+    ) if cond]
+    why["next forward"] = ("off: " + "; ".join(beside_forward)) if beside_forward else \
+        ("step() returns once the updates are queued; each module's forward waits only for the sub-groups up to "
+         "its own parameters (offload_optimizer.overlap_forward)")
     cuda_path = device.type == "cuda" or STAGE_ON_CPU
     staged = cuda_path and optimizer_tier is not Tier.DEVICE
     dtype_bytes = torch.empty((), dtype=cfg.dtype).element_size()
@@ -415,7 +427,7 @@ def resolve(cfg: OffloadConfig, model: ModelSizes, *, device: torch.device, worl
         sub_group_size=sizes.sub_group_size, buffer_count=sizes.buffer_count,
         max_live=sizes.max_live, prefetch_bucket=sizes.prefetch_bucket,
         persistence_threshold=sizes.persistence_threshold, grad_bucket=sizes.grad_bucket,
-        cuda_path=cuda_path, overlap=not blockers, delayed=delayed,
+        cuda_path=cuda_path, overlap=not blockers, overlap_forward=not beside_forward, delayed=delayed,
         grad_slots=sizes.grad_slots, trim_heap=trim_heap(cfg.offload.trim_host_heap, device, why), why=why)
 
 

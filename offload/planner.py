@@ -94,6 +94,7 @@ def estimate(num_params: int | None = None, *, model: torch.nn.Module | None = N
                     max_live=chosen.max_live,
                     prefetch_bucket=chosen.prefetch_bucket, persistence_threshold=chosen.persistence_threshold,
                     grad_bucket=chosen.grad_bucket, cuda_path=cuda, overlap=overlap,
+                    overlap_forward=gpus == 1 and optimizer_tier is Tier.HOST and param_tier is Tier.DEVICE,
                     delayed=False, grad_slots=chosen.grad_slots, why=why)
         used = {t.value: b for t, b in expected_bytes(plan, sizes).items()}
         given = {"device": gpu_mem, "host": budgets[Tier.HOST], "nvme": budgets[Tier.NVME]}

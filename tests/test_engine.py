@@ -193,6 +193,166 @@ def test_overlapped_and_serial_steps_are_identical(tmp_path, device, gradients):
     assert shapes == ["slots", "whole"]  # sub-group slots give the same bits as every gradient held
 
 
+def failed_until_loaded(engine, ckpt: Path, why: str, batch, rest) -> None:
+    """The engine is FAILED: backward refuses, naming ``why``, until checkpoint ``good`` is loaded; then it
+    trains on ``rest``."""
+    assert engine.phase is offload.Phase.FAILED
+    with pytest.raises(RuntimeError, match=why + ".*load a checkpoint"):
+        engine.backward(lm_loss(engine(batch[0]), batch[1]))
+    assert engine.load_checkpoint(ckpt, tag="good") == "good"
+    train(engine, rest)
+
+
+def fails_on_call(real, n: int, error: BaseException):
+    """``real`` (a function, or a method taken from its class), raising ``error`` on its ``n``-th call instead."""
+    calls = {"n": 0}
+
+    def wrapped(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == n:
+            raise error
+        return real(*args, **kwargs)
+
+    return wrapped
+
+
+def slow_updates(monkeypatch, seconds: float = 0.02) -> list[int]:
+    """Each sub-group's update takes ``seconds`` longer (a slow CPU Adam), so the next forward reaches modules
+    while updates are still queued; returns the sub-groups in the order the stepper updated them."""
+    from offload.optim.offloaded import OffloadedAdam
+
+    ran, real = [], OffloadedAdam._update
+
+    def update(self, k, *args):
+        time.sleep(seconds)
+        real(self, k, *args)
+        ran.append(k)
+
+    monkeypatch.setattr(OffloadedAdam, "_update", update)
+    return ran
+
+
+@pytest.mark.parametrize("during_backward", [True, False])
+def test_the_next_forward_runs_beside_the_step_with_the_same_bits(tmp_path, monkeypatch, gradients,
+                                                                  during_backward):
+    """``step()`` returns with updates queued and each module's forward waits only for the sub-groups up to its
+    own parameters: the same bits as a step that finishes first (overlap_forward false), with the forward's
+    first modules run while later sub-groups were still being updated (decay and no-decay param groups put block
+    0's LayerNorm in the last sub-groups), the updates left after backward taken in the order the forward needs
+    them, and ``state_dict()`` right after ``step()`` seeing the finished update. Updates during backward
+    (``overlap_step``) leave only the few the gradient slots allow for the forward; without, all are left."""
+    data = batches(4)
+    ran = slow_updates(monkeypatch, 0.01)
+    results, states, stats = [], [], []
+    for beside in (True, False):
+        model = make()
+        cfg = config(tmp_path / str(beside), "cpu", bf16={"enabled": True},
+                     zero_optimization={"sub_group_size": 1024,
+                                        "offload_optimizer": {"device": "cpu", "overlap_forward": beside,
+                                                              "overlap_step": during_backward}})
+        decay = [p for p in model.parameters() if p.dim() >= 2]  # nanoGPT's and the Trainer's two groups: the
+        rest = [p for p in model.parameters() if p.dim() < 2]  # LayerNorms of block 0 in the last sub-groups
+        groups = [{"params": decay}, {"params": rest, "weight_decay": 0.0}]
+        with offload.initialize(model, cfg, param_groups=groups) as engine:
+            assert engine.plan().overlap_forward is beside
+            seen = []  # when block 0's forward ran: how many sub-groups had not been updated yet
+            engine.module.blocks[0].register_forward_pre_hook(
+                lambda *_: seen.append(sum(not job.done() for job in engine.optimizer.pending().values())))
+            steps, orders = [], []
+            for i, (x, y) in enumerate(data):
+                loss = lm_loss(engine(x), y)  # every sub-group is updated once the forward is through
+                orders.append(list(ran))  # the last step's updates that ran after its backward
+                engine.backward(loss)
+                del ran[:]
+                engine.step()
+                if i == 1:  # settles the step: the next forward finds nothing queued
+                    steps.append({k: v.clone() for k, v in engine.module.state_dict().items()})
+            results.append(engine.consolidated_state_dict())
+            states.append(steps)
+            stats.append(engine.stats()["update_beside_forward"])
+        if beside and not during_backward:
+            assert max(seen) >= 3  # block 0 ran with the later blocks' updates still queued behind it
+        if beside:
+            rank = engine._gate._rank  # the order the first forward needed the sub-groups in
+            for order in orders[1:]:  # the first may have been picked before backward ended
+                assert [rank[k] for k in order[1:]] == sorted(rank[k] for k in order[1:]), order
+    for k in results[0]:
+        assert torch.equal(results[0][k], results[1][k]), k
+    for a, b in zip(*states):
+        for k in a:
+            assert torch.equal(a[k], b[k]), k
+    assert stats[0]["steps"] == 4 and stats[1] is None
+
+
+class ReadsALaterWeight(torch.nn.Module):
+    """The root's forward reads ``last.weight`` itself before ``last`` runs: a parameter registered after the
+    modules that run first, so its sub-group is updated after theirs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = torch.nn.Linear(64, 64)
+        self.middle = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(6))
+        self.last = torch.nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.first(x) + x @ self.last.weight.T)
+        for m in self.middle:
+            x = torch.tanh(m(x))
+        return self.last(x).square().mean()
+
+
+@pytest.mark.parametrize("declared", [False, True])
+def test_a_parameter_read_outside_its_module_waits_for_its_update(tmp_path, monkeypatch, declared):
+    """The root reads ``last.weight`` before ``last`` runs: the first forward's trace finds the read (or it is
+    declared with ``register_external_parameter``), so the root's forward waits for that update too, and
+    training equals a step that finishes first. (Without either, the root reads it half updated.)"""
+    slow_updates(monkeypatch)
+    g = torch.Generator().manual_seed(3)
+    data = [torch.randn(8, 64, generator=g) for _ in range(4)]
+    results = []
+    for beside in (True, False):
+        model = ReadsALaterWeight()
+        cfg = config(tmp_path / str(beside), "cpu",
+                     zero_optimization={"sub_group_size": 4096,
+                                        "offload_optimizer": {"device": "cpu", "overlap_forward": beside}})
+        with offload.initialize(model, cfg) as engine:
+            if declared:
+                engine.register_external_parameter(model, model.last.weight)
+            for x in data:
+                engine.backward(engine(x))
+                engine.step()
+            results.append(engine.consolidated_state_dict())
+    for k in results[0]:
+        assert torch.equal(results[0][k], results[1][k]), k
+
+
+def test_an_update_that_fails_beside_the_forward_fails_the_engine(tmp_path, monkeypatch):
+    """The CPU Adam kernel raises in a sub-group updated after ``step()`` returned: the forward that waits for it
+    raises that error, the engine is FAILED (backward refuses, naming it), and loading a checkpoint recovers."""
+    from offload.optim import offloaded
+
+    data = batches(4)
+    model = make()
+    cfg = config(tmp_path, "cpu", zero_optimization={"sub_group_size": 1024})
+    with offload.initialize(model, cfg) as engine:
+        train(engine, data[:1])
+        engine.save_checkpoint(tmp_path / "ckpt", tag="good")
+        last = len(engine.layout.sub_groups)  # the step's last update: one the next forward waits for
+        monkeypatch.setattr(offloaded, "adam_step",
+                            fails_on_call(offloaded.adam_step, last, RuntimeError("injected kernel error")))
+        engine.backward(lm_loss(engine(data[1][0]), data[1][1]))
+        engine.step()
+        with pytest.raises(RuntimeError, match="injected kernel error"):
+            engine(data[2][0])
+        monkeypatch.undo()
+        failed_until_loaded(engine, tmp_path / "ckpt", "its updates, finishing beside the next forward", data[2],
+                            data[1:])
+    ref = reference_fp32(4, data)
+    for p, r in zip(model.parameters(), ref.parameters()):
+        close_enough(p.detach(), r.detach(), 1e-5)
+
+
 class Crossed(torch.nn.Module):
     """Parameters registered a0 b0 a1 b1 ... but used a's first, then b's: each sub-group holds an a and a b, so
     backward (the b's first) leaves every sub-group partly filled until it reaches the a's. Each b has padding
@@ -424,23 +584,12 @@ def test_a_load_that_fails_after_it_began_writing_leaves_the_engine_failed(tmp_p
         with pytest.raises(ValueError, match="truncated"):
             engine.load_checkpoint(tmp_path / "ckpt", tag="short")
         assert engine.phase is offload.Phase.IDLE
-        real, calls = _checkpoint.Checkpoint.read_range, {"n": 0}
-
-        def eio_on_third(self, *args):
-            calls["n"] += 1
-            if calls["n"] == 3:
-                raise OSError(5, "injected EIO")
-            return real(self, *args)
-
-        monkeypatch.setattr(_checkpoint.Checkpoint, "read_range", eio_on_third)
+        monkeypatch.setattr(_checkpoint.Checkpoint, "read_range",
+                            fails_on_call(_checkpoint.Checkpoint.read_range, 3, OSError(5, "injected EIO")))
         with pytest.raises(OSError, match="injected EIO"):
             engine.load_checkpoint(tmp_path / "ckpt", tag="good")
         monkeypatch.undo()
-        assert engine.phase is offload.Phase.FAILED
-        with pytest.raises(RuntimeError, match="engine.load_checkpoint raised .* load a checkpoint"):
-            engine.backward(lm_loss(engine(data[2][0]), data[2][1]))
-        assert engine.load_checkpoint(tmp_path / "ckpt", tag="good") == "good"
-        train(engine, data[2:])
+        failed_until_loaded(engine, tmp_path / "ckpt", "engine.load_checkpoint raised ", data[2], data[2:])
         assert engine.global_steps == 4
 
 

@@ -10,6 +10,8 @@ What ``initialize`` builds, in order, and who owns what afterwards (``close()`` 
 * :class:`Weights`: where the low-precision parameters live (device flats, host or NVMe homes with a device
   window) and how the optimizer's new values reach them;
 * :class:`GradientStream`: gradients from the device to the host buffers, bucketed, as they become final;
+* :class:`UpdateGate` (``plan.overlap_forward``): ``step()`` returns with the updates queued, and each module's
+  forward waits only for the sub-groups up to its own parameters, so the next forward runs beside Adam;
 * the engine's own hooks: a post-accumulate-grad hook per trainable parameter, and a forward pre-hook on the root
   module, the one place inputs are moved to the device (tensors in args and kwargs, nested in lists, tuples and
   dicts; asynchronously from pinned memory).
@@ -53,6 +55,7 @@ from ..optim._layout import FlatLayout
 from ..optim._schedule import WarmupSchedule, build_scheduler
 from ..optim.offloaded import OffloadedAdam
 from ..plan import ModelSizes, Partition, Plan, resolve
+from ._gate import UpdateGate
 from ._grads import GradientStream
 from ._weights import Weights
 
@@ -115,6 +118,7 @@ class Engine:
         self._zero: GradPartition | None = None
         self._reduce: ReduceBuckets | None = None  # stages 1-2 on several ranks
         self._heap: HeapTrim | None = None  # the CPU device's free heap pages returned during backward
+        self._gate: UpdateGate | None = None  # plan.overlap_forward: the step's updates finish beside the forward
         self.comm = Comm(join(cfg.offload.comm_timeout, cfg.offload.device))
         try:
             self._build(param_groups, _file_io)
@@ -157,7 +161,7 @@ class Engine:
                                        buffer_count=plan.buffer_count, aio=cfg.aio, grad_dtype=plan.grad_dtype,
                                        grad_sets=2 if plan.delayed else 1, grad_slots=plan.grad_slots,
                                        lazy_rows=sparse if cfg.sparse_gradients == "lazy" else None,
-                                       cuda_path=plan.cuda_path)
+                                       cuda_path=plan.cuda_path, overlap_forward=plan.overlap_forward)
         self.lr_scheduler = build_scheduler(cfg.scheduler, self.optimizer)
         if plan.trim_heap:
             self._heap = HeapTrim(sizes.numel * plan.dtype_bytes)
@@ -172,6 +176,10 @@ class Engine:
                                          dtype=plan.dtype, overlap=cfg.zero_optimization.overlap_comm,
                                          deliver=self.grads.receive, sparse=frozenset(sparse))
         self._install_hooks()
+        if plan.overlap_forward:
+            self._gate = UpdateGate(self.module, self.layout, self.optimizer, self.copies,
+                                    on_error=lambda exc: self._fail("engine.step (its updates, finishing beside "
+                                                                    "the next forward)", exc))
 
     def _prepare_nvme(self, name: str) -> str | None:
         """The checked swap directory of ``zero_optimization.<name>``: with several ranks, a ``rank<r>`` folder of
@@ -255,6 +263,7 @@ class Engine:
         self._expect("engine.backward(loss)", Phase.IDLE, Phase.ACCUMULATING)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("engine.backward expects a scalar loss tensor")
+        self._settle()  # parameters no forward hook reached, and the gradient slots the updates read
         gas = self.gradient_accumulation_steps
         self._last_micro = self._boundary if self._boundary is not None else self.micro_steps % gas == gas - 1
         divisor = gas if scale_wrt_gas else 1
@@ -374,9 +383,13 @@ class Engine:
             opt.launch(grad_scale, wait_first=tuple(uploads))  # runs beside the next forward/backward
             opt.grads.swap()
             self.weights.pending = True
+        elif self._gate is not None:
+            opt.launch(grad_scale)  # the next forward waits for each sub-group as it reaches it
+            self._gate.arm()
         else:
             opt.step(grad_scale=grad_scale)
-        self.weights.after_step(self._zero)
+        if self._gate is None:
+            self.weights.after_step(self._zero)
         if self.config.fp16.enabled:
             self.scaler.update(False)
         if self.lr_scheduler is not None:  # the next update's lr (the one launched above took its own already)
@@ -386,6 +399,18 @@ class Engine:
     def _comm_totals(self) -> dict[str, int]:
         return {"payload_bytes": sum(self.comm.payload_bytes.values()),
                 "wire_bytes": sum(self.comm.wire_bytes.values())}
+
+    def finish_step(self) -> None:
+        """Waits until the last step's update is in every parameter. ``step()`` returns before (the next forward
+        waits for each parameter as it reaches it: ``plan().overlap_forward``), so call this to read parameters
+        directly in between, as an EMA of the weights does; the engine's own calls and ``state_dict()`` do it
+        themselves."""
+        self._check_open()
+        self._settle()
+
+    def _settle(self) -> None:
+        if self._gate is not None:
+            self._gate.settle()
 
     def apply_delayed_update(self) -> None:
         """Delayed update: waits for the update in flight and puts its parameters on the device now (``step``
@@ -412,15 +437,20 @@ class Engine:
 
     def register_external_parameter(self, module: torch.nn.Module, param: torch.nn.Parameter) -> None:
         """With parameter offload, a parameter is on the device while its own module runs; declare here one that
-        ``module`` reads directly although another module owns it (a no-op without parameter offload)."""
+        ``module`` reads directly although another module owns it. Without parameter offload it matters only
+        while the step's updates finish beside the next forward, for a parameter registered after ``module``."""
         self.weights.register_external(module, param)
+        if self._gate is not None:
+            self._gate.register_external(module, param)
 
     def read_parameter(self, p: torch.nn.Parameter) -> torch.Tensor:
         """A parameter's current low-precision value as a host tensor, wherever it lives."""
+        self._settle()
         return self.weights.read(p)
 
     def write_parameter(self, p: torch.nn.Parameter, value: torch.Tensor) -> None:
         """Sets a parameter's low-precision value wherever it lives (rounded to its dtype)."""
+        self._settle()
         self.weights.write(p, value)
 
     # state ------------------------------------------------------------------------------------------------------
@@ -454,6 +484,9 @@ class Engine:
             "adam_seconds_overlapped": opt.adam_seconds_overlapped,
             "overlap_fraction": opt.adam_seconds_overlapped / opt.adam_seconds if opt.adam_seconds else 0.0,
             "sub_groups_overlapped": opt.sub_groups_overlapped,
+            # plan.overlap_forward: steps whose updates finished beside the next forward, and the time readers
+            # (forward hooks, backward, checkpoints) waited for them
+            "update_beside_forward": self._gate.stats() if self._gate is not None else None,
             "gradient_copies": dict(self.grads.sends),
             "gradient_buffers": opt.grads.stats(),
             "nvme": self.store.swap_stats(),
@@ -467,6 +500,7 @@ class Engine:
 
     def training_state(self) -> TrainingState:
         """The counters and settings a checkpoint stores beside the tensors."""
+        self._settle()
         opt = self.optimizer
         return TrainingState(self.global_steps, self.micro_steps, opt.step_count, self.scaler.state_dict(),
                              [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
@@ -488,6 +522,7 @@ class Engine:
         tensor by tensor into the fp32 master weights and each parameter's home; Adam's moments and the counters
         stay. Returns what did not match (``missing``, ``unexpected``); ``strict`` makes either an error."""
         self._expect("engine.load_state_dict()", Phase.IDLE, Phase.ACCUMULATING)
+        self._settle()
         from .._load import load_state_dict
 
         return load_state_dict(self, source, strict=strict)
@@ -495,6 +530,7 @@ class Engine:
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """The full model state as plain CPU tensors: fp32 master weights for trainable parameters."""
         self._expect("engine.consolidated_state_dict()", Phase.IDLE, Phase.ACCUMULATING)
+        self._settle()
         self.optimizer.wait()
         return _checkpoint.consolidated_state_dict(self)
 
@@ -504,6 +540,7 @@ class Engine:
         :func:`offload.load_state_dict` read. One shard is in memory at a time. Collective with several ranks
         (rank 0 writes). Returns the files written."""
         self._expect("engine.save_safetensors()", Phase.IDLE, Phase.ACCUMULATING)
+        self._settle()
         self.optimizer.wait()
         from .._export import save_engine
 
@@ -513,12 +550,17 @@ class Engine:
         """Writes model, optimizer state (wherever it lives), loss scaler and counters under ``path/tag`` and then
         points ``path/latest`` at it; a crash mid-save leaves the previous checkpoint loadable."""
         self._expect("engine.save_checkpoint()", Phase.IDLE, Phase.ACCUMULATING)
+        self._settle()
         self.optimizer.wait()
         return _checkpoint.save(self, Path(path), tag or f"step{self.global_steps}")
 
     def load_checkpoint(self, path: str | Path, tag: str | None = None) -> str:
         """Restores a checkpoint written by save_checkpoint (``latest`` unless ``tag``); returns the tag."""
         self._expect("engine.load_checkpoint()", Phase.IDLE, Phase.ACCUMULATING, Phase.FAILED)
+        try:
+            self._settle()
+        except Exception as exc:  # noqa: BLE001 - the engine is FAILED now, which a load is for
+            log.warning("offload: loading a checkpoint over a failed step (%s: %s)", type(exc).__name__, exc)
         writing = []
 
         def before_write() -> None:  # the checkpoint matches the model: from here a failure leaves a half load
@@ -578,10 +620,12 @@ class Engine:
             return
         _unclosed.discard(self)
         try:
+            failed = self.phase is Phase.FAILED
             try:
+                self._settle()
                 self.optimizer.finish()
             except Exception:  # noqa: BLE001 - a failed step's error, raised already
-                if self.phase is not Phase.FAILED:
+                if not failed:
                     raise
             for copy in self.weights.apply_update(self._zero):  # the model keeps every update it was given
                 copy.wait()
@@ -594,6 +638,8 @@ class Engine:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        if self._gate is not None:
+            self._gate.close()
         try:
             try:
                 if self.copies is not None:

@@ -12,7 +12,11 @@ pinned staging buffer whose copy to the device then runs on the host-to-device s
 (:class:`~offload.memory.CopyStreams`) behind the point where backward stopped reading them.
 
 All state access runs on one worker thread, the stepper, which runs jobs in submission order: the engine queues a
-sub-group as soon as its gradients are final (overlap with backward) or all remaining ones at ``step``.
+sub-group as soon as its gradients are final (overlap with backward) or all remaining ones at ``step``. With
+``overlap_forward`` the step returns before its updates have run and the next forward waits for each sub-group as
+it reaches its parameters (:class:`~offload.engine._gate.UpdateGate`): once backward has ended the stepper then
+takes the queued sub-groups in the order forward needs them (``update_order``). ``pending()`` hands the
+gate each queued update, ``upload_of`` the copy that takes its new parameters to the device.
 With state on NVMe the stepper is a pipeline through the store's staging buffers: while it updates sub-group k,
 the reads of the next sub-groups (in the order the last step processed them) are in flight, and k-1's write-back
 drains behind. An error on the stepper surfaces at the engine's next wait.
@@ -47,13 +51,14 @@ class OffloadedAdam(torch.optim.Optimizer):
                  placement: Tier, *, group_options: list[dict[str, Any]] | None = None, nvme_path: str | None = None,
                  buffer_count: int = 4, aio: Any = None, grad_dtype: torch.dtype = torch.float32,
                  grad_sets: int = 1, grad_slots: int = 0, lazy_rows: dict[int, int] | None = None,
-                 cuda_path: bool = False) -> None:
+                 cuda_path: bool = False, overlap_forward: bool = False) -> None:
         """``grad_sets``, ``grad_slots``: the shape of the gradient buffers (see :class:`GradientBuffers`).
         ``lazy_rows``: {parameter index: row width} of parameters (embeddings) whose rows with a zero gradient
         are left as they are by a step (parameter, moments and weight decay: lazy Adam) instead of updated as
         dense Adam does; only with the state offloaded (the CPU kernel). ``cuda_path``: state on the device is
         updated by torch's fused kernel on the compute stream and read by checkpoints through host copies (CUDA;
-        see ``offload.plan.STAGE_ON_CPU``)."""
+        see ``offload.plan.STAGE_ON_CPU``). ``overlap_forward``: after backward, update in the order the next forward
+        needs the sub-groups in (``update_order``) rather than the order they were queued in."""
         n_groups = len(layout.group_numel)
         options = group_options or [{} for _ in range(n_groups)]
         groups = [{"params": [p for p, pg in zip(layout.params, layout.param_group) if pg == g], **options[g]}
@@ -79,6 +84,10 @@ class OffloadedAdam(torch.optim.Optimizer):
         self.grad_handles: Any = lambda k: ()  # what an update waits for: the copies of its gradients (engine-set)
         self._order = [sg.index for sg in reversed(layout.sub_groups)]  # backward makes gradients final in reverse
         self._done: set[int] = set()
+        self._overlap_forward = overlap_forward
+        self._rank = list(range(len(layout.sub_groups)))  # sub-group -> its place in the order forward needs them
+        self._jobs: dict[int, Any] = {}  # sub-group -> the queued job of its update in the step in progress
+        self._uploaded: dict[int, Any] = {}  # sub-group -> the copy of its new parameters to the device (CUDA)
         self._ran: list[int] = []  # sub-groups in the order the stepper updated them (the next step reads ahead so)
         self._launched = False
         self._in_backward = False
@@ -164,9 +173,11 @@ class OffloadedAdam(torch.optim.Optimizer):
 
     def begin_backward(self) -> None:
         self._in_backward = True
+        self._stepper.lowest_first = False  # in the order gradients arrive: the slots they hold free in turn
 
     def end_backward(self) -> None:
         self._in_backward = False
+        self._stepper.lowest_first = self._overlap_forward
 
     def submit(self, sg: int, grad_scale: float = 1.0, *, wait_first: tuple[Any, ...] = ()) -> None:
         """Queues one sub-group's update for the step in progress (its gradients are final, or on their way:
@@ -179,7 +190,9 @@ class OffloadedAdam(torch.optim.Optimizer):
         # changes the next step's, not this one's
         group = {k: v for k, v in self.param_groups[self.layout.sub_groups[sg].group].items() if k != "params"}
         job = self._stepper.submit(self._update, sg, grad_scale, self.grads.for_update(sg), self.step_count + 1,
-                                   waits, self.copies.mark(), self.copies.current_stream(), group)
+                                   waits, self.copies.mark(), self.copies.current_stream(), group,
+                                   key=self._rank[sg])
+        self._jobs[sg] = job
         self.grads.queued(sg, job)
 
     def step(self, closure: Any = None, *, grad_scale: float = 1.0) -> None:  # type: ignore[override]
@@ -198,6 +211,20 @@ class OffloadedAdam(torch.optim.Optimizer):
                 self.submit(sg, grad_scale, wait_first=wait_first)
         self.step_count += 1
         self._launched = True
+
+    def update_order(self, rank: list[int]) -> None:
+        """``rank[k]``: where sub-group ``k`` comes in the order the next forward needs them (with
+        ``overlap_forward``, the stepper takes what is queued after backward in that order)."""
+        self._rank = list(rank)
+
+    def pending(self) -> dict[int, Any]:
+        """The launched step's updates: {sub-group: the job of its update}, until ``finish``."""
+        return dict(self._jobs)
+
+    def upload_of(self, k: int) -> Any:
+        """The copy of sub-group ``k``'s new parameters to the device, once its job has run (None: written in
+        place, on the CPU device)."""
+        return self._uploaded.get(k)
 
     def finish(self) -> None:
         """Waits for the launched step's updates, the writes of new parameters to their NVMe homes and, with state
@@ -219,6 +246,8 @@ class OffloadedAdam(torch.optim.Optimizer):
                 self._order = order + [k for k in self._order if k not in seen]
                 self._done.clear()
                 self._launched = False
+            self._jobs.clear()
+            self._uploaded.clear()
 
     def wait(self) -> None:
         """Waits for everything queued or launched, inside a step or not (``finish``)."""
@@ -283,7 +312,8 @@ class OffloadedAdam(torch.optim.Optimizer):
         if self._on_updated is not None:
             self._updates.used(slot, self._on_updated(sg, out))
         elif slot is not None:
-            self._uploads.used(slot, self.copies.to_device(target, out, after=after))
+            self._uploaded[k] = upload = self.copies.to_device(target, out, after=after)
+            self._uploads.used(slot, upload)
         if self.placement is Tier.NVME:
             self.store.evict(self._key(sg))
 
