@@ -310,7 +310,7 @@ class OffloadOptimizerConfig(_OffloadTarget):
     fast_init: bool = False
     delayed_update: bool = False
     overlap_step: bool = True  # update sub-groups during backward where the semantics allow (ours)
-    overlap_forward: bool = True  # step() returns before its last updates; the next forward waits per module (ours)
+    overlap_forward: bool = False  # step() returns before its last updates; the next forward waits per module (ours)
 
     @classmethod
     def _convert_own(cls, name: str, value: Any, full: str) -> Any:

@@ -83,18 +83,20 @@ def test_bench_gpu_runs_each_placement_in_its_own_process(tmp_path, capsys):
     results, scratch = tmp_path / "results", tmp_path / "scratch"
     scratch.mkdir()
     rc = main(["bench", "gpu", "--out", str(results), "--layers", "1", "--width", "64", "--vocab", "256",
-               "--tokens", "16", "--batch", "2", "--steps", "2", "--warmup", "1", "--placements", "plain,opt-host",
+               "--tokens", "16", "--batch", "2", "--steps", "2", "--warmup", "1",
+               "--placements", "plain,opt-host,opt-host-overlap",
                "--deepspeed", "off", "--nvme-dir", str(scratch)])
     assert rc == 0, capsys.readouterr()
     data = json.loads((results / "gpu_train.json").read_text())
     runs = {(r["framework"], r["placement"]): r for r in data["runs"]}
-    assert set(runs) == {("torch", "plain"), ("offload", "opt-host")}
+    assert set(runs) == {("torch", "plain"), ("offload", "opt-host"), ("offload", "opt-host-overlap")}
     assert all(r["status"] == "ok" for r in runs.values())
     ours, plain = runs["offload", "opt-host"], runs["torch", "plain"]
     assert ours["losses"][0] == pytest.approx(plain["losses"][0], rel=1e-2)  # the same model and first batch
     assert ours["parts"]["adam"] > 0 and ours["host_peak_rss"] > 0
     assert data["bounds"]["compute"]["status"] == "ok" and data["bounds"]["pcie"]["both"] > 0
-    assert data["summary"]["opt_host_bound"]["ratio"] > 0
+    assert data["summary"]["opt_host_bound"]["ratio"] > 0 and data["summary"]["overlap_forward_speedup"] > 0
+    assert runs["offload", "opt-host-overlap"]["losses"] == ours["losses"]  # the same bits, the step overlapped
     assert_pngs([results / "gpu_train.png"])
     assert list(scratch.iterdir()) == []
 

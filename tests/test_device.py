@@ -218,8 +218,9 @@ for name, cfg in json.loads({configs!r}).items():
 
 def sanitizer_configs(root: Path) -> dict[str, dict]:
     """The placements whose copies cross streams: gradients through device buckets (accumulated too), updated
-    parameters uploaded from pinned staging, a delayed update, parameters fetched into a window from host and NVMe
-    homes (landing included), and state left on the device beside NVMe homes."""
+    parameters uploaded from pinned staging (waited for as the next forward reaches them, too), a delayed update,
+    parameters fetched into a window from host and NVMe homes (landing included), and state left on the device
+    beside NVMe homes."""
     def zero(opt: str, param: str | None = None, **extra) -> dict:
         z = {"stage": 3 if param else 2, "sub_group_size": 4096,
              "offload_optimizer": {"device": opt, "nvme_path": str(root / "opt"), **extra}}
@@ -231,6 +232,7 @@ def sanitizer_configs(root: Path) -> dict[str, dict]:
     bf16 = {"bf16": {"enabled": True}, "aio": {"block_size": 1 << 16}}
     return {
         "optimizer on the host": {"zero_optimization": zero("cpu"), **bf16},
+        "the next forward beside the updates": {"zero_optimization": zero("cpu", overlap_forward=True), **bf16},
         "micro-batches accumulated": {"zero_optimization": zero("cpu"), "gradient_accumulation_steps": 2, **bf16},
         "delayed update": {"zero_optimization": zero("cpu", delayed_update=True), **bf16},
         "parameters on the host": {"zero_optimization": zero("cpu", "cpu"), **bf16},

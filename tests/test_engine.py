@@ -78,11 +78,15 @@ def reference_fp32(steps: int, data, gas: int = 1, clip: float = 0.0):
     return model
 
 
-@pytest.mark.parametrize("device", ["none", "cpu", "nvme"])
+@pytest.mark.parametrize("device", ["none", "cpu", "nvme", "cpu, overlap_forward"])
 def test_fp32_matches_torch_adamw(tmp_path, device, gradients):
     data = batches(20)
     model = make()
-    with offload.initialize(model, config(tmp_path, device)) as engine:
+    device, _, beside = device.partition(", ")
+    cfg = config(tmp_path, device)
+    cfg["zero_optimization"]["offload_optimizer"]["overlap_forward"] = bool(beside)
+    with offload.initialize(model, cfg) as engine:
+        assert engine.plan().overlap_forward is bool(beside)
         assert len(engine.layout.sub_groups) > 3  # parameters straddle sub-groups
         train(engine, data)
         state = engine.consolidated_state_dict()
@@ -327,6 +331,32 @@ def test_a_parameter_read_outside_its_module_waits_for_its_update(tmp_path, monk
         assert torch.equal(results[0][k], results[1][k]), k
 
 
+def test_the_first_forwards_trace_is_left_however_it_ends(tmp_path):
+    """The trace's torch function mode is popped when the first forward is interrupted (a KeyboardInterrupt skips
+    torch's always-call hooks), training then goes on, and closing gives the model its own ``forward`` back."""
+    from torch.overrides import _get_current_function_mode_stack as modes
+
+    model = make()
+    cfg = config(tmp_path, "cpu", zero_optimization={"sub_group_size": 1024, "offload_optimizer": {
+        "device": "cpu", "overlap_forward": True}})
+    data = batches(3)
+    with offload.initialize(model, cfg) as engine:
+        assert "forward" in model.__dict__  # the root's forward runs under the trace until the first backward
+
+        def interrupt(*_):
+            raise KeyboardInterrupt
+
+        handle = model.blocks[1].register_forward_pre_hook(interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            engine(data[0][0])
+        handle.remove()
+        assert modes() == []
+        train(engine, data)
+        assert "forward" not in model.__dict__ and modes() == []  # ranked at the first backward
+        assert engine.stats()["update_beside_forward"]["steps"] == 3
+    assert "forward" not in model.__dict__
+
+
 def test_an_update_that_fails_beside_the_forward_fails_the_engine(tmp_path, monkeypatch):
     """The CPU Adam kernel raises in a sub-group updated after ``step()`` returned: the forward that waits for it
     raises that error, the engine is FAILED (backward refuses, naming it), and loading a checkpoint recovers."""
@@ -334,7 +364,8 @@ def test_an_update_that_fails_beside_the_forward_fails_the_engine(tmp_path, monk
 
     data = batches(4)
     model = make()
-    cfg = config(tmp_path, "cpu", zero_optimization={"sub_group_size": 1024})
+    cfg = config(tmp_path, "cpu", zero_optimization={"sub_group_size": 1024, "offload_optimizer": {
+        "device": "cpu", "overlap_forward": True}})
     with offload.initialize(model, cfg) as engine:
         train(engine, data[:1])
         engine.save_checkpoint(tmp_path / "ckpt", tag="good")

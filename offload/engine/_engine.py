@@ -446,11 +446,13 @@ class Engine:
     def read_parameter(self, p: torch.nn.Parameter) -> torch.Tensor:
         """A parameter's current low-precision value as a host tensor, wherever it lives."""
         self._settle()
+        self.optimizer.wait()  # updates queued during the last backward, before step()
         return self.weights.read(p)
 
     def write_parameter(self, p: torch.nn.Parameter, value: torch.Tensor) -> None:
         """Sets a parameter's low-precision value wherever it lives (rounded to its dtype)."""
         self._settle()
+        self.optimizer.wait()
         self.weights.write(p, value)
 
     # state ------------------------------------------------------------------------------------------------------

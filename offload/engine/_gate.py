@@ -9,10 +9,12 @@ Once backward has ended the stepper takes the queued sub-groups in the order for
 beside the rest of Adam and a step costs about max(compute, Adam, copies) instead of their sum.
 
 What forward reads, and in what order, is traced in the first forward (before any step, so nothing waits in
-it): a torch function mode sees every parameter handed to a torch function and notes it against the innermost
-module running, so a module that reads another module's weight itself (a tied head, ``self.sub.weight`` outside
-``self.sub(...)``) waits for that weight too. Sub-groups are ranked in the order they were first read (those never
-read follow, in layout order): the order the stepper updates them in once backward has ended. Layout order alone
+it): the root's forward runs under a torch function mode (entered in a wrapper of the root's ``forward``, so it
+is left however the forward ends) that sees every parameter handed to a torch function and notes it against the
+innermost module running, so a module that reads another module's weight itself (a tied head,
+``self.sub.weight`` outside ``self.sub(...)``) waits for that weight too. Sub-groups are ranked in the order they
+were first read (those never read follow, in layout order): the order the stepper updates them in once backward
+has ended. Layout order alone
 would not do: with decay and no-decay param groups (transformers' Trainer, nanoGPT) the first block's LayerNorm
 sits in the last sub-groups. A module waits for every sub-group ranked up to the highest it reads, not only for
 those: a read the trace missed of a parameter read before (a later forward taking another path) stays right.
@@ -60,6 +62,7 @@ class UpdateGate:
         self._hooks: list[Any] = []
         self._tracing: list[Any] = []  # the trace's hooks, removed once ranked
         self._running: list[int] = []  # id(module) of the modules inside whose forward the trace is
+        self._depth = 0  # the root's forward calls in progress under the trace
         self._first_read: dict[int, None] = {}  # sub-groups in the order the traced forward first read them
         self._traced: set[tuple[int, int]] = set()  # (id(module), sub-group) reads the trace found
         self._mode = _ReadTrace(self._saw)
@@ -73,10 +76,26 @@ class UpdateGate:
                 self._read(mod, p)
             if own:
                 self._hooks.append(mod.register_state_dict_pre_hook(lambda *_: self.settle()))
-            self._tracing.append(mod.register_forward_pre_hook(functools.partial(self._enter, id(mod))))
+            self._tracing.append(mod.register_forward_pre_hook(functools.partial(self._enter, id(mod)),
+                                                               prepend=True))
             self._tracing.append(mod.register_forward_hook(self._leave, always_call=True))
-        self._tracing.append(module.register_forward_pre_hook(self._start_trace, prepend=True))
-        self._tracing.append(module.register_forward_hook(self._stop_trace, always_call=True))
+        self._root = module
+        self._own_forward = module.__dict__.get("forward")  # an instance attribute the model itself set
+        traced = module.forward
+
+        @functools.wraps(traced)
+        def forward(*args: Any, **kwargs: Any) -> Any:  # the mode is popped however the forward ends
+            if self._depth:
+                return traced(*args, **kwargs)
+            self._depth += 1
+            try:
+                with self._mode:
+                    return traced(*args, **kwargs)
+            finally:
+                self._depth -= 1
+                self._running.clear()  # an interrupt skips the post-hooks that pop it
+
+        module.forward = forward
 
     def _read(self, mod: torch.nn.Module, param: torch.nn.Parameter) -> None:
         if id(param) in self._of:  # else frozen
@@ -86,7 +105,8 @@ class UpdateGate:
         if id(mod) not in self._reads:
             self._reads[id(mod)] = set()
             self._modules[id(mod)] = mod
-            self._hooks.append(mod.register_forward_pre_hook(functools.partial(self._before_forward, id(mod))))
+            self._hooks.append(mod.register_forward_pre_hook(functools.partial(self._before_forward, id(mod)),
+                                                             prepend=True))  # before pre-hooks that read them
         self._reads[id(mod)] |= sub_groups
 
     def register_external(self, module: torch.nn.Module, param: torch.nn.Parameter) -> None:
@@ -95,17 +115,12 @@ class UpdateGate:
 
     # the trace (the first forward) ------------------------------------------------------------------------------
 
-    def _start_trace(self, *_: Any) -> None:
-        self._mode.__enter__()
-
-    def _stop_trace(self, *_: Any) -> None:
-        self._mode.__exit__(None, None, None)
-
     def _enter(self, key: int, *_: Any) -> None:
         self._running.append(key)
 
     def _leave(self, *_: Any) -> None:
-        self._running.pop()
+        if self._running:  # the root's own: the wrapper cleared the stack as its forward ended
+            self._running.pop()
 
     def _saw(self, values: Any) -> None:
         """A torch function was handed ``values``: the trainable parameters among them are read by the innermost
@@ -120,9 +135,7 @@ class UpdateGate:
     def _rank_by_trace(self) -> None:
         """Fixes the order forward needs sub-groups in (the first forward's trace), gives it to the stepper, and
         makes each module whose forward read other modules' parameters wait for them too."""
-        for h in self._tracing:
-            h.remove()
-        self._tracing = []
+        self._stop_tracing()
         rank: dict[int, int] = {}
         for k in (*self._first_read, *range(self._count)):
             rank.setdefault(k, len(rank))
@@ -132,6 +145,17 @@ class UpdateGate:
                 self._read_sub_groups(self._modules[key], {k})
         self._ranked, self._first_read, self._traced = True, {}, set()
         self._optimizer.update_order(self._rank)
+
+    def _stop_tracing(self) -> None:
+        for h in self._tracing:
+            h.remove()
+        self._tracing = []
+        if self._root is not None:
+            if self._own_forward is not None:
+                self._root.forward = self._own_forward
+            else:
+                self._root.__dict__.pop("forward", None)  # the class's forward shows through again
+            self._root = None
 
     # waiting ----------------------------------------------------------------------------------------------------
 
@@ -194,9 +218,10 @@ class UpdateGate:
         return {"steps": self.steps, "wait_seconds": self.wait_seconds}
 
     def close(self) -> None:
-        for h in self._hooks + self._tracing:
+        self._stop_tracing()
+        for h in self._hooks:
             h.remove()
-        self._hooks, self._tracing = [], []
+        self._hooks = []
 
 
 class _ReadTrace(TorchFunctionMode):

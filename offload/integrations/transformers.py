@@ -237,6 +237,14 @@ class OffloadTrainer(Trainer):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """transformers' ``train``; when it returns, the last step's updates are in the model (with
+        ``offload_optimizer.overlap_forward`` they could still be finishing)."""
+        out = super().train(*args, **kwargs)
+        if self.engine is not None:
+            self.engine.finish_step()
+        return out
+
     # the engine -------------------------------------------------------------------------------------------------
 
     def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:

@@ -246,8 +246,8 @@ class OffloadedAdam(torch.optim.Optimizer):
                 self._order = order + [k for k in self._order if k not in seen]
                 self._done.clear()
                 self._launched = False
-            self._jobs.clear()
-            self._uploaded.clear()
+                self._jobs.clear()  # before a launch they are the step's (a checkpoint between backward and step)
+                self._uploaded.clear()
 
     def wait(self) -> None:
         """Waits for everything queued or launched, inside a step or not (``finish``)."""
@@ -396,8 +396,10 @@ class OffloadedAdam(torch.optim.Optimizer):
         return self._state[sg.index]
 
     def skip(self) -> None:
-        """Forgets sub-groups queued during backward (a skipped step); nothing was queued when this is called."""
+        """Forgets sub-groups queued during backward (a skipped step, a window dropped); their jobs have run."""
         self._done.clear()
+        self._jobs.clear()
+        self._uploaded.clear()
 
     def done_state(self, sg: SubGroup, dirty: bool) -> None:
         if self.placement is Tier.NVME:
