@@ -332,8 +332,8 @@ def test_a_parameter_read_outside_its_module_waits_for_its_update(tmp_path, monk
 
 
 def test_the_first_forwards_trace_is_left_however_it_ends(tmp_path):
-    """The trace's torch function mode is popped when the first forward is interrupted (a KeyboardInterrupt skips
-    torch's always-call hooks), training then goes on, and closing gives the model its own ``forward`` back."""
+    """The trace's torch function mode is popped when the first forward ends, and by the next forward when an
+    interrupt skipped torch's always-called hooks; training then goes on as usual."""
     from torch.overrides import _get_current_function_mode_stack as modes
 
     model = make()
@@ -341,7 +341,8 @@ def test_the_first_forwards_trace_is_left_however_it_ends(tmp_path):
         "device": "cpu", "overlap_forward": True}})
     data = batches(3)
     with offload.initialize(model, cfg) as engine:
-        assert "forward" in model.__dict__  # the root's forward runs under the trace until the first backward
+        engine(data[0][0])
+        assert modes() == []
 
         def interrupt(*_):
             raise KeyboardInterrupt
@@ -350,11 +351,43 @@ def test_the_first_forwards_trace_is_left_however_it_ends(tmp_path):
         with pytest.raises(KeyboardInterrupt):
             engine(data[0][0])
         handle.remove()
-        assert modes() == []
         train(engine, data)
-        assert "forward" not in model.__dict__ and modes() == []  # ranked at the first backward
-        assert engine.stats()["update_beside_forward"]["steps"] == 3
-    assert "forward" not in model.__dict__
+        assert modes() == [] and engine.stats()["update_beside_forward"]["steps"] == 3
+
+
+@pytest.mark.parametrize("placement", ["cpu", "cpu, overlap_forward", "cpu, params on cpu"])
+def test_a_copy_of_the_model_is_a_plain_model(tmp_path, placement):
+    """``copy.deepcopy(model)`` (an EMA) and ``torch.save(model)`` of a model in training give a plain model with
+    the current weights, which runs without the engine. With parameters offloaded the modules hold placeholders,
+    so a copy is refused, naming what to use instead."""
+    import copy
+    import io
+
+    device, *options = placement.split(", ")
+    cfg = config(tmp_path, device, zero_optimization={"sub_group_size": 1024, "offload_optimizer": {
+        "device": device, "overlap_forward": "overlap_forward" in options}})
+    if "params on cpu" in options:
+        cfg["zero_optimization"].update(stage=3, offload_param={"device": "cpu"})
+    model = make()
+    data = batches(2)
+    with offload.initialize(model, cfg) as engine:
+        train(engine, data)
+        engine.finish_step()
+        if options == ["params on cpu"]:
+            for copies in (lambda: copy.deepcopy(model), lambda: torch.save(model, io.BytesIO())):
+                with pytest.raises(ValueError, match="placeholders .* engine.save_safetensors"):
+                    copies()
+            return
+        ema = copy.deepcopy(model)
+        saved = io.BytesIO()
+        torch.save(model, saved)
+        saved.seek(0)
+        loaded = torch.load(saved, weights_only=False)
+        expected = model(data[0][0].to(DEVICE))
+    for other in (ema, loaded):
+        for (name, p), q in zip(model.named_parameters(), other.parameters()):
+            assert torch.equal(p, q), name
+        assert torch.equal(other(data[0][0].to(DEVICE)), expected)
 
 
 def test_an_update_that_fails_beside_the_forward_fails_the_engine(tmp_path, monkeypatch):

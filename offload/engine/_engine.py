@@ -47,6 +47,7 @@ from nvme_swapper import FileIO, arena_device, pinned_bytes
 from .. import _checkpoint
 from .._cleanup import close_after_failure
 from .._device import fast_bf16
+from .._hooks import Hook
 from .._precision import LossScaler
 from ..config import OffloadConfig
 from ..dist import Comm, GradPartition, ReduceBuckets, join
@@ -196,9 +197,10 @@ class Engine:
         return str(path)
 
     def _install_hooks(self) -> None:
-        self._hooks.append(self.module.register_forward_pre_hook(self._move_inputs, with_kwargs=True, prepend=True))
+        self._hooks.append(self.module.register_forward_pre_hook(Hook(self._move_inputs), with_kwargs=True,
+                                                                 prepend=True))
         for i, p in enumerate(self.layout.params):
-            self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(i)))
+            self._hooks.append(p.register_post_accumulate_grad_hook(Hook(self._grad_hook(i))))
 
     def _grad_hook(self, i: int) -> Any:
         def hook(p: torch.Tensor) -> None:

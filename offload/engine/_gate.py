@@ -8,18 +8,17 @@ it needs are updated; with CUDA the compute stream then also waits, on the GPU, 
 Once backward has ended the stepper takes the queued sub-groups in the order forward needs them, so forward runs
 beside the rest of Adam and a step costs about max(compute, Adam, copies) instead of their sum.
 
-What forward reads, and in what order, is traced in the first forward (before any step, so nothing waits in
-it): the root's forward runs under a torch function mode (entered in a wrapper of the root's ``forward``, so it
-is left however the forward ends) that sees every parameter handed to a torch function and notes it against the
-innermost module running, so a module that reads another module's weight itself (a tied head,
-``self.sub.weight`` outside ``self.sub(...)``) waits for that weight too. Sub-groups are ranked in the order they
-were first read (those never read follow, in layout order): the order the stepper updates them in once backward
-has ended. Layout order alone
-would not do: with decay and no-decay param groups (transformers' Trainer, nanoGPT) the first block's LayerNorm
-sits in the last sub-groups. A module waits for every sub-group ranked up to the highest it reads, not only for
-those: a read the trace missed of a parameter read before (a later forward taking another path) stays right.
-A module whose later forwards read a parameter of another module that the first forward never read declares it
-with ``engine.register_external_parameter``.
+What forward reads, and in what order, is traced in the first forward (before any step, so nothing waits in it):
+the root's forward runs under a torch function mode (pushed by the root's first pre-hook, popped by its
+always-called forward hook, or by the next one after an interrupt that skipped it) that sees every parameter handed
+to a torch function and notes it against the innermost module running, so a module that reads another module's
+weight itself (a tied head, ``self.sub.weight`` outside ``self.sub(...)``) waits for that weight too. Sub-groups
+are ranked in the order they were first read (those never read follow, in layout order): the order the stepper
+updates them in once backward has ended. Layout order alone would not do: with decay and no-decay param groups
+(transformers' Trainer, nanoGPT) the first block's LayerNorm sits in the last sub-groups. A module waits for every
+sub-group ranked up to the highest it reads, not only for those: a read the trace missed of a parameter read before
+(a later forward taking another path) stays right. A module whose later forwards read a parameter of another module
+that the first forward never read declares it with ``engine.register_external_parameter``.
 
 Everything else that reads or writes parameters or optimizer state settles the gate first (:meth:`settle`: the
 whole step finished): the engine's backward, checkpoints, state dicts and parameter reads and writes, and
@@ -38,6 +37,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .._hooks import Hook
 from ..memory import CopyStreams
 from ..optim._layout import FlatLayout
 from ..optim.offloaded import OffloadedAdam
@@ -62,7 +62,7 @@ class UpdateGate:
         self._hooks: list[Any] = []
         self._tracing: list[Any] = []  # the trace's hooks, removed once ranked
         self._running: list[int] = []  # id(module) of the modules inside whose forward the trace is
-        self._depth = 0  # the root's forward calls in progress under the trace
+        self._pushed = False  # the trace's mode is on this thread's stack
         self._first_read: dict[int, None] = {}  # sub-groups in the order the traced forward first read them
         self._traced: set[tuple[int, int]] = set()  # (id(module), sub-group) reads the trace found
         self._mode = _ReadTrace(self._saw)
@@ -75,27 +75,12 @@ class UpdateGate:
             for p in own:
                 self._read(mod, p)
             if own:
-                self._hooks.append(mod.register_state_dict_pre_hook(lambda *_: self.settle()))
-            self._tracing.append(mod.register_forward_pre_hook(functools.partial(self._enter, id(mod)),
+                self._hooks.append(mod.register_state_dict_pre_hook(Hook(lambda *_: self.settle())))
+            self._tracing.append(mod.register_forward_pre_hook(Hook(functools.partial(self._enter, id(mod))),
                                                                prepend=True))
-            self._tracing.append(mod.register_forward_hook(self._leave, always_call=True))
-        self._root = module
-        self._own_forward = module.__dict__.get("forward")  # an instance attribute the model itself set
-        traced = module.forward
-
-        @functools.wraps(traced)
-        def forward(*args: Any, **kwargs: Any) -> Any:  # the mode is popped however the forward ends
-            if self._depth:
-                return traced(*args, **kwargs)
-            self._depth += 1
-            try:
-                with self._mode:
-                    return traced(*args, **kwargs)
-            finally:
-                self._depth -= 1
-                self._running.clear()  # an interrupt skips the post-hooks that pop it
-
-        module.forward = forward
+            self._tracing.append(mod.register_forward_hook(Hook(self._leave), always_call=True))
+        self._tracing.append(module.register_forward_pre_hook(Hook(self._start_trace), prepend=True))
+        self._tracing.append(module.register_forward_hook(Hook(self._stop_trace), always_call=True))
 
     def _read(self, mod: torch.nn.Module, param: torch.nn.Parameter) -> None:
         if id(param) in self._of:  # else frozen
@@ -105,7 +90,7 @@ class UpdateGate:
         if id(mod) not in self._reads:
             self._reads[id(mod)] = set()
             self._modules[id(mod)] = mod
-            self._hooks.append(mod.register_forward_pre_hook(functools.partial(self._before_forward, id(mod)),
+            self._hooks.append(mod.register_forward_pre_hook(Hook(functools.partial(self._before_forward, id(mod))),
                                                              prepend=True))  # before pre-hooks that read them
         self._reads[id(mod)] |= sub_groups
 
@@ -115,11 +100,23 @@ class UpdateGate:
 
     # the trace (the first forward) ------------------------------------------------------------------------------
 
+    def _start_trace(self, *_: Any) -> None:
+        if not self._pushed:  # else left on the stack by an interrupted forward: it traces this one too
+            self._running.clear()
+            self._mode.__enter__()
+            self._pushed = True
+
+    def _stop_trace(self, *_: Any) -> None:
+        self._running.clear()
+        if self._pushed:
+            self._pushed = False
+            self._mode.__exit__(None, None, None)
+
     def _enter(self, key: int, *_: Any) -> None:
         self._running.append(key)
 
     def _leave(self, *_: Any) -> None:
-        if self._running:  # the root's own: the wrapper cleared the stack as its forward ended
+        if self._running:
             self._running.pop()
 
     def _saw(self, values: Any) -> None:
@@ -150,12 +147,7 @@ class UpdateGate:
         for h in self._tracing:
             h.remove()
         self._tracing = []
-        if self._root is not None:
-            if self._own_forward is not None:
-                self._root.forward = self._own_forward
-            else:
-                self._root.__dict__.pop("forward", None)  # the class's forward shows through again
-            self._root = None
+        self._stop_trace()
 
     # waiting ----------------------------------------------------------------------------------------------------
 

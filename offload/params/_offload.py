@@ -66,8 +66,14 @@ import torch
 from nvme_swapper import AioConfig, SwapEngine, aligned_tensor
 
 from .._cleanup import close_after_failure
+from .._hooks import Hook
 from .._worker import bind_thread
 from ..memory import DONE, AllOf, BudgetExceeded, Copy, CopyStreams, Tier, TieredStore, wait_all
+
+_NO_COPY = ("copy.deepcopy or torch.save of a model whose parameters are offloaded (offload_param) would copy the "
+            "placeholders the modules hold between uses, not the weights: write them with "
+            "engine.save_safetensors(dir) or take engine.consolidated_state_dict(), and load that into a model of "
+            "your own (or copy the model before offload.initialize)")
 
 
 class ParamState(Enum):
@@ -267,13 +273,14 @@ class ParameterOffload:
 
     def _install(self) -> None:
         # before any module's own pre-hook (the root's included): a new forward starts the traces from the top
-        self._hooks.append(self.module.register_forward_pre_hook(lambda *_: self.begin_step(), prepend=True))
+        self._hooks.append(self.module.register_forward_pre_hook(Hook(lambda *_: self.begin_step(), _NO_COPY),
+                                                                 prepend=True))
         self._uses: dict[int, list[_Param]] = {}
         for mod in self.module.modules():
             own = [self._by_param[id(p)] for p in mod.parameters(recurse=False) if id(p) in self._by_param]
             if own:
                 self._hook_module(mod, own)
-        self._hooks.append(self.module.register_forward_hook(lambda *_: self._forward_done()))
+        self._hooks.append(self.module.register_forward_hook(Hook(lambda *_: self._forward_done(), _NO_COPY)))
         original = self.module.forward
 
         @functools.wraps(original)
@@ -286,8 +293,8 @@ class ParameterOffload:
 
     def _hook_module(self, mod: torch.nn.Module, own: list[_Param]) -> None:
         self._uses[id(mod)] = own
-        self._hooks.append(mod.register_forward_pre_hook(functools.partial(self._pre_forward, own)))
-        self._hooks.append(mod.register_forward_hook(functools.partial(self._post_forward, own)))
+        self._hooks.append(mod.register_forward_pre_hook(Hook(functools.partial(self._pre_forward, own), _NO_COPY)))
+        self._hooks.append(mod.register_forward_hook(Hook(functools.partial(self._post_forward, own), _NO_COPY)))
 
     def register_external(self, module: torch.nn.Module, param: torch.nn.Parameter) -> None:
         """Makes ``param`` available while ``module`` runs, though another module owns it."""
