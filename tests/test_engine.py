@@ -417,6 +417,40 @@ def test_an_update_that_fails_beside_the_forward_fails_the_engine(tmp_path, monk
         close_enough(p.detach(), r.detach(), 1e-5)
 
 
+class WithUnused(torch.nn.Module):
+    """A TinyGPT beside a head the loss never uses: its sub-groups get no gradient in any step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gpt = make()
+        self.unused = torch.nn.Linear(64, 64)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.gpt(idx)
+
+
+@pytest.mark.parametrize("beside", [False, True])
+def test_parameters_the_loss_does_not_use_get_zero_gradients(tmp_path, beside):
+    """Parameters the loss does not use get a zero gradient (as in DeepSpeed: weight decay and the moments still
+    move), filled in as backward ends: with gradient slots (and the next forward beside the updates) the same bits
+    as with whole gradient buffers."""
+    data = batches(3)
+    results = {}
+    for slots in (True, False):
+        torch.manual_seed(0)
+        model = WithUnused()
+        cfg = config(tmp_path / str(slots), "cpu", zero_optimization={"sub_group_size": 1024, "offload_optimizer": {
+            "device": "cpu", "overlap_step": slots, "overlap_forward": beside}})
+        with offload.initialize(model, cfg) as engine:
+            train(engine, data)
+            results[slots] = engine.consolidated_state_dict()
+            buffers = engine.stats()["gradient_buffers"]
+        assert buffers["shape"] == ("slots" if slots else "whole")
+    assert not torch.equal(results[True]["unused.weight"], WithUnused().unused.weight.detach())  # weight decay
+    for k in results[True]:
+        assert torch.equal(results[True][k], results[False][k]), k
+
+
 class Crossed(torch.nn.Module):
     """Parameters registered a0 b0 a1 b1 ... but used a's first, then b's: each sub-group holds an a and a b, so
     backward (the b's first) leaves every sub-group partly filled until it reaches the a's. Each b has padding
