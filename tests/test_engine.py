@@ -332,8 +332,8 @@ def test_a_parameter_read_outside_its_module_waits_for_its_update(tmp_path, monk
 
 
 def test_the_first_forwards_trace_is_left_however_it_ends(tmp_path):
-    """The trace's torch function mode is popped when the first forward ends, and by the next forward when an
-    interrupt skipped torch's always-called hooks; training then goes on as usual."""
+    """The trace's torch function mode is popped when the first forward ends, or, when an interrupt skipped
+    torch's always-called hooks, by the first backward; training then goes on as usual."""
     from torch.overrides import _get_current_function_mode_stack as modes
 
     model = make()
@@ -341,8 +341,6 @@ def test_the_first_forwards_trace_is_left_however_it_ends(tmp_path):
         "device": "cpu", "overlap_forward": True}})
     data = batches(3)
     with offload.initialize(model, cfg) as engine:
-        engine(data[0][0])
-        assert modes() == []
 
         def interrupt(*_):
             raise KeyboardInterrupt
@@ -351,6 +349,7 @@ def test_the_first_forwards_trace_is_left_however_it_ends(tmp_path):
         with pytest.raises(KeyboardInterrupt):
             engine(data[0][0])
         handle.remove()
+        engine(data[0][0])  # still under the mode the interrupted forward left: the first backward pops it
         train(engine, data)
         assert modes() == [] and engine.stats()["update_beside_forward"]["steps"] == 3
 
@@ -372,6 +371,9 @@ def test_a_copy_of_the_model_is_a_plain_model(tmp_path, placement):
     data = batches(2)
     with offload.initialize(model, cfg) as engine:
         train(engine, data)
+        if "overlap_forward" in options:  # the step's updates may still run: a copy now would be half updated
+            with pytest.raises(ValueError, match="half updated: call engine.finish_step"):
+                copy.deepcopy(model)
         engine.finish_step()
         if options == ["params on cpu"]:
             for copies in (lambda: copy.deepcopy(model), lambda: torch.save(model, io.BytesIO())):
@@ -388,6 +390,25 @@ def test_a_copy_of_the_model_is_a_plain_model(tmp_path, placement):
         for (name, p), q in zip(model.named_parameters(), other.parameters()):
             assert torch.equal(p, q), name
         assert torch.equal(other(data[0][0].to(DEVICE)), expected)
+
+
+def test_an_update_that_fails_during_backward_surfaces_at_the_next_read(tmp_path, monkeypatch):
+    """An update run during backward fails and nothing waits for it before ``read_parameter``: that call raises
+    the error and the engine is FAILED, so ``step()`` cannot go on with a sub-group left out."""
+    from offload.optim import offloaded
+
+    model = make()
+    cfg = config(tmp_path, "cpu", zero_optimization={"sub_group_size": 8192})  # whole buffers: no slot waits
+    with offload.initialize(model, cfg) as engine:
+        assert engine.plan().overlap
+        monkeypatch.setattr(offloaded, "adam_step",
+                            fails_on_call(offloaded.adam_step, 1, RuntimeError("injected kernel error")))
+        x, y = batches(1)[0]
+        engine.backward(lm_loss(engine(x), y))
+        with pytest.raises(RuntimeError, match="injected kernel error"):
+            engine.read_parameter(model.pos)
+        with pytest.raises(RuntimeError, match="its updates, run during backward.*load a checkpoint"):
+            engine.step()
 
 
 def test_an_update_that_fails_beside_the_forward_fails_the_engine(tmp_path, monkeypatch):

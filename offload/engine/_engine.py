@@ -414,6 +414,16 @@ class Engine:
         if self._gate is not None:
             self._gate.settle()
 
+    def _finish_updates(self) -> None:
+        """Every update queued or running is done: the last step's (``_settle``) and those queued during a
+        backward before its ``step()``. An error of one leaves the engine FAILED: its sub-group is not updated."""
+        self._settle()
+        try:
+            self.optimizer.wait()
+        except BaseException as exc:
+            self._fail("engine.backward (its updates, run during backward)", exc)
+            raise
+
     def apply_delayed_update(self) -> None:
         """Delayed update: waits for the update in flight and puts its parameters on the device now (``step``
         does this itself; call it to see the newest parameters before the next step)."""
@@ -447,14 +457,12 @@ class Engine:
 
     def read_parameter(self, p: torch.nn.Parameter) -> torch.Tensor:
         """A parameter's current low-precision value as a host tensor, wherever it lives."""
-        self._settle()
-        self.optimizer.wait()  # updates queued during the last backward, before step()
+        self._finish_updates()
         return self.weights.read(p)
 
     def write_parameter(self, p: torch.nn.Parameter, value: torch.Tensor) -> None:
         """Sets a parameter's low-precision value wherever it lives (rounded to its dtype)."""
-        self._settle()
-        self.optimizer.wait()
+        self._finish_updates()
         self.weights.write(p, value)
 
     # state ------------------------------------------------------------------------------------------------------
@@ -534,8 +542,7 @@ class Engine:
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """The full model state as plain CPU tensors: fp32 master weights for trainable parameters."""
         self._expect("engine.consolidated_state_dict()", Phase.IDLE, Phase.ACCUMULATING)
-        self._settle()
-        self.optimizer.wait()
+        self._finish_updates()
         return _checkpoint.consolidated_state_dict(self)
 
     def save_safetensors(self, path: str | Path, *, max_shard_size: int | str = "5GB") -> list[Path]:
@@ -544,8 +551,7 @@ class Engine:
         :func:`offload.load_state_dict` read. One shard is in memory at a time. Collective with several ranks
         (rank 0 writes). Returns the files written."""
         self._expect("engine.save_safetensors()", Phase.IDLE, Phase.ACCUMULATING)
-        self._settle()
-        self.optimizer.wait()
+        self._finish_updates()
         from .._export import save_engine
 
         return save_engine(self, path, max_shard_size)
@@ -554,8 +560,7 @@ class Engine:
         """Writes model, optimizer state (wherever it lives), loss scaler and counters under ``path/tag`` and then
         points ``path/latest`` at it; a crash mid-save leaves the previous checkpoint loadable."""
         self._expect("engine.save_checkpoint()", Phase.IDLE, Phase.ACCUMULATING)
-        self._settle()
-        self.optimizer.wait()
+        self._finish_updates()
         return _checkpoint.save(self, Path(path), tag or f"step{self.global_steps}")
 
     def load_checkpoint(self, path: str | Path, tag: str | None = None) -> str:
@@ -642,10 +647,10 @@ class Engine:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-        if self._gate is not None:
-            self._gate.close()
         try:
             try:
+                if self._gate is not None:
+                    self._gate.close()
                 if self.copies is not None:
                     self.copies.synchronize()  # no copy may still touch the buffers freed below
                 if self.grads is not None:

@@ -18,7 +18,8 @@ updates them in once backward has ended. Layout order alone would not do: with d
 (transformers' Trainer, nanoGPT) the first block's LayerNorm sits in the last sub-groups. A module waits for every
 sub-group ranked up to the highest it reads, not only for those: a read the trace missed of a parameter read before
 (a later forward taking another path) stays right. A module whose later forwards read a parameter of another module
-that the first forward never read declares it with ``engine.register_external_parameter``.
+that the first forward never read declares it with ``engine.register_external_parameter``. The order is fixed as
+that forward ends; the forwards after it (a generation loop's too) run without the mode.
 
 Everything else that reads or writes parameters or optimizer state settles the gate first (:meth:`settle`: the
 whole step finished): the engine's backward, checkpoints, state dicts and parameter reads and writes, and
@@ -31,11 +32,12 @@ from __future__ import annotations
 
 import collections
 import functools
+import threading
 import time
 from typing import Any, Callable, Iterator
 
 import torch
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from .._hooks import Hook
 from ..memory import CopyStreams
@@ -62,7 +64,8 @@ class UpdateGate:
         self._hooks: list[Any] = []
         self._tracing: list[Any] = []  # the trace's hooks, removed once ranked
         self._running: list[int] = []  # id(module) of the modules inside whose forward the trace is
-        self._pushed = False  # the trace's mode is on this thread's stack
+        self._pushed: int | None = None  # the thread whose mode stack holds the trace's mode
+        self._depth = 0  # the root's forward calls in progress on that thread
         self._first_read: dict[int, None] = {}  # sub-groups in the order the traced forward first read them
         self._traced: set[tuple[int, int]] = set()  # (id(module), sub-group) reads the trace found
         self._mode = _ReadTrace(self._saw)
@@ -75,12 +78,13 @@ class UpdateGate:
             for p in own:
                 self._read(mod, p)
             if own:
-                self._hooks.append(mod.register_state_dict_pre_hook(Hook(lambda *_: self.settle())))
+                self._hooks.append(mod.register_state_dict_pre_hook(Hook(lambda *_: self.settle(), self._in_flight)))
             self._tracing.append(mod.register_forward_pre_hook(Hook(functools.partial(self._enter, id(mod))),
                                                                prepend=True))
             self._tracing.append(mod.register_forward_hook(Hook(self._leave), always_call=True))
         self._tracing.append(module.register_forward_pre_hook(Hook(self._start_trace), prepend=True))
         self._tracing.append(module.register_forward_hook(Hook(self._stop_trace), always_call=True))
+        self._tracing.append(module.register_forward_hook(Hook(self._traced_forward_done)))  # not after an error
 
     def _read(self, mod: torch.nn.Module, param: torch.nn.Parameter) -> None:
         if id(param) in self._of:  # else frozen
@@ -101,16 +105,40 @@ class UpdateGate:
     # the trace (the first forward) ------------------------------------------------------------------------------
 
     def _start_trace(self, *_: Any) -> None:
-        if not self._pushed:  # else left on the stack by an interrupted forward: it traces this one too
+        """The root's forward starts: on the thread that runs the first one, under the mode (torch keeps a mode
+        stack per thread; forwards on other threads meanwhile go untraced). A root called inside its own forward
+        only counts deeper; after an interrupted forward the mode is still there and traces this one too."""
+        if self._pushed is None:
             self._running.clear()
             self._mode.__enter__()
-            self._pushed = True
+            self._pushed = threading.get_ident()
+        if self._pushed == threading.get_ident():
+            self._depth += 1
 
-    def _stop_trace(self, *_: Any) -> None:
+    def _stop_trace(self, *_: Any, force: bool = False) -> None:
+        """The root's forward ends (an always-called hook): the outermost one pops the mode, if it is still the
+        top of the stack; under a mode of the user's it is left there, inert. Never raises."""
+        if self._pushed != threading.get_ident():
+            if force and self._pushed is not None:  # another thread's stack: leave it there, inert
+                self._mode.saw = None
+                self._pushed = None
+            return
+        self._depth -= 1
+        if self._depth > 0 and not force:
+            return
+        self._depth, self._pushed = 0, None
         self._running.clear()
-        if self._pushed:
-            self._pushed = False
+        stack = _get_current_function_mode_stack()
+        if stack and stack[-1] is self._mode:
             self._mode.__exit__(None, None, None)
+        else:
+            self._mode.saw = None
+
+    def _traced_forward_done(self, *_: Any) -> None:
+        """The root's forward ended normally (after ``_stop_trace``): the outermost first one's trace is the
+        order (later forwards, a generation loop's included, run without the mode)."""
+        if self._pushed is None and self._first_read:
+            self._rank_by_trace()
 
     def _enter(self, key: int, *_: Any) -> None:
         self._running.append(key)
@@ -147,13 +175,22 @@ class UpdateGate:
         for h in self._tracing:
             h.remove()
         self._tracing = []
-        self._stop_trace()
+        self._stop_trace(force=True)
 
     # waiting ----------------------------------------------------------------------------------------------------
 
     @property
     def armed(self) -> bool:
         return bool(self._jobs)
+
+    def _in_flight(self) -> str | None:
+        """Why a copy of the model (``copy.deepcopy``, ``torch.save``) must not be taken now, if so: it would copy
+        parameters the step is still updating, and torch copies them before any hook could wait."""
+        if self._jobs:
+            return ("copy.deepcopy or torch.save of the model while the last step's updates still run beside the "
+                    "next forward (offload_optimizer.overlap_forward) would copy parameters half updated: call "
+                    "engine.finish_step() first")
+        return None
 
     def arm(self) -> None:
         """Called by ``step()`` once every update of the step is queued: readers wait from now on."""
@@ -183,8 +220,8 @@ class UpdateGate:
         self._copies.use(self._optimizer.upload_of(k))
 
     def settle(self) -> None:
-        """Waits for the whole step in flight (raising its error, after ``on_error``) and disarms. The first
-        call after a forward (the first backward) also fixes the order forward needs sub-groups in."""
+        """Waits for the whole step in flight (raising its error, after ``on_error``) and disarms. Fixes the
+        order forward needs sub-groups in if no forward of the root has ended normally yet but one ran."""
         if not self._ranked and self._first_read:  # a forward has run since initialize
             self._rank_by_trace()
         if not self._jobs:
@@ -221,12 +258,13 @@ class _ReadTrace(TorchFunctionMode):
 
     def __init__(self, saw: Callable[[Any], None]) -> None:
         super().__init__()
-        self._saw = saw
+        self.saw: Callable[[Any], None] | None = saw  # None: left on a stack it could not be popped from
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
-        self._saw((args, kwargs))
+        if self.saw is not None:
+            self.saw((args, kwargs))
         return func(*args, **kwargs)
 
 
