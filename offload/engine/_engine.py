@@ -11,7 +11,8 @@ What ``initialize`` builds, in order, and who owns what afterwards (``close()`` 
   window) and how the optimizer's new values reach them;
 * :class:`GradientStream`: gradients from the device to the host buffers, bucketed, as they become final;
 * :class:`UpdateGate` (``plan.overlap_forward``): ``step()`` returns with the updates queued, and each module's
-  forward waits only for the sub-groups up to its own parameters, so the next forward runs beside Adam;
+  forward waits only for the sub-groups it reads (traced in the first forward), so the next forward runs beside
+  Adam;
 * the engine's own hooks: a post-accumulate-grad hook per trainable parameter, and a forward pre-hook on the root
   module, the one place inputs are moved to the device (tensors in args and kwargs, nested in lists, tuples and
   dicts; asynchronously from pinned memory).
@@ -450,7 +451,7 @@ class Engine:
     def register_external_parameter(self, module: torch.nn.Module, param: torch.nn.Parameter) -> None:
         """With parameter offload, a parameter is on the device while its own module runs; declare here one that
         ``module`` reads directly although another module owns it. Without parameter offload it matters only
-        while the step's updates finish beside the next forward, for a parameter registered after ``module``."""
+        while the step's updates finish beside the next forward, for a read the first forward's trace missed."""
         self.weights.register_external(module, param)
         if self._gate is not None:
             self._gate.register_external(module, param)
