@@ -60,7 +60,6 @@ class UpdateGate:
         self._reads: dict[int, set[int]] = {}  # id(module) -> the sub-groups its forward reads
         self._modules = {id(m): m for m in module.modules()}
         self._rank = list(range(self._count))  # sub-group -> its place in the order forward needs them
-        self._ranked = False
         self._hooks: list[Any] = []
         self._tracing: list[Any] = []  # the trace's hooks, removed once ranked
         self._running: list[int] = []  # id(module) of the modules inside whose forward the trace is
@@ -166,9 +165,8 @@ class UpdateGate:
             rank.setdefault(k, len(rank))
         self._rank = [rank[k] for k in range(self._count)]
         for key, k in self._traced:
-            if k not in self._reads.get(key, ()):
-                self._read_sub_groups(self._modules[key], {k})
-        self._ranked, self._first_read, self._traced = True, {}, set()
+            self._read_sub_groups(self._modules[key], {k})
+        self._first_read, self._traced = {}, set()  # empty from now on: the trace's hooks are gone
         self._optimizer.update_order(self._rank)
 
     def _stop_tracing(self) -> None:
@@ -222,7 +220,7 @@ class UpdateGate:
     def settle(self) -> None:
         """Waits for the whole step in flight (raising its error, after ``on_error``) and disarms. Fixes the
         order forward needs sub-groups in if no forward of the root has ended normally yet but one ran."""
-        if not self._ranked and self._first_read:  # a forward has run since initialize
+        if self._first_read:  # a forward has run since initialize, and its trace is not ranked yet
             self._rank_by_trace()
         if not self._jobs:
             return
