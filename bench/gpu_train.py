@@ -54,7 +54,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
-from _common import peak_rss, shape_for  # noqa: E402
+from _common import peak_rss, proc_bytes, shape_for  # noqa: E402
 
 import offload  # noqa: E402
 from nvme_swapper import aligned_tensor, pinned_bytes  # noqa: E402
@@ -113,7 +113,9 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     cfg = GPTConfig(**spec["model"])
     device = offload.default_device()
     if device.type == "cuda":
+        torch.empty(1, device=device)  # CUDA's context is part of the process's start, not of the run
         torch.cuda.reset_peak_memory_stats(device)
+    base_rss = proc_bytes("/proc/self/status", "VmRSS")[0]  # before the model: torch, CUDA, this script
     kind, placement = spec["kind"], spec["placement"]
     if kind == "pcie":
         return pcie(cfg.num_parameters, device)
@@ -160,7 +162,8 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     result.update(step_seconds=statistics.median(measured), seconds=times, losses=losses,
                   tokens_per_s=spec["batch"] * spec["tokens"] / statistics.median(measured),
                   gpu_peak=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
-                  host_peak_rss=peak_rss(), pinned=pinned_bytes() if kind == "ours" else _torch_pinned(),
+                  host_peak_rss=peak_rss(), host_base_rss=base_rss,
+                  pinned=pinned_bytes() if kind == "ours" else _torch_pinned(),
                   parts={k: statistics.median(s[k] for s in per_step) for k in per_step[0]} if per_step else None)
     return result
 
@@ -429,7 +432,8 @@ def _rounds_summary(runs: list[dict[str, Any]], bounds: dict[str, Any], estimate
         if isinstance(got[0], dict):
             out[key] = {f: statistics.median(g[f] for g in got) if isinstance(got[0][f], (int, float)) else got[0][f]
                         for f in got[0]}
-            shown = {f: [round(g[f], 3) for g in got] for f in got[0] if f in ("ratio", "step", "host_peak_rss")}
+            shown = {f: [round(g[f], 3) for g in got] for f in got[0]
+                     if f in ("ratio", "step", "host_peak_rss", "rss_ratio")}
         else:
             out[key], shown = statistics.median(got), {"value": [round(g, 3) for g in got]}
         lines.append(f"  {key}: " + "; ".join(f"{f} median {statistics.median(v):.3f} (rounds: "
@@ -484,13 +488,20 @@ def _summary(runs: list[dict[str, Any]], bounds: dict[str, Any], estimates: dict
             lines.append(f"  {placement}: DeepSpeed {ds['step_seconds']:.3f} s / ours {r['step_seconds']:.3f} s = "
                          f"{ds['step_seconds'] / r['step_seconds']:.2f}x")
         if r and est_name in estimates:
+            e = estimates[est_name]
             store_peak = r["engine"]["memory_report"]["host"]["peak"]
-            est = estimates[est_name].host
-            out[f"host_estimate/{placement}"] = {"estimate": est, "store_peak": store_peak,
-                                                  "rss_peak": r["host_peak_rss"], "ratio": store_peak / est}
+            # what the run added to the process's RSS (the model built in RAM included) against what the estimate
+            # puts in RAM: the host tier, and on a CPU device the device tier too (there activations come on top)
+            added = r["host_peak_rss"] - r["host_base_rss"]
+            in_ram = e.host + (e.device if e.plan is not None and e.plan.device.type == "cpu" else 0)
+            out[f"host_estimate/{placement}"] = {"estimate": e.host, "store_peak": store_peak,
+                                                  "rss_peak": r["host_peak_rss"], "ratio": store_peak / e.host,
+                                                  "rss_added": added, "estimate_in_ram": in_ram,
+                                                  "rss_ratio": added / in_ram}
             gib = 1 << 30
-            lines.append(f"  {placement}: host estimate {est / gib:.2f} GiB, measured {store_peak / gib:.2f}"
-                         f" GiB (tier peak), {r['host_peak_rss'] / gib:.2f} GiB RSS")
+            lines.append(f"  {placement}: host estimate {e.host / gib:.2f} GiB, measured {store_peak / gib:.2f}"
+                         f" GiB (tier peak); RSS {r['host_peak_rss'] / gib:.2f} GiB, of which the run added "
+                         f"{added / gib:.2f} GiB = {added / in_ram:.2f}x the estimate's {in_ram / gib:.2f} GiB in RAM")
     out["lines"] = lines
     out["params"] = n
     return out

@@ -119,6 +119,41 @@ def test_building_inside_init_needs_a_fraction_of_the_model_in_ram(tmp_path):
     assert grew < model_bytes / 3, (grew, model_bytes)
 
 
+INITIALIZE = textwrap.dedent("""
+    import gc, sys, torch
+    sys.path.insert(0, {root!r})
+    import offload
+    from offload.models import GPT, GPTConfig
+    def status(key):
+        return int(open("/proc/self/status").read().split(key + ":")[1].split()[0]) * 1024
+    torch.empty(1, device=offload.default_device())  # CUDA's context is up before anything is measured
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=1024, context=64, layers=8, heads=8, width=512))
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    zero = {{"stage": {stage}, "offload_optimizer": {{"device": "cpu"}}, "offload_param": {{"device": {param!r}}}}}
+    gc.collect()
+    before = status("VmRSS")
+    open("/proc/self/clear_refs", "w").write("5")  # the high-water mark restarts from here
+    engine = offload.initialize(model, {{"zero_optimization": zero}})
+    print(before, status("VmHWM"), status("VmRSS"), model_bytes)
+    engine.close()
+""")
+
+
+@pytest.mark.parametrize("param", ["none", "cpu"], ids=["optimizer on cpu", "optimizer + parameters on cpu"])
+def test_initialize_holds_a_model_built_in_ram_and_its_state_one_at_a_time(param):
+    """A 25M-parameter GPT built in RAM in fp32 (100 MB), optimizer state on the host (12 B/param): each parameter
+    is read into the masters and moved to its home before the next is read, so initialize's peak RSS stays within
+    a quarter of the model of the larger of before (the model) and after (the state); it was their sum."""
+    done = subprocess.run([sys.executable, "-c", INITIALIZE.format(root=str(ROOT), stage=3 if param != "none" else 2,
+                                                                   param=param)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    before, peak, after, model_bytes = map(int, done.stdout.split())
+    assert after > before - model_bytes / 4  # the state (3x the model) was allocated: the measure sees memory
+    assert peak - max(before, after) < model_bytes / 4, (before, peak, after, model_bytes)
+
+
 def save_checkpoint(tmp_path: Path, kind: str, state: dict[str, torch.Tensor]) -> Path:
     """``state`` written as transformers would: one safetensors file, two shards with an index, or a torch file."""
     from safetensors.torch import save_file

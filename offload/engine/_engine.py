@@ -168,8 +168,10 @@ class Engine:
         if plan.trim_heap:
             self._heap = HeapTrim(sizes.numel * plan.dtype_bytes)
         self._zero = GradPartition(self.comm, self.layout)
+        # reads each parameter into the optimizer's masters just before it moves it to its home
         self.weights = Weights(plan, self.module, self.layout, self.store, self.copies, self.comm, self.optimizer,
                                aio=cfg.aio, nvme_path=nvme["offload_param"])
+        self.optimizer.fill_masters()
         self.grads = GradientStream(plan, self.layout, self.store, self.copies, dest=self.optimizer.grads.of,
                                     on_ready=self._sub_group_ready)
         self.optimizer.grad_handles = self.grads.handles

@@ -53,7 +53,7 @@ class Weights:
         try:
             if plan.param_tier is Tier.DEVICE:
                 self._reserve_device()
-                self.flats = self._flatten_to_device()
+                self.flats = self._flatten_to_device(optimizer)
                 if plan.delayed:  # updates land in host buffers, copied to the device at the next step
                     host = [self._allocate_host(f.numel(), "delayed-update parameters", "raise "
                                                 "offload.host_memory_budget or turn off "
@@ -91,13 +91,14 @@ class Weights:
             "raise offload.device_memory_budget (parameter offload is the other way out)")
         self._reserved = flat + frozen + grad
 
-    def _flatten_to_device(self) -> list[torch.Tensor]:
+    def _flatten_to_device(self, optimizer: OffloadedAdam) -> list[torch.Tensor]:
         plan, layout = self.plan, self.layout
         # zeroed: the alignment padding between parameters stays zero
         flats = [torch.zeros(numel, dtype=plan.dtype, device=plan.device) if plan.cuda
                  else aligned_tensor(numel, plan.dtype, pin_memory=False) for numel in layout.group_numel]
         with torch.no_grad():
-            for i, p in enumerate(layout.params):
+            for i, p in enumerate(layout.params):  # each one read into the masters, then moved: its memory goes
+                optimizer.fill_masters(i + 1)
                 self._place(layout.param_view(flats[layout.param_group[i]], i), p.detach())
                 p.data = layout.param_view(flats[layout.param_group[i]], i)
             for p in self.frozen():
@@ -149,19 +150,23 @@ class Weights:
                 optimizer.attach_device(flats, owned_only=True)
             with torch.no_grad():
                 for i, p in enumerate(layout.params):
+                    optimizer.fill_masters(i + 1)
                     self.shards.write(i, p.detach())
         elif plan.param_tier is Tier.HOST:
             flats = [self._allocate_host(n, f"the host home of param group {g}", _FIX_HOST)
                      for g, n in enumerate(layout.group_numel)]
             with torch.no_grad():
-                for i, p in enumerate(layout.params):
+                for i, p in enumerate(layout.params):  # each one read into the masters, then moved to its home
+                    optimizer.fill_masters(i + 1)
                     view = layout.param_view(flats[layout.param_group[i]], i)
                     view.copy_(p.detach())
                     homes[i] = view.view(-1)
+                    p.data = view  # the user's tensor is freed here, not after every home is written
             optimizer.attach_device(flats)
         else:
             optimizer.attach_device([], on_updated=self._write_homes, dtype=plan.dtype,
                                     update_buffers=UPDATE_BUFFERS)
+        optimizer.fill_masters()  # NVMe homes: ParameterOffload reads the parameters again, one at a time
         self._move_buffers()
         self.params = ParameterOffload(
             self.module, layout.params + frozen, homes + [None] * len(frozen), self.store, self.copies, plan.dtype,

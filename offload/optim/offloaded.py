@@ -37,7 +37,7 @@ from ..memory import CopyStreams, StagingRing, Tier, TieredStore, fmt_bytes, wai
 from ..ops import adam_step
 from ..plan import spare_writes
 from ._grad_buffers import GradientBuffers
-from ._layout import FlatLayout, SubGroup
+from ._layout import FlatLayout, Segment, SubGroup
 
 _FIX_HOST = ("lower zero_optimization.sub_group_size, offload the optimizer to nvme, or raise "
              "offload.host_memory_budget")
@@ -58,7 +58,8 @@ class OffloadedAdam(torch.optim.Optimizer):
         dense Adam does; only with the state offloaded (the CPU kernel). ``cuda_path``: state on the device is
         updated by torch's fused kernel on the compute stream and read by checkpoints through host copies (CUDA;
         see ``offload.plan.STAGE_ON_CPU``). ``overlap_forward``: after backward, update in the order the next forward
-        needs the sub-groups in (``update_order``) rather than the order they were queued in."""
+        needs the sub-groups in (``update_order``) rather than the order they were queued in. The state holds the
+        initial values once :meth:`fill_masters` has read every parameter."""
         n_groups = len(layout.group_numel)
         options = group_options or [{} for _ in range(n_groups)]
         groups = [{"params": [p for p, pg in zip(layout.params, layout.param_group) if pg == g], **options[g]}
@@ -95,6 +96,13 @@ class OffloadedAdam(torch.optim.Optimizer):
                                      grad_dtype, sets=grad_sets, slots=grad_slots)
         self._state: list[torch.Tensor] = []
         self._staged: dict[int, torch.Tensor] = {}  # host copies of device state handed out by read/stage_state
+        self._filling: tuple[SubGroup, torch.Tensor] | None = None  # the state block being filled (fill_masters)
+        self._next_fill = 0  # the next sub-group whose state block fill_masters opens
+        self._filled_params = 0  # parameters [0, this) are in the master weights
+        self._segments_of: list[list[tuple[SubGroup, Segment]]] = [[] for _ in layout.params]
+        for sg in layout.sub_groups:
+            for seg in sg.segments:
+                self._segments_of[seg.param].append((sg, seg))
         if placement is Tier.NVME:
             if not nvme_path:
                 raise ValueError("zero_optimization.offload_optimizer.nvme_path is required for device \"nvme\"")
@@ -106,16 +114,6 @@ class OffloadedAdam(torch.optim.Optimizer):
                             spare_writes=spare_writes(total, -(-slot // 4096) * 4096, buffer_count))
             for sg in layout.sub_groups:
                 store.register(self._key(sg), 3 * sg.numel, torch.float32)
-                block = store.stage(self._key(sg))
-                self._init_state(sg, block)
-                store.evict(self._key(sg))
-            store.drain()
-        else:
-            for sg in layout.sub_groups:
-                block = store.allocate(placement, 3 * sg.numel, torch.float32,
-                                       f"optimizer state of sub-group {sg.index}", _FIX_HOST)
-                self._init_state(sg, block)
-                self._state.append(block)
         self._stepper = Worker("offload-stepper", copies.device)
         self._warm_kernel()
 
@@ -132,16 +130,55 @@ class OffloadedAdam(torch.optim.Optimizer):
     def _key(sg: SubGroup) -> str:
         return f"adam/{sg.group}/{sg.index}"
 
-    def _init_state(self, sg: SubGroup, block: torch.Tensor) -> None:
-        """master = the parameters' current (full-precision) values; moments zero. A parameter built in a file
-        arena (``offload.init``) has its pages dropped again once read."""
-        block.zero_()
-        master = block[: sg.numel]
-        for seg in sg.segments:
-            param = self.layout.params[seg.param].detach()
-            src = param.reshape(-1)[seg.param_start : seg.param_start + seg.numel]
-            master[seg.flat_start - sg.start : seg.flat_start - sg.start + seg.numel].copy_(src)
+    def fill_masters(self, through: int | None = None) -> None:
+        """Reads parameters up to ``through`` (all: None, which also completes the state) into the master weights:
+        their current full-precision values; moments zero. The state is filled sub-group by sub-group in layout
+        order, each block allocated (HOST) or staged (NVME) when its first parameter is read and finished (NVMe:
+        written back) after its last one, so the caller may free each parameter's memory as soon as this returns
+        for it: :class:`~offload.engine._weights.Weights` moves the parameter to its home right after, and a model
+        built in RAM and its optimizer state are not held whole at once. A parameter built in a file arena
+        (``offload.init``) has its pages dropped again once read."""
+        n = len(self.layout.params) if through is None else through
+        while self._filled_params < n:
+            i = self._filled_params
+            param = self.layout.params[i].detach()
+            flat = param.reshape(-1)
+            for sg, seg in self._segments_of[i]:
+                lo, src = seg.flat_start - sg.start, seg.param_start
+                self._fill_block(sg.index)[lo : lo + seg.numel].copy_(flat[src : src + seg.numel])
             evict_pages(param)
+            self._filled_params += 1
+            if self._filling is not None and self._filling[0].segments[-1].param == i:
+                self._finish_block()
+        if through is None:
+            self._fill_block(len(self.layout.sub_groups))  # finishes the rest (sub-groups of padding alone too)
+            if self.placement is Tier.NVME:
+                self.store.drain()
+
+    def _fill_block(self, k: int) -> torch.Tensor | None:
+        """Sub-group ``k``'s state block, open for its initial values; every earlier block is finished first."""
+        while self._filling is None or self._filling[0].index < k:
+            if self._filling is not None:
+                self._finish_block()
+            if self._next_fill == len(self.layout.sub_groups):
+                return None
+            sg = self.layout.sub_groups[self._next_fill]
+            self._next_fill += 1
+            if self.placement is Tier.NVME:
+                block = self.store.stage(self._key(sg))
+            else:
+                block = self.store.allocate(self.placement, 3 * sg.numel, torch.float32,
+                                            f"optimizer state of sub-group {sg.index}", _FIX_HOST)
+                self._state.append(block)
+            self._filling = (sg, block.zero_())
+        return self._filling[1]
+
+    def _finish_block(self) -> None:
+        assert self._filling is not None
+        sg, _ = self._filling
+        self._filling = None
+        if self.placement is Tier.NVME:
+            self.store.evict(self._key(sg))
 
     def attach_device(self, flats: list[torch.Tensor], on_updated: Any = None,
                       dtype: torch.dtype | None = None, *, owned_only: bool = False,
