@@ -15,7 +15,10 @@ parameters everywhere and no autocast.) Each run by this library and, when ``dee
 dependency), by DeepSpeed with the same keys. Per run: median step time (forward + backward + optimizer step, after
 warm-up), tokens/s, GPU peak (torch's allocator), host peak RSS (VmHWM) and pinned bytes, the loss per step, and the
 parts of a step from the engine's counters (CPU Adam, the share of it hidden in backward, bytes to and from the
-device, NVMe stalls). The JSON is written after every run, so a bench cut short keeps what it measured.
+device, NVMe stalls). The host peak is also set against ``offload.estimate``: the RSS the run added above the
+process before the model was built (CUDA's context included there), and the part of it that building the model
+and ``initialize`` added, against the estimate's bytes in RAM (the host tier; on a CPU device also the device tier,
+with activations on top). The JSON is written after every run, so a bench cut short keeps what it measured.
 
 Bounds measured in the same run, each in a process of its own: ``compute`` (forward + backward of the bf16 model,
 no optimizer; absent when it does not fit) and ``pcie`` (the gradient bytes device-to-host and the parameter bytes
@@ -140,6 +143,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         step, close, parts = _engine_step(engine), engine.close, _Parts(engine)
     else:
         step, close, parts = _deepspeed(cfg, placement, work, spec["batch"], spec["dtype"])
+    setup_rss = peak_rss()  # the model built and handed to its framework, before any step
     times, losses, per_step = [], [], []
     try:
         for i, (x, y) in enumerate(batches):
@@ -162,7 +166,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     result.update(step_seconds=statistics.median(measured), seconds=times, losses=losses,
                   tokens_per_s=spec["batch"] * spec["tokens"] / statistics.median(measured),
                   gpu_peak=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
-                  host_peak_rss=peak_rss(), host_base_rss=base_rss,
+                  host_peak_rss=peak_rss(), host_base_rss=base_rss, host_setup_rss=setup_rss,
                   pinned=pinned_bytes() if kind == "ours" else _torch_pinned(),
                   parts={k: statistics.median(s[k] for s in per_step) for k in per_step[0]} if per_step else None)
     return result
@@ -433,7 +437,7 @@ def _rounds_summary(runs: list[dict[str, Any]], bounds: dict[str, Any], estimate
             out[key] = {f: statistics.median(g[f] for g in got) if isinstance(got[0][f], (int, float)) else got[0][f]
                         for f in got[0]}
             shown = {f: [round(g[f], 3) for g in got] for f in got[0]
-                     if f in ("ratio", "step", "host_peak_rss", "rss_ratio")}
+                     if f in ("ratio", "step", "host_peak_rss", "rss_ratio", "setup_rss_ratio")}
         else:
             out[key], shown = statistics.median(got), {"value": [round(g, 3) for g in got]}
         lines.append(f"  {key}: " + "; ".join(f"{f} median {statistics.median(v):.3f} (rounds: "
@@ -492,16 +496,19 @@ def _summary(runs: list[dict[str, Any]], bounds: dict[str, Any], estimates: dict
             store_peak = r["engine"]["memory_report"]["host"]["peak"]
             # what the run added to the process's RSS (the model built in RAM included) against what the estimate
             # puts in RAM: the host tier, and on a CPU device the device tier too (there activations come on top)
-            added = r["host_peak_rss"] - r["host_base_rss"]
+            added, setup = (r[k] - r["host_base_rss"] for k in ("host_peak_rss", "host_setup_rss"))
             in_ram = e.host + (e.device if e.plan is not None and e.plan.device.type == "cpu" else 0)
             out[f"host_estimate/{placement}"] = {"estimate": e.host, "store_peak": store_peak,
                                                   "rss_peak": r["host_peak_rss"], "ratio": store_peak / e.host,
-                                                  "rss_added": added, "estimate_in_ram": in_ram,
-                                                  "rss_ratio": added / in_ram}
+                                                  "estimate_in_ram": in_ram, "rss_added": added,
+                                                  "rss_ratio": added / in_ram, "setup_rss_added": setup,
+                                                  "setup_rss_ratio": setup / in_ram}
             gib = 1 << 30
             lines.append(f"  {placement}: host estimate {e.host / gib:.2f} GiB, measured {store_peak / gib:.2f}"
-                         f" GiB (tier peak); RSS {r['host_peak_rss'] / gib:.2f} GiB, of which the run added "
-                         f"{added / gib:.2f} GiB = {added / in_ram:.2f}x the estimate's {in_ram / gib:.2f} GiB in RAM")
+                         f" GiB (tier peak); RSS {r['host_peak_rss'] / gib:.2f} GiB. Against the estimate's "
+                         f"{in_ram / gib:.2f} GiB in RAM: building the model and initialize added "
+                         f"{setup / gib:.2f} GiB ({setup / in_ram:.2f}x), the whole run {added / gib:.2f} GiB "
+                         f"({added / in_ram:.2f}x)")
     out["lines"] = lines
     out["params"] = n
     return out
