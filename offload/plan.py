@@ -369,9 +369,11 @@ def expected_bytes(plan: Plan, model: ModelSizes) -> dict[Tier, int]:
 
 
 def resolve(cfg: OffloadConfig, model: ModelSizes, *, device: torch.device, world_size: int = 1, rank: int = 0,
-            local_world_size: int = 1) -> Plan:
-    """The plan for ``cfg`` and ``model`` on this rank. Raises ValueError naming the keys of a combination that
-    cannot run."""
+            local_world_size: int = 1, model_in_ram: int = 0) -> Plan:
+    """The plan for ``cfg`` and ``model`` on this rank. ``model_in_ram``: bytes of the trainable parameters held
+    in this process's RAM (not in ``offload.init``'s arena), which ``initialize`` frees as it moves them where the
+    parameters stay in layout order (see :func:`resolve_budgets`). Raises ValueError naming the keys of a
+    combination that cannot run."""
     zero = cfg.zero_optimization
     why: dict[str, str] = {}
     optimizer_tier, param_tier = _TIER[zero.offload_optimizer.device], _TIER[zero.offload_param.device]
@@ -385,7 +387,11 @@ def resolve(cfg: OffloadConfig, model: ModelSizes, *, device: torch.device, worl
                          "zero_optimization.offload_param.device to \"cpu\" or \"nvme\" (got \"none\"), "
                          "or use stage 2")
     partition = Partition.NONE if world_size == 1 else Partition.PER_PARAM if zero.stage == 3 else Partition.FLAT
-    budgets = resolve_budgets(cfg, device, local_world_size, why)
+    # initialize frees each parameter's RAM as it fills the masters where the parameters go to the GPU or to host
+    # homes; with a CPU device their new flat buffer takes the RAM back, and pieces and NVMe homes are written after
+    freed = model_in_ram if partition is not Partition.PER_PARAM and (
+        param_tier is Tier.HOST or (param_tier is Tier.DEVICE and device.type != "cpu")) else 0
+    budgets = resolve_budgets(cfg, device, local_world_size, why, freed=freed)
     accumulate = cfg.gradient_accumulation_steps > 1
     blockers = [reason for cond, reason in (
         (not zero.offload_optimizer.overlap_step, "offload_optimizer.overlap_step is false"),
@@ -450,9 +456,11 @@ def trim_heap(setting: bool | None, device: torch.device, why: dict[str, str]) -
 
 
 def resolve_budgets(cfg: OffloadConfig, device: torch.device, local_world_size: int = 1,
-                    why: dict[str, str] | None = None) -> dict[Tier, int | None]:
+                    why: dict[str, str] | None = None, *, freed: int = 0) -> dict[Tier, int | None]:
     """Each tier's budget: the configuration's, else the device's memory (CUDA) or none (CPU), 90% of the host's
-    available memory shared by the ranks on it, the NVMe filesystem's free space (decided at the first claim)."""
+    available memory shared by the ranks on it, plus 90% of the ``freed`` bytes of this rank's model that
+    initialize releases while it fills the host tier (the model was built before MemAvailable was read), the NVMe
+    filesystem's free space (decided at the first claim)."""
     why = why if why is not None else {}
     device_budget = cfg.offload.device_memory_budget
     if device_budget is None and device.type == "cuda":
@@ -460,7 +468,10 @@ def resolve_budgets(cfg: OffloadConfig, device: torch.device, local_world_size: 
         why["device budget"] = "the CUDA device's total memory (offload.device_memory_budget not set)"
     host_budget = cfg.offload.host_memory_budget
     if host_budget is None:  # ranks on one host share its memory
-        host_budget = default_host_budget() // local_world_size
+        host_budget = default_host_budget() // local_world_size + freed * 9 // 10
         why["host budget"] = ("90% of MemAvailable at initialize" +
-                              (f", shared by {local_world_size} ranks" if local_world_size > 1 else ""))
+                              (f", shared by {local_world_size} ranks" if local_world_size > 1 else "") +
+                              (f", plus 90% of the {fmt_bytes(freed)} of the model in RAM that initialize frees as "
+                               "it moves the parameters (a copy of them you keep is not freed: then set "
+                               "offload.host_memory_budget)" if freed else ""))
     return {Tier.DEVICE: device_budget, Tier.HOST: host_budget, Tier.NVME: cfg.offload.nvme_memory_budget}

@@ -64,3 +64,44 @@ def test_fits_best_and_table():
     assert "optimizer + parameters on nvme" in table(ests)
     with pytest.raises(ValueError, match="exactly one"):
         estimate()
+
+
+@pytest.mark.parametrize("device, param, ranks, counted", [
+    ("cuda", "none", 1, True),  # the parameters go to the GPU
+    ("cpu", "cpu", 1, True),  # to host homes, each as the masters have read it
+    ("cuda", "cpu", 2, False),  # pieces: the whole model is read into the masters before any is freed
+    ("cpu", "nvme", 1, False),  # NVMe homes: likewise
+    ("cpu", "none", 1, False),  # a CPU device: the flat buffers take the RAM back
+], ids=["gpu", "host-homes", "pieces", "nvme-homes", "cpu-device"])
+def test_the_default_host_budget_counts_the_model_initialize_frees(tmp_path, monkeypatch, device, param, ranks,
+                                                                   counted):
+    """The model was built before MemAvailable was read; where initialize frees it while it fills the host tier,
+    90% of its bytes count in the default host budget (an explicit budget stays as given)."""
+    monkeypatch.setattr(offload.plan, "default_host_budget", lambda: 1000 << 20)
+    zero = {"stage": 3 if param != "none" else 2, "offload_optimizer": {"device": "cpu"},
+            "offload_param": {"device": param, "nvme_path": str(tmp_path)}}
+    resolve = offload.plan.resolve
+    for explicit in (None, 500 << 20):
+        cfg = offload.OffloadConfig.load({"zero_optimization": zero, "offload": {
+            "device_memory_budget": 1 << 30, "host_memory_budget": explicit}})
+        plan = resolve(cfg, offload.plan.ModelSizes((1 << 20,)), device=torch.device(device), world_size=ranks,
+                       local_world_size=ranks, model_in_ram=400 << 20)
+        want = explicit or (1000 << 20) // ranks + (360 << 20 if counted else 0)
+        assert plan.budgets[offload.memory.Tier.HOST] == want, plan.why["host budget"]
+
+
+def test_a_host_budget_that_needs_the_model_freed_fits(tmp_path, monkeypatch):
+    """Parameters and optimizer on the host, the default budget set below the host tier's peak by half the
+    model's fp32 bytes (as if the model in RAM had left that little available): initialize fits, because the
+    model's memory comes back as it fills the tier."""
+    torch.manual_seed(0)
+    config = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                                    "offload_param": {"device": "cpu"}}}
+    with offload.initialize(GPT(CFG), config) as engine:
+        peak = engine.memory_report()["host"]["peak"]
+    model = GPT(CFG)
+    model_bytes = sum(p.numel() * 4 for p in model.parameters())
+    monkeypatch.setattr(offload.plan, "default_host_budget", lambda: peak - model_bytes // 2)
+    with offload.initialize(model, config) as engine:
+        assert engine.memory_report()["host"]["peak"] == peak > peak - model_bytes // 2
+        assert engine.plan().budgets[offload.memory.Tier.HOST] == peak - model_bytes // 2 + model_bytes * 9 // 10

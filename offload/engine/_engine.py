@@ -140,8 +140,10 @@ class Engine:
         sizes = ModelSizes.of([p for g in groups for p in g],
                               [p for p in self.module.parameters() if id(p) not in trainable]
                               + list(self.module.buffers()))
+        in_ram = sum(p.numel() * p.element_size() for g in groups for p in g
+                     if p.device.type == "cpu" and arena_device(p) is None)
         self._plan = plan = resolve(cfg, sizes, device=pg.device, world_size=pg.world_size, rank=pg.rank,
-                                    local_world_size=pg.local_world_size)
+                                    local_world_size=pg.local_world_size, model_in_ram=in_ram)
         self.device, self.dtype, self.stage = plan.device, plan.dtype, plan.stage
         _warn_slow_bf16(plan.device, plan.dtype)
         self.world_size, self.rank = plan.world_size, plan.rank
