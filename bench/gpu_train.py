@@ -476,7 +476,8 @@ def _summary(runs: list[dict[str, Any]], bounds: dict[str, Any], estimates: dict
         out["speedup_vs_deepspeed/opt-host-overlap"] = ds_host["step_seconds"] / beside["step_seconds"]
         lines.append(f"  opt-host-overlap: DeepSpeed opt-host {ds_host['step_seconds']:.3f} s / ours "
                      f"{beside['step_seconds']:.3f} s = {out['speedup_vs_deepspeed/opt-host-overlap']:.2f}x")
-    names = {"opt-host": "optimizer on cpu", "opt+params-host": "optimizer + parameters on cpu",
+    names = {"opt-host": "optimizer on cpu", "opt-host-overlap": "optimizer on cpu",
+             "opt+params-host": "optimizer + parameters on cpu",
              "opt-nvme": "optimizer on nvme", "opt+params-nvme": "optimizer + parameters on nvme"}
     plain = ok.get(("torch", "plain"))
     for placement, est_name in names.items():
