@@ -511,6 +511,52 @@ def test_comm_timeout_is_validated_and_one_rank_communicates_nothing(tmp_path):
         assert not (tmp_path / "nvme" / "rank0").exists()
 
 
+# the masters, in one process: every rank's share of any layout ----------------------------------------------------
+
+@settings(max_examples=30, deadline=None)
+@given(groups=st.lists(st.lists(st.integers(1, 5000), min_size=1, max_size=5), min_size=1, max_size=3),
+       sub_group=st.sampled_from([256, 1024, 4096]), world=st.integers(1, 5), per_param=st.booleans(),
+       nvme=st.booleans())
+def test_fill_masters_holds_each_ranks_share_exactly(groups, sub_group, world, per_param, nvme):
+    """initialize fills the masters parameter by parameter (OffloadedAdam.fill_masters): on every rank of any
+    layout (several groups, parameters straddling sub-groups and ranks, pieces, sub-groups of padding alone) each
+    sub-group's block is [the parameters' values | zero moments], padding zero, HOST blocks in sub-group order."""
+    import tempfile
+
+    from offload.config import OptimizerConfig
+    from offload.memory import CopyStreams, Tier, TieredStore
+    from offload.optim._layout import FlatLayout
+    from offload.optim.offloaded import OffloadedAdam
+
+    params = [[torch.nn.Parameter(torch.randn(n)) for n in sizes] for sizes in groups]
+    for rank in range(world):
+        layout = FlatLayout(params, sub_group, world_size=world, rank=rank, per_param=per_param)
+        store = TieredStore(torch.device("cpu"), {Tier.DEVICE: None, Tier.HOST: None, Tier.NVME: None},
+                            pin_memory=False)
+        with tempfile.TemporaryDirectory() as nvme_path:
+            opt = OffloadedAdam(layout, store, CopyStreams(torch.device("cpu"), store.count), OptimizerConfig(),
+                                Tier.NVME if nvme else Tier.HOST, nvme_path=nvme_path, buffer_count=2)
+            try:
+                for i in range(len(layout.params)):
+                    opt.fill_masters(i + 1)  # as Weights does, one parameter at a time
+                opt.fill_masters()
+                for sg in layout.sub_groups:
+                    want = torch.zeros(3 * sg.numel)
+                    for seg in sg.segments:
+                        lo = seg.flat_start - sg.start
+                        want[lo : lo + seg.numel] = \
+                            layout.params[seg.param].detach()[seg.param_start : seg.param_start + seg.numel]
+                    if nvme:
+                        got = store.acquire(opt._key(sg)).clone()
+                        store.release(opt._key(sg))
+                    else:
+                        got = opt._state[sg.index]
+                    assert torch.equal(got, want), (rank, sg.index)
+            finally:
+                opt.close()
+                store.close()
+
+
 # reduce buckets, in one process (their order, buffers and zeros; the collectives are the 2- and 3-rank runs') ------
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
