@@ -640,6 +640,26 @@ def test_budgets_that_cannot_fit_fail_at_initialize(tmp_path):
     assert not [t for t in threading.enumerate() if t.name.startswith(("offload", "nvme_swapper"))]
 
 
+@pytest.mark.parametrize("params", ["none", "cpu"], ids=["optimizer on cpu", "optimizer + parameters on cpu"])
+def test_a_host_budget_the_state_does_not_fit_fails_before_any_parameter_moves(tmp_path, params):
+    """initialize moves each parameter as soon as the masters have read it; the whole state is charged to the
+    budget before the first one moves, so a budget it does not fit leaves the model as it was (bf16 training:
+    a parameter already moved would come back rounded)."""
+    extra = dict(bf16={"enabled": True}, zero_optimization={"stage": 3 if params != "none" else 2,
+                                                            "offload_param": {"device": params}})
+    with offload.initialize(make(), config(tmp_path, "cpu", **extra)) as engine:
+        peak = engine.memory_report()["host"]["peak"]
+        state = sum(12 * sg.numel for sg in engine.layout.sub_groups)
+    model = make()
+    before = {n: (p.data_ptr(), p.detach().clone()) for n, p in model.named_parameters()}
+    with pytest.raises(offload.BudgetExceeded, match=r"host tier: optimizer state .*offload.host_memory_budget"):
+        offload.initialize(model, config(tmp_path, "cpu", offload={"host_memory_budget": peak - state // 2},
+                                         **extra))
+    for name, p in model.named_parameters():
+        ptr, value = before[name]
+        assert p.data_ptr() == ptr and p.dtype == torch.float32 and torch.equal(p.detach(), value), name
+
+
 @pytest.mark.parametrize("device, dtype, cuda_path", [("nvme", torch.float32, False), ("cpu", torch.bfloat16, False),
                                                      ("none", torch.bfloat16, False), ("none", torch.bfloat16, True)])
 def test_checkpoint_resume_is_bit_identical(tmp_path, monkeypatch, device, dtype, cuda_path):

@@ -99,6 +99,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         self._filling: tuple[SubGroup, torch.Tensor] | None = None  # the state block being filled (fill_masters)
         self._next_fill = 0  # the next sub-group whose state block fill_masters opens
         self._filled_params = 0  # parameters [0, this) are in the master weights
+        self._unfilled = 0  # bytes reserved on the state's tier for blocks fill_masters has not allocated yet
         self._segments_of: list[list[tuple[SubGroup, Segment]]] = [[] for _ in layout.params]
         for sg in layout.sub_groups:
             for seg in sg.segments:
@@ -114,6 +115,11 @@ class OffloadedAdam(torch.optim.Optimizer):
                             spare_writes=spare_writes(total, -(-slot // 4096) * 4096, buffer_count))
             for sg in layout.sub_groups:
                 store.register(self._key(sg), 3 * sg.numel, torch.float32)
+        else:  # charged whole now, so a budget the state does not fit fails before any parameter has moved
+            self._unfilled = sum(3 * sg.numel * 4 for sg in layout.sub_groups)
+            store.accounts[placement].reserve(
+                self._unfilled, f"optimizer state ({len(layout.sub_groups)} sub-groups, "
+                f"{fmt_bytes(self._unfilled)})", _FIX_HOST)
         self._stepper = Worker("offload-stepper", copies.device)
         self._warm_kernel()
 
@@ -166,7 +172,9 @@ class OffloadedAdam(torch.optim.Optimizer):
             self._next_fill += 1
             if self.placement is Tier.NVME:
                 block = self.store.stage(self._key(sg))
-            else:
+            else:  # the block's bytes move from the reservation to the allocation
+                self.store.accounts[self.placement].release(3 * sg.numel * 4)
+                self._unfilled -= 3 * sg.numel * 4
                 block = self.store.allocate(self.placement, 3 * sg.numel, torch.float32,
                                             f"optimizer state of sub-group {sg.index}", _FIX_HOST)
                 self._state.append(block)
@@ -458,6 +466,9 @@ class OffloadedAdam(torch.optim.Optimizer):
         for block in self._state:
             self.store.free(self.placement, block)
         self._state = []
+        if self._unfilled:  # initialize failed before the masters were filled
+            self.store.accounts[self.placement].release(self._unfilled)
+            self._unfilled = 0
 
     # torch.optim.Optimizer surface that does not apply -----------------------------------------------------------
 
