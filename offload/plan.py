@@ -388,9 +388,9 @@ def resolve(cfg: OffloadConfig, model: ModelSizes, *, device: torch.device, worl
                          "or use stage 2")
     partition = Partition.NONE if world_size == 1 else Partition.PER_PARAM if zero.stage == 3 else Partition.FLAT
     # initialize frees each parameter's RAM as it fills the masters where the parameters go to the GPU or to host
-    # homes; with a CPU device their new flat buffer takes the RAM back, and pieces and NVMe homes are written after
+    # or NVMe homes; with a CPU device their new flat buffer takes the RAM back, and pieces are written after
     freed = model_in_ram if partition is not Partition.PER_PARAM and (
-        param_tier is Tier.HOST or (param_tier is Tier.DEVICE and device.type != "cpu")) else 0
+        param_tier is not Tier.DEVICE or device.type != "cpu") else 0
     budgets = resolve_budgets(cfg, device, local_world_size, why, freed=freed)
     accumulate = cfg.gradient_accumulation_steps > 1
     blockers = [reason for cond, reason in (

@@ -130,7 +130,8 @@ INITIALIZE = textwrap.dedent("""
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=1024, context=64, layers=8, heads=8, width=512))
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    zero = {{"stage": {stage}, "offload_optimizer": {{"device": "cpu"}}, "offload_param": {{"device": {param!r}}}}}
+    zero = {{"stage": {stage}, "offload_optimizer": {{"device": "cpu"}},
+            "offload_param": {{"device": {param!r}, "nvme_path": {nvme!r}}}}}
     gc.collect()
     before = status("VmRSS")
     open("/proc/self/clear_refs", "w").write("5")  # the high-water mark restarts from here
@@ -140,13 +141,14 @@ INITIALIZE = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("param", ["none", "cpu"], ids=["optimizer on cpu", "optimizer + parameters on cpu"])
-def test_initialize_holds_a_model_built_in_ram_and_its_state_one_at_a_time(param):
+@pytest.mark.parametrize("param", ["none", "cpu", "nvme"],
+                         ids=["optimizer on cpu", "optimizer + parameters on cpu", "parameters on nvme"])
+def test_initialize_holds_a_model_built_in_ram_and_its_state_one_at_a_time(param, tmp_path):
     """A 25M-parameter GPT built in RAM in fp32 (100 MB), optimizer state on the host (12 B/param): each parameter
     is read into the masters and moved to its home before the next is read, so initialize's peak RSS stays within
     a quarter of the model of the larger of before (the model) and after (the state); it was their sum."""
     done = subprocess.run([sys.executable, "-c", INITIALIZE.format(root=str(ROOT), stage=3 if param != "none" else 2,
-                                                                   param=param)],
+                                                                   param=param, nvme=str(tmp_path))],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     before, peak, after, model_bytes = map(int, done.stdout.split())

@@ -70,7 +70,7 @@ def test_fits_best_and_table():
     ("cuda", "none", 1, True),  # the parameters go to the GPU
     ("cpu", "cpu", 1, True),  # to host homes, each as the masters have read it
     ("cuda", "cpu", 2, False),  # pieces: the whole model is read into the masters before any is freed
-    ("cpu", "nvme", 1, False),  # NVMe homes: likewise
+    ("cpu", "nvme", 1, True),  # to NVMe homes, likewise
     ("cpu", "none", 1, False),  # a CPU device: the flat buffers take the RAM back
 ], ids=["gpu", "host-homes", "pieces", "nvme-homes", "cpu-device"])
 def test_the_default_host_budget_counts_the_model_initialize_frees(tmp_path, monkeypatch, device, param, ranks,
@@ -90,13 +90,14 @@ def test_the_default_host_budget_counts_the_model_initialize_frees(tmp_path, mon
         assert plan.budgets[offload.memory.Tier.HOST] == want, plan.why["host budget"]
 
 
-def test_a_host_budget_that_needs_the_model_freed_fits(tmp_path, monkeypatch):
-    """Parameters and optimizer on the host, the default budget set below the host tier's peak by half the
-    model's fp32 bytes (as if the model in RAM had left that little available): initialize fits, because the
-    model's memory comes back as it fills the tier."""
+@pytest.mark.parametrize("param", ["cpu", "nvme"])
+def test_a_host_budget_that_needs_the_model_freed_fits(tmp_path, monkeypatch, param):
+    """The optimizer on the host and the parameters homed on the host or NVMe, the default budget set below the
+    host tier's peak by half the model's fp32 bytes (as if the model in RAM had left that little available):
+    initialize fits, because the model's memory comes back as it fills the tier."""
     torch.manual_seed(0)
     config = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
-                                    "offload_param": {"device": "cpu"}}}
+                                    "offload_param": {"device": param, "nvme_path": str(tmp_path)}}}
     with offload.initialize(GPT(CFG), config) as engine:
         peak = engine.memory_report()["host"]["peak"]
     model = GPT(CFG)

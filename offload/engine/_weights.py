@@ -166,14 +166,16 @@ class Weights:
         else:
             optimizer.attach_device([], on_updated=self._write_homes, dtype=plan.dtype,
                                     update_buffers=UPDATE_BUFFERS)
-        optimizer.fill_masters()  # NVMe homes: ParameterOffload reads the parameters again, one at a time
         self._move_buffers()
+        trainable = len(layout.params)
         self.params = ParameterOffload(
             self.module, layout.params + frozen, homes + [None] * len(frozen), self.store, self.copies, plan.dtype,
             persistence_threshold=plan.persistence_threshold, max_live=plan.max_live, bucket=plan.prefetch_bucket,
             nvme_path=nvme_path if plan.param_tier is Tier.NVME else None, aio=aio, shards=self.shards,
             scratch=optimizer.update_staging, parts=self._segments(), land=not plan.delayed,
-            staged=plan.cuda_path)
+            staged=plan.cuda_path,  # NVMe homes: each parameter read into the masters, then written to its home
+            before_home=lambda i: optimizer.fill_masters(min(i + 1, trainable)))
+        optimizer.fill_masters()  # the rest: sub-groups of padding alone
 
     def _segments(self) -> list[list[tuple[int, int]]]:
         """Per trainable parameter, the (start, numel) of its segment in each optimizer sub-group, in order."""

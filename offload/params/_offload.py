@@ -56,6 +56,7 @@ import concurrent.futures
 import functools
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -127,7 +128,8 @@ class ParameterOffload:
                  store: TieredStore, copies: CopyStreams, dtype: torch.dtype, *, persistence_threshold: int,
                  max_live: int, bucket: int, nvme_path: str | None = None, aio: AioConfig | None = None,
                  shards: Any = None, scratch: torch.Tensor | None = None,
-                 parts: list[list[tuple[int, int]]] | None = None, land: bool = False, staged: bool = False) -> None:
+                 parts: list[list[tuple[int, int]]] | None = None, land: bool = False, staged: bool = False,
+                 before_home: Callable[[int], None] | None = None) -> None:
         """``shards`` (a :class:`offload.dist.ParamShards`, several ranks): the homes of the parameters it covers
         are pieces on each rank; fetching one is an all-gather (collective: every rank fetches in the same
         order, which the same model, trace and window make true). ``scratch``: a host buffer of the caller's,
@@ -137,7 +139,9 @@ class ParameterOffload:
         cut in ranges of at most ``scratch``'s size. ``land``: updates are written by the optimizer thread during
         the step that follows each backward (not delayed), so the next forward's first parameters may land (see
         "Landing"). ``staged``: NVMe reads land in pinned staging and the fetch thread copies them to the device
-        (CUDA); otherwise they are read straight into the device buffer (the CPU device tier)."""
+        (CUDA); otherwise they are read straight into the device buffer (the CPU device tier). ``before_home(i)``:
+        called before parameter ``i`` is read for its home (the engine fills the optimizer's masters from it then,
+        so each parameter's memory goes once it is homed, not after every master is filled)."""
         self._staged = staged
         self.module, self.store, self.copies, self.dtype = module, store, copies, dtype
         self.shards = shards
@@ -190,14 +194,15 @@ class ParameterOffload:
                 store.claim_nvme(root, nvme_bytes, f"parameters homed on {root}", f"free disk space at {root}")
                 self._nvme_bytes = nvme_bytes
                 self._swap = SwapEngine(root, aio or AioConfig())
-            self._build(params, homes, persistence_threshold, scratch)
+            self._build(params, homes, persistence_threshold, scratch, before_home)
             self._install()
         except BaseException as exc:
             close_after_failure(self.close, exc)
             raise
 
     def _build(self, params: list[torch.nn.Parameter], homes: list[torch.Tensor | None],
-               persistence_threshold: int, scratch: torch.Tensor | None) -> None:
+               persistence_threshold: int, scratch: torch.Tensor | None,
+               before_home: Callable[[int], None] | None) -> None:
         """Records every parameter, writes NVMe homes (through one host buffer, freed after) and puts persistent
         parameters on the device. A parameter is recorded once its home holds its value, so ``close`` after a
         failure here hands back exactly the parameters that moved."""
@@ -214,6 +219,8 @@ class ParameterOffload:
                                                       "raise offload.host_memory_budget")
         try:
             for i, (p, home) in enumerate(zip(params, homes)):
+                if before_home is not None:
+                    before_home(i)
                 persistent = p.numel() <= persistence_threshold
                 rec = _Param(i, p, p.shape, p.numel(), home, persistent, parts=tuple(self._parts[i]))
                 rec.sharded = self.shards is not None and self.shards.covers(i)
