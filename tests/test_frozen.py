@@ -1,0 +1,102 @@
+"""Fine-tuning with part of the model frozen (a frozen base under adapters, frozen early layers): in every placement
+the trainable part trains as torch's AdamW trains it on the un-offloaded model, and the frozen part keeps its values
+everywhere the model is read back: the module after close, consolidated_state_dict, save_safetensors and a
+checkpoint loaded into a new engine. Under parameter offload a frozen parameter lives in a home and the module
+holds a placeholder, so each of those reads must go to the home. The engine trains on the machine's device; the
+reference runs there too (tests/models.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import offload
+from models import DEVICE, batches, lm_loss, make, on_device
+from test_export import read_folder
+
+LR = 3e-3
+STEPS = 4
+
+PLACEMENTS = {  # zero_optimization for each: the optimizer state's tier, and stage 3's parameter homes
+    "opt-host": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+    "opt-nvme": {"stage": 2, "offload_optimizer": {"device": "nvme"}},
+    "params-host": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}},
+    "params-nvme": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "nvme"}},
+    "all-nvme": {"stage": 3, "offload_optimizer": {"device": "nvme"}, "offload_param": {"device": "nvme"}},
+}
+
+
+def config(tmp_path, placement: str) -> dict:
+    zero = {"sub_group_size": 4096, "stage3_max_live_parameters": 30_000, "stage3_prefetch_bucket_size": 8_000,
+            "stage3_param_persistence_threshold": 100, **PLACEMENTS[placement]}
+    for section in ("offload_optimizer", "offload_param"):
+        if section in zero:
+            zero[section] = {**zero[section], "nvme_path": str(tmp_path / section)}
+    return {"optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+            "zero_optimization": zero, "aio": {"block_size": 1 << 16}}
+
+
+def frozen_base(seed: int = 0) -> nn.Module:
+    """TinyGPT with its embedding (tied to the head) and first block frozen: all above the persistence threshold,
+    so under parameter offload they live in homes."""
+    model = make(seed)
+    for p in [model.tok.weight, *model.blocks[0].parameters()]:
+        p.requires_grad_(False)
+    return model
+
+
+def frozen_names(model: nn.Module) -> list[str]:
+    return [n for n, p in model.named_parameters() if not p.requires_grad]
+
+
+def reference(data) -> tuple[nn.Module, list[float]]:
+    model = frozen_base().to(DEVICE)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.01)
+    losses = []
+    for x, y in data:
+        opt.zero_grad()
+        loss = lm_loss(model(*on_device((x,))), on_device(y))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return model, losses
+
+
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+def test_a_frozen_base_trains_like_torch_and_keeps_its_values(tmp_path, placement):
+    data = batches(STEPS)
+    ref, ref_losses = reference(data)
+    model = frozen_base()
+    frozen = frozen_names(model)
+    assert frozen[0] == "tok.weight" and len(frozen) == 1 + len(list(model.blocks[0].parameters()))
+    original = {n: p.detach().clone() for n, p in model.named_parameters()}
+    want = {k: v.detach().cpu() for k, v in ref.state_dict().items()}
+    with offload.initialize(model, config(tmp_path, placement)) as engine:
+        losses = []
+        for x, y in data:
+            loss = lm_loss(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        state = engine.consolidated_state_dict()
+        engine.save_safetensors(tmp_path / "out")
+        engine.save_checkpoint(tmp_path / "ckpt")
+    assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
+    for k, v in state.items():
+        base = k.replace("head.", "tok.")  # tied
+        if base in frozen:
+            assert torch.equal(v, original[base].cpu()), k  # read from its home, not the module's placeholder
+        err = ((v.double() - want[k].double()).abs() / want[k].double().abs().clamp(min=1)).max().item()
+        assert err <= 1e-5, (k, err)
+    written = read_folder(tmp_path / "out")
+    assert set(written) == set(state) - {"head.weight"}
+    assert all(torch.equal(written[k], state[k]) for k in written)
+    for n, p in model.named_parameters():  # close() hands the model back, on the device
+        assert p.device == DEVICE and torch.isfinite(p).all(), n
+        if n in frozen:
+            assert torch.equal(p.detach(), original[n]), n
+    with offload.initialize(frozen_base(seed=5), config(tmp_path / "again", placement)) as resumed:
+        resumed.load_checkpoint(tmp_path / "ckpt")
+        again = resumed.consolidated_state_dict()
+    assert all(torch.equal(again[k], state[k]) for k in state)
