@@ -11,8 +11,9 @@ from ._buffers import PAGE, aligned_tensor, is_aligned, pinned_bytes
 from ._config import AioConfig
 from ._engine import SwapEngine
 from ._handle import SwapHandle
-from ._native import FileIO, ShortTransfer
+from ._native import FileIO, ShortTransfer, checksum_kind, tensor_checksum
 from ._tune import TuneResult, tune_aio
 
 __all__ = ["AioConfig", "FileArena", "FileIO", "PAGE", "ShortTransfer", "SwapEngine", "SwapHandle", "TuneResult",
-           "aligned_tensor", "arena_device", "evict_pages", "in_arena", "is_aligned", "pinned_bytes", "tune_aio"]
+           "aligned_tensor", "arena_device", "checksum_kind", "evict_pages", "in_arena", "is_aligned", "pinned_bytes",
+           "tensor_checksum", "tune_aio"]

@@ -29,6 +29,7 @@ import tempfile
 import threading
 import zlib
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +128,15 @@ def checksum(address: int, nbytes: int) -> int:
     if lib is not None:
         return int(lib.swp_hash(address, nbytes))
     return zlib.crc32(memory_at(address, nbytes))
+
+
+def tensor_checksum(t: Any) -> int:
+    """:func:`checksum` of a contiguous host tensor's bytes: equal bytes give equal checksums in every process that
+    computes the same :func:`checksum_kind` (ranks comparing their copies of a model use it)."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError(f"tensor_checksum needs a contiguous host tensor, got one on {t.device} "
+                         f"(contiguous: {t.is_contiguous()}); copy it with .contiguous().cpu() first")
+    return checksum(t.data_ptr(), t.numel() * t.element_size())
 
 
 def checksum_kind() -> str:

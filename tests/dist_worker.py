@@ -6,11 +6,14 @@ and ``runs``, each trained in turn: ``name``, ``config`` (the engine's), ``steps
 (a checkpoint folder to resume from), ``save`` (a folder to save into after ``save_after`` steps), ``die``
 ({"rank": r, "at_step": s, "how": "exit" | "hang"}: that rank stops mid-step, after its backward), ``staged``
 (gradients through the CUDA path's device buckets, on the CPU: offload.plan.STAGE_ON_CPU), ``model`` ("bag": the
-50k-row embedding model of the sparse-gradient runs) and ``sparse_module`` (its nn.Embedding(sparse=True)).
+50k-row embedding model of the sparse-gradient runs), ``sparse_module`` (its nn.Embedding(sparse=True)),
+``seed_by_rank`` (each rank builds the model from its own seed, with a frozen parameter ``frozen`` and a buffer
+``mask``, as nanoGPT seeds by rank) and ``differ`` (a model that differs across ranks: "shape", rank r's
+vocabulary is 96 + r; "count", rank 1 has one more buffer).
 
 Each rank trains on its 1/N slice of a global batch of 6 sequences (so any N in 1, 2, 3 sees the same global
 batch), writes ``<name>.rank<r>.json`` (memory report, communication counters, the swap counters of stage 3's
-parameter pieces on NVMe) and rank 0 writes
+parameter pieces on NVMe, the start's sync from rank 0, the values of ``frozen`` and ``mask``) and rank 0 writes
 ``<name>.pt``, the consolidated state dict.
 """
 
@@ -42,7 +45,13 @@ def run(spec: dict, r: dict, rank: int, world: int, out: Path) -> None:
         data, model, loss_fn = bag_batches(r["steps"] * r["gas"]), make_bag(sparse=r.get("sparse_module", False)), \
             bag_loss
     else:
-        data, model, loss_fn = batches(r["steps"] * r["gas"], bsz=GLOBAL_BATCH), make(), lm_loss
+        data, loss_fn = batches(r["steps"] * r["gas"], bsz=GLOBAL_BATCH), lm_loss
+        model = make(seed=rank if r.get("seed_by_rank") else 0, vocab=96 + rank if r.get("differ") == "shape" else 96)
+    if r.get("differ") == "count" and rank == 1:
+        model.register_buffer("extra", torch.zeros(2))
+    if r.get("seed_by_rank"):  # and a frozen parameter and a buffer, made from this rank's seed too
+        model.frozen = torch.nn.Parameter(torch.randn(5), requires_grad=False)
+        model.register_buffer("mask", torch.randn(3))
     per = GLOBAL_BATCH // world
     offload.plan.STAGE_ON_CPU = bool(r.get("staged"))
     offload.plan.GRAD_BUCKET = 1000 if r.get("staged") else GRAD_BUCKET
@@ -66,13 +75,15 @@ def run(spec: dict, r: dict, rank: int, world: int, out: Path) -> None:
             if r.get("save") and step + 1 == r["save_after"]:
                 engine.save_checkpoint(r["save"])
         state = engine.consolidated_state_dict()
+        extras = {k: state.pop(k).tolist() for k in ("frozen", "mask") if k in state}
         if rank == 0:
             torch.save(state, out / f"{r['name']}.pt")
         stats = engine.stats()
         (out / f"{r['name']}.rank{rank}.json").write_text(json.dumps({
             "report": engine.memory_report(), "comm": stats["comm"], "steps": engine.global_steps,
             "pieces_nvme": stats["params"]["pieces_nvme"] if stats["params"] else None, "reduce": stats["reduce"],
-            "numel": sum(p.numel() for p in engine.layout.params), "flat_numel": sum(engine.layout.group_numel)}))
+            "numel": sum(p.numel() for p in engine.layout.params), "flat_numel": sum(engine.layout.group_numel),
+            "start_sync": stats["start_sync"], "extras": extras}))
     finally:
         engine.close()
 

@@ -178,6 +178,8 @@ def run_config(tmp: Path, name: str, stage: int, device: str, gas: int, clip: fl
     return cfg
 
 
+SEEDED_BY_RANK = {"s2-host", "s3-pnvme-host"}  # each rank builds its model from its own seed (dist_worker.py)
+
 SPARSE_RUNS = [  # the 50k-row embedding model with sparse_gradients: name, stage, nn.Embedding(sparse=True)
     ("bag-s2-sparse-module", 2, True),
     ("bag-s1-dense-module", 1, False),  # a dense gradient whose touched rows are found by a scan
@@ -187,7 +189,7 @@ SPARSE_RUNS = [  # the 50k-row embedding model with sparse_gradients: name, stag
 
 def spec_runs(tmp: Path) -> list[dict]:
     return [{"name": name, "steps": STEPS, "gas": gas, "staged": "staged" in name,
-             "config": run_config(tmp, name, stage, device, gas, clip)}
+             "seed_by_rank": name in SEEDED_BY_RANK, "config": run_config(tmp, name, stage, device, gas, clip)}
             for name, stage, device, gas, clip in RUNS] + \
            [{"name": name, "steps": STEPS, "gas": 1, "model": "bag", "sparse_module": module,
              "config": config(stage, "cpu", tmp / "nvme", sparse_gradients="lazy" if "lazy" in name else True)}
@@ -242,6 +244,48 @@ def test_ranks_match_single_process(world, two_ranks, three_ranks):
         info = [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in range(world)]
         assert all(i["steps"] == STEPS for i in info)
         assert all(i["comm"]["world_size"] == world and i["comm"]["rank"] == r for r, i in enumerate(info))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_seeded_differently_start_from_rank_0s_model(world, two_ranks, three_ranks):
+    """Runs whose ranks built the model from seeds 0..N-1 (a frozen parameter and a buffer too) start from rank
+    0's: they match the seed-0 reference (test_ranks_match_single_process) and end with rank 0's frozen values;
+    runs whose ranks built the same model move no tensor at the start."""
+    out = two_ranks[0] if world == 2 else three_ranks
+    make(0)
+    rank0 = {"frozen": torch.randn(5).tolist(), "mask": torch.randn(3).tolist()}  # what dist_worker adds, seed 0
+    for name, *_ in RUNS:
+        infos = [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in range(world)]
+        for info in infos:
+            sync = info["start_sync"]
+            if name in SEEDED_BY_RANK:
+                assert 0 < sync["copied"] < sync["tensors"], (name, sync)  # LayerNorm's ones and zeros agree
+                assert info["extras"] == rank0, name
+                assert info["comm"]["calls"]["broadcast"] == sync["copied"], (name, info["comm"])
+            else:
+                assert sync == {"tensors": sync["tensors"], "copied": 0, "copied_bytes": 0, "first_copied": None}
+                assert "broadcast" not in info["comm"]["calls"], name
+
+
+@pytest.mark.parametrize("differ", ["shape", "count"])
+def test_a_model_that_differs_across_ranks_fails_naming_it(tmp_path, differ):
+    """Rank 1 builds a larger vocabulary, or one more buffer: initialize raises on both ranks, naming the first
+    parameter that differs, or the counts, instead of a collective that hangs."""
+    run = {"name": "differ", "steps": 1, "gas": 1, "differ": differ, "config": config(2, "cpu", tmp_path / "n")}
+    out = tmp_path / "out"
+    out.mkdir()
+    with Ranks(tmp_path, 2, {"out": str(out), "init": "engine", "runs": [run]}) as ranks:
+        codes = ranks.wait(120)
+        for r in range(2):
+            log = ranks.output(r)
+            assert codes[r] not in (None, 0), log[-3000:]
+            if differ == "shape":
+                assert "the model differs across ranks: entry 1 " in log and "'tok.weight (9" in log, log[-3000:]
+                assert f"on rank {r} and differs on rank(s) [{1 - r}]" in log, log[-3000:]
+            else:
+                n = sum(1 for _ in make().parameters())  # a tied weight counts once
+                assert "the model differs across ranks: rank r has counts[r] parameters and buffers, counts = " \
+                       f"[{n}, {n + 1}]" in log, log[-3000:]
 
 
 def test_two_ranks_delayed_update_is_bit_identical_to_one_rank(two_ranks, tmp_path):
@@ -354,7 +398,9 @@ def test_stage_1_2_gradients_take_a_share_and_two_buckets(world, two_ranks, thre
             info = json.loads((out / f"{name}.rank{r}.json").read_text())
             red, dev = info["reduce"], info["report"]["device"]
             assert red["peak_buffers"] <= 2 and red["buffer_bytes"] <= 2 * 4 * red["bucket_numel"], (name, red)
-            assert dev["peak"] <= 4 * (info["flat_numel"] + largest) + red["buffer_bytes"], (name, r, dev, red)
+            frozen = 4 * (5 + 3) if name in SEEDED_BY_RANK else 0  # dist_worker's frozen parameter and buffer
+            assert dev["peak"] <= 4 * (info["flat_numel"] + largest) + red["buffer_bytes"] + frozen, \
+                (name, r, dev, red)
 
 
 def test_checkpoint_from_two_ranks_resumes_on_three_and_one(two_ranks, three_ranks, tmp_path):

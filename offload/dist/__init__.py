@@ -3,6 +3,7 @@
 * :mod:`._group` finds the ranks (an initialized torch.distributed, torchrun's environment, or one process) and
   owns the group's lifetime;
 * :mod:`._comm` runs the collectives, counts their bytes, and turns a dead or hung peer into an error naming it;
+* :mod:`._sync` makes every rank start from rank 0's parameters and buffers, copying only those that differ;
 * :mod:`._buckets` sums gradients onto their owners in buckets while backward runs (stages 1-2);
 * :mod:`._zero` holds stage 3's per-parameter pieces and reduce-scatters, and gathers updated parameters back.
 
@@ -12,7 +13,8 @@ The engine uses them on every run: with world size 1 the collectives are copies 
 from ._buckets import BucketState, ReduceBuckets
 from ._comm import Comm, CommError, CommState
 from ._group import Origin, ProcessGroup, join
+from ._sync import StartSync, agree_with_rank0
 from ._zero import GradPartition, ParamShards
 
 __all__ = ["BucketState", "Comm", "CommError", "CommState", "GradPartition", "Origin", "ParamShards", "ProcessGroup",
-           "ReduceBuckets", "join"]
+           "ReduceBuckets", "StartSync", "agree_with_rank0", "join"]

@@ -1,10 +1,10 @@
 """Collectives of the partitioned engine: byte counting, and failures that name the rank at fault.
 
-:class:`Comm` wraps the few collectives the engine needs (reduce-scatter, all-gather, all-reduce, barrier) over a
-:class:`~._group.ProcessGroup`. With world size 1 they are copies or nothing, so the engine has one code path.
-Each call counts its payload (the size of the full buffer the collective is about: what the ZeRO paper counts, Psi
-for a reduce-scatter of Psi elements) and its ring wire bytes (what each rank sends with a ring algorithm: (N-1)/N
-of the payload; twice that for an all-reduce).
+:class:`Comm` wraps the few collectives the engine needs (reduce-scatter, all-gather, all-reduce, broadcast,
+barrier) over a :class:`~._group.ProcessGroup`. With world size 1 they are copies or nothing, so the engine has one
+code path. Each call counts its payload (the size of the full buffer the collective is about: what the ZeRO paper
+counts, Psi for a reduce-scatter of Psi elements) and its ring wire bytes (what each rank sends with a ring
+algorithm: (N-1)/N of the payload; twice that for an all-reduce).
 
 A rank that dies makes its peers' collectives fail at once (gloo sees the socket close); one that hangs makes
 them fail when the group's timeout (``offload.comm_timeout``) expires. Either way the error alone does not say
@@ -119,6 +119,12 @@ class Comm:
             return
         op = op if op is not None else dist.ReduceOp.SUM
         self._run("all_reduce", t, 2.0, lambda: dist.all_reduce(t, op=op, group=self.pg.group))
+
+    def broadcast(self, t: torch.Tensor, src: int) -> None:
+        """In place: rank ``src``'s ``t`` on every rank."""
+        if self.world_size == 1:
+            return
+        self._run("broadcast", t, 1.0, lambda: dist.broadcast(t, group_src=src, group=self.pg.group))
 
     def barrier(self) -> None:
         if self.world_size == 1:

@@ -2,7 +2,8 @@
 
 What ``initialize`` builds, in order, and who owns what afterwards (``close()`` stops it all, in reverse):
 
-* the process group and this rank's device (:func:`offload.dist.join`), then the frozen :class:`Plan`;
+* the process group and this rank's device (:func:`offload.dist.join`); every rank's parameters and buffers made
+  rank 0's where they differ (:func:`offload.dist.agree_with_rank0`); then the frozen :class:`Plan`;
 * the :class:`TieredStore` (budgets of DEVICE, HOST and NVME, the swap engine, staging buffers) and the
   :class:`CopyStreams` every device<->host copy goes through;
 * the :class:`FlatLayout` of the trainable parameters and the :class:`OffloadedAdam` holding fp32 master weights
@@ -36,7 +37,7 @@ import atexit
 import logging
 import math
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -51,7 +52,7 @@ from .._device import fast_bf16
 from .._hooks import Hook
 from .._precision import LossScaler
 from ..config import OffloadConfig
-from ..dist import Comm, GradPartition, ReduceBuckets, join
+from ..dist import Comm, GradPartition, ReduceBuckets, StartSync, agree_with_rank0, join
 from ..memory import CopyStreams, HeapTrim, TieredStore, prepare_nvme_path
 from ..optim._layout import FlatLayout
 from ..optim._schedule import WarmupSchedule, build_scheduler
@@ -121,6 +122,7 @@ class Engine:
         self._reduce: ReduceBuckets | None = None  # stages 1-2 on several ranks
         self._heap: HeapTrim | None = None  # the CPU device's free heap pages returned during backward
         self._gate: UpdateGate | None = None  # plan.overlap_forward: the step's updates finish beside the forward
+        self.start_sync: StartSync | None = None  # the parameters and buffers copied from rank 0 at start
         self.comm = Comm(join(cfg.offload.comm_timeout, cfg.offload.device))
         try:
             self._build(param_groups, _file_io)
@@ -136,6 +138,7 @@ class Engine:
     def _build(self, param_groups: Iterable[dict[str, Any]] | None, file_io: FileIO | None) -> None:
         cfg, pg = self.config, self.comm.pg
         groups, options = _param_groups(self.module, param_groups)
+        self.start_sync = agree_with_rank0(self.module, self.comm)  # before any rank reads its copy of the model
         trainable = {id(p) for g in groups for p in g}
         sizes = ModelSizes.of([p for g in groups for p in g],
                               [p for p in self.module.parameters() if id(p) not in trainable]
@@ -513,6 +516,8 @@ class Engine:
             # collectives (none with one rank): totals since initialize, and the last optimizer step's (the
             # reduce-scatters of its micro-batches included); payload: the ZeRO paper's measure, wire: ring sends
             "comm": {**self.comm.stats(), "last_step": dict(self.last_step_comm)},
+            # parameters and buffers compared across ranks at initialize, and those copied from rank 0
+            "start_sync": asdict(self.start_sync) if self.start_sync is not None else None,
         }
 
     def training_state(self) -> TrainingState:
