@@ -14,7 +14,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nvme_swapper import PAGE, AioConfig, FileIO, SwapEngine, aligned_tensor, is_aligned
+from nvme_swapper import (PAGE, AioConfig, FileIO, SwapEngine, aligned_tensor, checksum_kind, is_aligned,
+                          tensor_checksum)
 
 BACKENDS = ["aio", "threads", "aiofiles"]
 DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
@@ -463,3 +464,15 @@ def test_pinned_aligned_tensor_when_cuda():
     t = aligned_tensor(1 << 20, torch.float32)  # pinned by default with CUDA: registered, 2 MiB-aligned
     assert t.is_pinned() and is_aligned(t, 2 << 20)
     assert not aligned_tensor(1 << 20, torch.float32, pin_memory=False).is_pinned()
+
+
+def test_tensor_checksum_follows_the_bytes_and_refuses_what_it_cannot_read():
+    """Ranks compare their copies of a model by it: equal bytes, equal checksum, whatever the dtype says."""
+    t = torch.randn(1000)
+    assert tensor_checksum(t) == tensor_checksum(t.clone()) == tensor_checksum(t.view(torch.int32))
+    changed = t.clone()
+    changed[999] = changed[999].item() + 1
+    assert tensor_checksum(changed) != tensor_checksum(t)
+    assert checksum_kind() in ("swp_hash", "crc32")
+    with pytest.raises(ValueError, match="contiguous host tensor.*contiguous\\(\\)"):
+        tensor_checksum(t.view(10, 100).t())
