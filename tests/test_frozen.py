@@ -1,7 +1,7 @@
 """Fine-tuning with part of the model frozen (a frozen base under adapters, frozen early layers): in every placement
 the trainable part trains as torch's AdamW trains it on the un-offloaded model, and the frozen part keeps its values
 everywhere the model is read back: the module after close, consolidated_state_dict, save_safetensors and a
-checkpoint loaded into a new engine. Under parameter offload a frozen parameter lives in a home and the module
+checkpoint loaded into a new engine; weights loaded into the engine reach the frozen parameters too. Under parameter offload a frozen parameter lives in a home and the module
 holds a placeholder, so each of those reads must go to the home. The engine trains on the machine's device; the
 reference runs there too (tests/models.py)."""
 
@@ -100,3 +100,24 @@ def test_a_frozen_base_trains_like_torch_and_keeps_its_values(tmp_path, placemen
         resumed.load_checkpoint(tmp_path / "ckpt")
         again = resumed.consolidated_state_dict()
     assert all(torch.equal(again[k], state[k]) for k in state)
+
+
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+def test_weights_loaded_into_an_engine_reach_the_frozen_homes(tmp_path, placement):
+    """engine.load_state_dict from safetensors (another seed's weights): the frozen parameters' homes take them,
+    so the state dict reads them back and the forward computes with them."""
+    from safetensors.torch import save_file
+
+    source = make(seed=7)
+    weights = {k: v.contiguous() for k, v in source.state_dict().items() if k != "head.weight"}  # tied
+    save_file(weights, str(tmp_path / "w.safetensors"))
+    x, y = batches(1)[0]
+    with torch.no_grad():
+        want = lm_loss(source.to(DEVICE)(*on_device((x,))), on_device(y)).item()
+    with offload.initialize(frozen_base(), config(tmp_path, placement)) as engine:
+        engine.load_state_dict(tmp_path / "w.safetensors")
+        state = engine.consolidated_state_dict()
+        with torch.no_grad():
+            got = lm_loss(engine(x), y).item()
+    assert all(torch.equal(state[k], weights[k]) for k in weights)
+    assert got == pytest.approx(want, rel=1e-5)
