@@ -10,9 +10,14 @@ rank sends with ring collectives: (N-1)/N of it). Stages 1-2 run twice, with ``o
 time backward waits for gradient reduces with it on, against all of it waited for with it off, is the share of
 communication hidden behind backward. Per rank: the partition size (equal to within one alignment unit) and the
 optimizer's time per step. Last, a 50k-row embedding whose batch touches 5% of its rows, with
-``sparse_gradients`` on and off: the gradient bytes each rank sends per step, as rows against dense.
+``sparse_gradients`` on and off: the gradient bytes each rank sends per step, as rows against dense. And the
+start of every run with several ranks (``offload.dist.agree_with_rank0``: tensors hashed, only those that differ
+from rank 0's broadcast) on an fp32 model of ``--sync-mb`` MB, built with the same seed on every rank and with a
+seed per rank, against broadcasting the whole model (what DDP does at start) in the same run; medians of
+``--sync-repeats``.
 
-    python bench/dist_comm.py [--ranks 2] [--layers 4] [--width 256] [--steps 3] [--out results/dist_comm.json]
+    python bench/dist_comm.py [--ranks 2] [--layers 4] [--width 256] [--steps 3] [--sync-mb 1024]
+                              [--out results/dist_comm.json]
     torchrun --nproc-per-node 2 bench/dist_comm.py --worker ...
 """
 
@@ -89,8 +94,9 @@ def worker(args: argparse.Namespace) -> None:
                 "peak_buffers": red["peak_buffers"] if red else None}
         rows.append(gather_rows(mine, world))
     sparse = [gather_rows(embedding_run(rank, world, args.steps, sparse), world)[0] for sparse in (True, False)]
+    start = start_sync_run(rank, world, args.sync_mb, args.sync_repeats) if world > 1 and args.sync_mb else []
     if rank == 0:
-        report(rows, args.out, sparse)
+        report(rows, args.out, sparse, start)
     if world > 1:
         dist.destroy_process_group()
 
@@ -131,6 +137,43 @@ def embedding_run(rank: int, world: int, steps: int, sparse: bool) -> dict:
             "dense_embedding_bytes": ROWS * 64 * 2}
 
 
+def start_sync_run(rank: int, world: int, megabytes: int, repeats: int) -> list[dict]:
+    """The start's sync on a model of ``megabytes`` (4096-wide fp32 Linears) built from seed 0 on every rank, then
+    from seed ``rank``; the baseline broadcasts every tensor from rank 0, whole, on the same model."""
+    import torch.distributed as dist
+
+    from offload.dist import Comm, agree_with_rank0, join
+
+    comm = Comm(join(600, "cpu"))
+    layers = max(1, round(megabytes * 1e6 / (4 * 4096 * 4097)))
+    rows = []
+    try:
+        for seeded in (False, True):
+            synced, whole, report = [], [], None
+            for _ in range(repeats):
+                torch.manual_seed(rank if seeded else 0)
+                model = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(layers)])
+                comm.barrier()
+                t = time.perf_counter()
+                report = agree_with_rank0(model, comm)
+                comm.barrier()
+                synced.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                for tensor in model.state_dict().values():
+                    dist.broadcast(tensor, group_src=0, group=comm.pg.group)
+                comm.barrier()
+                whole.append(time.perf_counter() - t)
+                del model
+            assert report is not None
+            rows.append({"seed_by_rank": seeded, "ranks": world, "model_bytes": layers * 4096 * 4097 * 4,
+                         "copied": report.copied, "tensors": report.tensors, "copied_bytes": report.copied_bytes,
+                         "sync_seconds": statistics.median(synced), "broadcast_seconds": statistics.median(whole),
+                         "sync_runs": synced, "broadcast_runs": whole})
+    finally:
+        comm.close()
+    return rows
+
+
 def gather_rows(mine: dict, world: int) -> list[dict]:
     """Every rank's row (rank 0 reports the spread of partition sizes and optimizer time)."""
     import torch.distributed as dist
@@ -142,7 +185,7 @@ def gather_rows(mine: dict, world: int) -> list[dict]:
     return out
 
 
-def report(rows: list[list[dict]], out: str, sparse: list[dict]) -> None:
+def report(rows: list[list[dict]], out: str, sparse: list[dict], start: list[dict]) -> None:
     by = {(r[0]["stage"], r[0]["overlap_comm"]): r for r in rows}
     for ranks in rows:
         r = ranks[0]
@@ -159,7 +202,7 @@ def report(rows: list[list[dict]], out: str, sparse: list[dict]) -> None:
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     saved = sparse[1]["grad_bytes_per_step"] / max(sparse[0]["grad_bytes_per_step"], 1)
     Path(out).write_text(json.dumps({"bench": "dist_comm", "rows": rows, "sparse": sparse,
-                                     "sparse_saving": saved}, indent=1))
+                                     "sparse_saving": saved, "start_sync": start}, indent=1))
     print(f"{'stage':>5} {'overlap':>7} {'ranks':>5} {'Psi':>10} {'payload/step':>13} {'x Psi':>6} {'paper':>6} "
           f"{'wire x Psi':>10} {'reduce wait':>11} {'hidden':>7} {'owned spread':>12} {'adam s/rank':>16}")
     for ranks in rows:
@@ -173,6 +216,14 @@ def report(rows: list[list[dict]], out: str, sparse: list[dict]) -> None:
     print(f"embedding {ROWS:,} x 64, each rank's batch touching 5% of the rows, stage 2: gradient bytes sent per "
           f"step and rank {sparse[0]['grad_bytes_per_step'] / 1e6:.3f} MB as rows, "
           f"{sparse[1]['grad_bytes_per_step'] / 1e6:.3f} MB dense ({saved:.1f}x fewer)")
+    if start:
+        print(f"\n{'start, model built':>26} {'model':>9} {'copied':>9} {'sync':>8} {'whole broadcast':>15} "
+              f"{'sync / broadcast':>16}")
+    for r in start:
+        how = "with a seed per rank" if r["seed_by_rank"] else "with the same seed"
+        print(f"{how:>26} {r['model_bytes'] / 1e9:>6.2f} GB {r['copied']:>3}/{r['tensors']:<5} "
+              f"{r['sync_seconds']:>6.2f} s {r['broadcast_seconds']:>13.2f} s "
+              f"{r['sync_seconds'] / r['broadcast_seconds']:>16.2f}")
     print(f"wrote {out}")
 
 
@@ -182,6 +233,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--sync-mb", type=int, default=1024, help="model size for the start's sync (0: skip it)")
+    ap.add_argument("--sync-repeats", type=int, default=3)
     ap.add_argument("--out", default="results/dist_comm.json")
     ap.add_argument("--worker", action="store_true", help="be one rank (set by the launcher, or use torchrun)")
     args = ap.parse_args()
@@ -198,6 +251,7 @@ def main() -> None:
                "OMP_NUM_THREADS": "1"}
         procs.append(subprocess.Popen([sys.executable, __file__, "--worker", "--ranks", str(args.ranks), "--layers",
                                        str(args.layers), "--width", str(args.width), "--steps", str(args.steps),
+                                       "--sync-mb", str(args.sync_mb), "--sync-repeats", str(args.sync_repeats),
                                        "--out", args.out], env=env))
     try:
         codes = [p.wait() for p in procs]
