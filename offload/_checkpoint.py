@@ -65,8 +65,8 @@ def _names(engine: "Engine") -> list[str]:
 
 def _others(engine: "Engine") -> dict[str, torch.Tensor]:
     trainable = {id(p) for p in engine.layout.params}
-    out = {f"frozen/{n}": _other(engine, p) for n, p in engine.module.named_parameters() if id(p) not in trainable}
-    out.update({f"buffer/{n}": _other(engine, b) for n, b in engine.module.named_buffers()})
+    out = {f"frozen/{n}": _host_value(engine, p) for n, p in engine.module.named_parameters() if id(p) not in trainable}
+    out.update({f"buffer/{n}": _host_value(engine, b) for n, b in engine.module.named_buffers()})
     return out
 
 
@@ -454,10 +454,10 @@ def engine_tensors(engine: "Engine", keys: list[str]) -> dict[str, torch.Tensor]
             opt.done_state(sg, dirty=False)
     elif wanted:
         _gather_masters(engine, masters)
-    return {k: masters[index[id(sd[k])]] if id(sd[k]) in index else _other(engine, sd[k]) for k in keys}
+    return {k: masters[index[id(sd[k])]] if id(sd[k]) in index else _host_value(engine, sd[k]) for k in keys}
 
 
-def _other(engine: "Engine", t: torch.Tensor) -> torch.Tensor:
+def _host_value(engine: "Engine", t: torch.Tensor) -> torch.Tensor:
     """A frozen parameter (read from its home: under parameter offload the module holds a placeholder) or a
     buffer, as a host tensor."""
     return engine.read_parameter(t) if isinstance(t, torch.nn.Parameter) else engine.copies.download(t)
