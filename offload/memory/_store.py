@@ -126,7 +126,7 @@ class TieredStore:
                  file_io: FileIO | None = None) -> None:
         """``file_io``: the OS-call boundary handed to the swap engine (tests inject faults through it)."""
         self.device = device
-        self._file_io = file_io
+        self.file_io = file_io  # every swap engine of this store's owner uses it (parameters' homes too)
         self.pin_memory = pin_memory and device.type == "cuda"
         self.accounts = {tier: TierAccount(tier, budgets.get(tier)) for tier in Tier}
         self.moved: collections.Counter[str] = collections.Counter()
@@ -214,7 +214,7 @@ class TieredStore:
                                 what=f"{buffer_count} NVMe staging buffers of {fmt_bytes(slot_bytes)}",
                                 fix="lower zero_optimization.sub_group_size or offload_optimizer.buffer_count, or "
                                     "raise offload.host_memory_budget")
-        self._swap = SwapEngine(root, aio, file_io=file_io if file_io is not None else self._file_io)
+        self._swap = SwapEngine(root, aio, file_io=file_io if file_io is not None else self.file_io)
         self._swap.reserve(total_bytes + spare)  # written now: steady-state writes are overwrites, ENOSPC is now
 
     def register(self, key: str, numel: int, dtype: torch.dtype) -> None:

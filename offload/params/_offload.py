@@ -156,7 +156,7 @@ class ParameterOffload:
         self._evictable: collections.OrderedDict[int, _Param] = collections.OrderedDict()  # unused, oldest first
         self.cached_numel = 0  # live + cached stays within max_live: the device window's bound
         self.counters = {"resident": 0, "in_flight": 0, "waited": 0, "fetches": 0, "released": 0,
-                         "trace_invalidations": 0, "landed": 0}
+                         "trace_invalidations": 0, "landed": 0, "refetched": 0}
         self._may_land = land
         self._to_land: set[int] = set()  # chosen at the start of a backward an update follows
         self._landing: dict[int, _Landing] = {}  # shared with the optimizer thread, under _landing_lock
@@ -193,7 +193,7 @@ class ParameterOffload:
                 nvme_bytes = (sum(held) + max(held, default=0)) * size
                 store.claim_nvme(root, nvme_bytes, f"parameters homed on {root}", f"free disk space at {root}")
                 self._nvme_bytes = nvme_bytes
-                self._swap = SwapEngine(root, aio or AioConfig())
+                self._swap = SwapEngine(root, aio or AioConfig(), file_io=store.file_io)
             self._build(params, homes, persistence_threshold, scratch, before_home)
             self._install()
         except BaseException as exc:
@@ -368,13 +368,21 @@ class ParameterOffload:
             self.counters["resident"] += 1
         elif rec.state is ParamState.FETCHING:
             self.counters["in_flight"] += 1
-            self._finish(rec)
+            try:
+                self._finish(rec)
+            except OSError:  # a prefetch started while the disk was failing (a step that failed before this
+                self.counters["refetched"] += 1  # one, retried): read the home once more, and raise if that fails
+                self._demand(rec)
         else:
             self.counters["waited"] += 1
-            self._make_room(rec.numel, keep=rec)
-            self._start(rec)
-            self._finish(rec)
+            self._demand(rec)
         self._prefetch()
+
+    def _demand(self, rec: _Param) -> None:
+        """RELEASED -> AVAILABLE, waiting."""
+        self._make_room(rec.numel, keep=rec)
+        self._start(rec)
+        self._finish(rec)
 
     def release(self, rec: _Param, reuse: bool = True) -> None:
         """Back to RELEASED. ``reuse=False`` when autograd may still hold the device tensor (unpacked for a
@@ -567,9 +575,25 @@ class ParameterOffload:
             else:
                 pending.wait()
             self.copies.hold(rec.device)  # allocated on the copy stream, read on the compute stream
+        except BaseException:
+            self._fetch_failed(rec)
+            raise
         finally:
             self.store.stall_seconds += time.perf_counter() - t
         self._available(rec)
+
+    def _fetch_failed(self, rec: _Param) -> None:
+        """FETCHING -> RELEASED after a read or copy that failed (every part of it settled: ``AllOf``, the copy
+        thread's future). The home is untouched, so the next fetch starts over; the half-filled buffer is freed,
+        never cached for another parameter."""
+        self._by_storage.pop(rec.device.untyped_storage().data_ptr(), None)
+        self.copies.synchronize()  # a copy stream's work on the buffer ends before the allocator may reuse it
+        self.store.free(Tier.DEVICE, rec.device)
+        if not rec.persistent:
+            self.live_numel -= rec.numel
+        rec.device = rec.after = None
+        rec.param.data = self._placeholder(rec)
+        rec.state = ParamState.RELEASED
 
     def _refresh(self, rec: _Param) -> None:
         """A persistent parameter after an optimizer step: copy its new value from the home."""
@@ -804,7 +828,10 @@ class ParameterOffload:
             if rec.state is ParamState.LANDING:
                 self._cancel_landing(rec)
             if rec.state is ParamState.FETCHING:
-                self._finish(rec)
+                try:
+                    self._finish(rec)
+                except Exception:  # noqa: BLE001 - a prefetch nobody waited for: its home is read again just below,
+                    pass  # and that read raises if the fault is still there
             if rec.state is ParamState.RELEASED or rec.stale:
                 rec.param.data = self.copies.upload(self.read_home(rec.index))
                 if rec.device is not None:

@@ -1,5 +1,5 @@
-"""Faults while training with optimizer state on NVMe: injected ENOSPC, EIO and short transfers on the swap file's
-writes and reads, and exceptions raised in the swap worker and the optimizer's stepper thread.
+"""Faults while training with optimizer state (and parameters) on NVMe: injected ENOSPC, EIO and short transfers on
+the swap files' writes and reads, and exceptions raised in the swap worker and the optimizer's stepper thread.
 
 Each test trains a small GPT with ``offload.initialize(..., _file_io=Faults())``, saves a checkpoint, arms a fault
 during a later step, and checks that (1) the step fails with an error that names the sub-group's key and the swap
@@ -228,3 +228,63 @@ def test_swap_file_altered_behind_the_engine_fails_the_step_then_resumes(tmp_pat
         for batch in data[SAVED_AT:]:
             bounded(lambda: step(engine, batch))
         assert_same(state(engine), unfaulted)
+
+
+def params_config(tmp_path: Path) -> dict:
+    """Parameters homed on NVMe as well, through a window small enough that forward and backward both read."""
+    cfg = config(tmp_path)
+    cfg["zero_optimization"].update(stage=3, offload_param={"device": "nvme", "nvme_path": str(tmp_path / "params")},
+                                    stage3_max_live_parameters=8000, stage3_prefetch_bucket_size=2000,
+                                    stage3_param_persistence_threshold=100)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def unfaulted_params(tmp_path_factory) -> dict[str, torch.Tensor]:
+    tmp = tmp_path_factory.mktemp("unfaulted_params")
+    with offload.initialize(make(), params_config(tmp)) as engine:
+        for batch in batches(STEPS):
+            step(engine, batch)
+        return state(engine)
+
+
+def test_parameter_read_fault_fails_the_forward_then_the_same_batch_trains_on(tmp_path, unfaulted_params):
+    """A read of a parameter's home fails in forward: the forward raises naming the key and the file; reads that
+    were prefetched while the disk failed are read again by the next forward (not failed for a fault now gone),
+    and training on from the same batch equals the run that never failed; nothing to reload."""
+    data = batches(STEPS)
+    faults = Faults()
+    with offload.initialize(make(), params_config(tmp_path), _file_io=faults) as engine:
+        swap_file = str(engine.weights.params._swap._file.path)
+        for batch in data[:SAVED_AT]:
+            step(engine, batch)
+        faults.arm("read", errno.EIO)
+        with pytest.raises(OSError) as info:
+            bounded(lambda: engine(data[SAVED_AT][0]))
+        assert info.value.errno == errno.EIO and info.value.filename == swap_file
+        assert re.search(r"read of key 'param/\d+/\d+' failed", str(info.value)), info.value
+        faults.disarm()
+        for batch in data[SAVED_AT:]:
+            bounded(lambda: step(engine, batch))
+        assert engine.stats()["params"]["refetched"] >= 1
+        assert_same(state(engine), unfaulted_params)
+
+
+def test_parameter_read_fault_in_backward_then_a_load_loses_nothing(tmp_path, unfaulted_params):
+    data = batches(STEPS)
+    faults = Faults()
+    ckpt = tmp_path / "ckpt"
+    with offload.initialize(make(), params_config(tmp_path), _file_io=faults) as engine:
+        for batch in data[:SAVED_AT]:
+            step(engine, batch)
+        engine.save_checkpoint(ckpt)
+        x, y = data[SAVED_AT]
+        loss = lm_loss(engine(x), y)
+        faults.arm("read", errno.EIO)
+        with pytest.raises(OSError, match=r"read of key '(param|adam)/\d+/\d+' failed"):
+            bounded(lambda: engine.backward(loss))
+        faults.disarm()
+        assert bounded(lambda: engine.load_checkpoint(ckpt)) == f"step{SAVED_AT}"
+        for batch in data[SAVED_AT:]:
+            bounded(lambda: step(engine, batch))
+        assert_same(state(engine), unfaulted_params)
