@@ -7,11 +7,27 @@ original engine. Wrapped in :class:`Hook`, a hook copies as a no-op: the copy is
 parameters' current values. Where a copy cannot hold the real values (parameters offloaded to host or NVMe homes,
 so the module holds placeholders), or not yet (a step's updates still running beside the next forward), the hook
 refuses to be copied and says what to do instead.
+
+Under ``torch.compile`` a hook runs as plain Python, never traced (``torch.compiler.disable``): it moves parameters
+and waits on threads and files, which dynamo cannot trace, and a traced copy of its side effects would be replayed
+wrongly. The compiled graphs sit between the hooks (a graph break at each module that has some), and autograd's
+saved-tensor hooks still see what a compiled graph saves for backward. :func:`unwrap_compiled` is the model the
+hooks and every name belong to when the user hands over ``torch.compile(model)``.
 """
 
 from __future__ import annotations
 
+import functools
+import sys
 from typing import Any, Callable
+
+import torch
+
+
+def unwrap_compiled(model: torch.nn.Module) -> torch.nn.Module:
+    """The module ``torch.compile(model)`` wraps (its names carry no ``_orig_mod.`` prefix), else ``model``."""
+    dynamo = sys.modules.get("torch._dynamo")  # not imported yet: nothing can have been compiled (no import here)
+    return model._orig_mod if dynamo is not None and isinstance(model, dynamo.eval_frame.OptimizedModule) else model
 
 
 def _nothing(*_: Any, **__: Any) -> None:
@@ -23,17 +39,29 @@ def _copied() -> Callable[..., None]:
     return _nothing
 
 
+def _call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return fn(*args, **kwargs)
+
+
+@functools.cache
+def _untraced() -> Callable[..., Any]:
+    """``_call`` hidden from dynamo (see the module docstring). Made on first use, not at import: wrapping imports
+    torch._dynamo, a second or more that ``import offload`` alone (the CLI's estimate) need not pay."""
+    return torch.compiler.disable(_call)
+
+
 class Hook:
     """``fn`` as a hook; ``refuse``: the error a copy of the model raises, or a callable giving it at the time of
     the copy (None: the copy drops the hook)."""
 
-    __slots__ = ("fn", "refuse")
+    __slots__ = ("fn", "refuse", "_run")
 
     def __init__(self, fn: Callable[..., Any], refuse: str | Callable[[], str | None] | None = None) -> None:
         self.fn, self.refuse = fn, refuse
+        self._run = _untraced()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.fn(*args, **kwargs)
+        return self._run(self.fn, args, kwargs)  # traced this far, the graph breaks at the call
 
     def _copy(self) -> None:
         why = self.refuse() if callable(self.refuse) else self.refuse

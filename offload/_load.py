@@ -30,6 +30,8 @@ import torch
 
 from nvme_swapper import evict_pages
 
+from ._hooks import unwrap_compiled
+
 if TYPE_CHECKING:
     from .engine import Engine
 
@@ -167,7 +169,7 @@ def load_state_dict(target: "torch.nn.Module | Engine", source: str | os.PathLik
         if not isinstance(target, torch.nn.Module):
             raise ValueError(f"load_state_dict: target must be a torch.nn.Module or an offload Engine, got "
                              f"{type(target).__name__}")
-        return _into_module(target, src, strict)
+        return _into_module(unwrap_compiled(target), src, strict)
 
 
 def _into_module(module: torch.nn.Module, src: StateSource, strict: bool) -> LoadResult:

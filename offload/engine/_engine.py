@@ -18,6 +18,10 @@ What ``initialize`` builds, in order, and who owns what afterwards (``close()`` 
   module, the one place inputs are moved to the device (tensors in args and kwargs, nested in lists, tuples and
   dicts; asynchronously from pinned memory).
 
+``torch.compile(model)`` may be handed over: the engine's ``module`` is the model it wraps (hooks, names,
+checkpoints and exports as without compile) and its forward runs the compiled one (the hooks run eagerly between
+the compiled graphs, see offload/_hooks.py).
+
 A step: ``engine.backward(loss)`` scales the loss (fp16 loss scale, 1/accumulation steps) and runs backward; the
 hooks hand each final gradient to the gradient stream and, where the plan allows (bf16/fp32, no clipping, last
 micro-batch), each sub-group whose gradients have all been sent to the optimizer thread during the rest of
@@ -49,7 +53,7 @@ from nvme_swapper import FileIO, arena_device, pinned_bytes
 from .. import _checkpoint
 from .._cleanup import close_after_failure
 from .._device import fast_bf16
-from .._hooks import Hook
+from .._hooks import Hook, unwrap_compiled
 from .._precision import LossScaler
 from ..config import OffloadConfig
 from ..dist import Comm, GradPartition, ReduceBuckets, StartSync, agree_with_rank0, join
@@ -100,7 +104,8 @@ class Engine:
         self.config = cfg = OffloadConfig.load(config)
         if not isinstance(model, torch.nn.Module):
             raise ValueError(f"initialize: model must be a torch.nn.Module, got {type(model).__name__}")
-        self.module = model
+        self.module = unwrap_compiled(model)  # what hooks, names and checkpoints see
+        self._call = model  # what a forward runs: torch.compile(model) stays compiled
         self.phase = Phase.IDLE
         self._failure = ""  # what put the engine in Phase.FAILED
         self.global_steps = 0
@@ -222,7 +227,7 @@ class Engine:
     # the training step ------------------------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        return self._call(*args, **kwargs)
 
     forward = __call__
 
