@@ -32,8 +32,9 @@ logging, callbacks, checkpoint rotation, RNG state. What changes is who holds th
 
 One process per GPU (torchrun), as with DeepSpeed; the engine's collectives replace DDP, and ``save_model`` and
 checkpoints are collective (every rank calls them, as the Trainer does; rank 0 writes into a folder all ranks see).
-An fp16 step skipped for overflow does not advance the schedule; with ``delayed_update`` evaluation applies the
-update in flight first; a model swapped in by ``model_init`` gets a new engine.
+``torch_compile=True`` compiles the model as with a plain Trainer. An fp16 step skipped for overflow does not
+advance the schedule; with ``delayed_update`` evaluation applies the update in flight first; a model swapped in by
+``model_init`` gets a new engine.
 """
 
 from __future__ import annotations
@@ -299,14 +300,22 @@ class OffloadTrainer(Trainer):
         self._ensure_engine()
         self.accelerator._optimizers.append(self.optimizer)  # its step_was_skipped gates the LR step
         self.create_scheduler(num_training_steps=max_steps)
-        self.model_wrapped = self.model
+        self.model_wrapped = self._compiled() if self.args.torch_compile else self.model
         if resume_from_checkpoint is not None:
             self._load_optimizer_and_scheduler(resume_from_checkpoint)
         for attr in ("model", "optimizer", "lr_scheduler"):
             setattr(self.callback_handler, attr, getattr(self, attr))
         self.callback_handler.train_dataloader = train_dataloader
-        return self.model, train_dataloader
+        return self.model_wrapped, train_dataloader
 
+    def _compiled(self) -> torch.nn.Module:
+        """``torch_compile=True``: the model compiled as accelerate compiles it for a plain Trainer (backend and mode
+        from the TrainingArguments), once per model; the engine's hooks stay on ``self.model`` and run between the
+        compiled graphs."""
+        if getattr(self.model_wrapped, "_orig_mod", None) is not self.model:
+            return torch.compile(self.model, backend=self.args.torch_compile_backend or "inductor",
+                                 mode=self.args.torch_compile_mode)
+        return self.model_wrapped
     # a step -----------------------------------------------------------------------------------------------------
 
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any],
