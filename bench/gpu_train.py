@@ -33,7 +33,10 @@ arena as modules are built) and set no size: every size is derived from the budg
 
     python bench/gpu_train.py [--params 1e9 | --layers L --width W] [--tokens 512] [--batch 4] [--steps 5]
                               [--warmup 2] [--placements plain,opt-host,...] [--deepspeed auto|off]
-                              [--rounds 1] [--nvme-dir DIR] [--out results/gpu_train.json]
+                              [--rounds 1] [--compile] [--nvme-dir DIR] [--out results/gpu_train.json]
+
+``--compile`` runs every model through ``torch.compile`` (ours: the compiled model handed to ``initialize``;
+DeepSpeed: its ``engine.compile()``), compute bound included.
 
 ``--rounds R`` runs the placements R times in turn (plain, ours, plain, ours, ...) and quotes the median of the
 R rounds' ratios: on a shared machine the speed drifts by 10-25% within minutes, and a ratio of two runs taken
@@ -126,23 +129,24 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     batches = [next(data) for _ in range(spec["warmup"] + spec["steps"])]
     work = Path(spec["work"])
     low = torch.bfloat16 if spec["dtype"] == "bf16" else torch.float32
+    compiled = torch.compile if spec.get("compile") else (lambda m: m)  # --compile: every framework's forward
     if kind == "compute":
         model = build(cfg, low, device)
-        step, close, parts = _compute_step(model), (lambda: None), None
+        step, close, parts = _compute_step(compiled(model)), (lambda: None), None
     elif kind == "plain":
         model = build(cfg, torch.float32, device)
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, betas=(0.9, 0.95),
                                 fused=device.type == "cuda")
-        step, close, parts = _plain_step(model, opt, device, low), (lambda: None), None
+        step, close, parts = _plain_step(compiled(model), opt, device, low), (lambda: None), None
     elif kind == "ours":
         config = config_for(placement, work, spec["batch"], spec["dtype"])
         with offload.init(config):  # NVMe placements: the model is built in a file arena, never whole in RAM
             model = build(cfg, torch.float32)
-        engine = offload.initialize(model, config)
+        engine = offload.initialize(compiled(model), config)
         del model
         step, close, parts = _engine_step(engine), engine.close, _Parts(engine)
     else:
-        step, close, parts = _deepspeed(cfg, placement, work, spec["batch"], spec["dtype"])
+        step, close, parts = _deepspeed(cfg, placement, work, spec["batch"], spec["dtype"], bool(spec.get("compile")))
     setup_rss = peak_rss()  # the model built and handed to its framework, before any step
     times, losses, per_step = [], [], []
     try:
@@ -242,7 +246,8 @@ class _Parts:
                 "gradient_copies": self.engine.stats()["gradient_copies"]}
 
 
-def _deepspeed(cfg: GPTConfig, placement: str, work: Path, batch: int, dtype: str) -> tuple[Any, Any, None]:
+def _deepspeed(cfg: GPTConfig, placement: str, work: Path, batch: int, dtype: str,
+               compile_forward: bool) -> tuple[Any, Any, None]:
     import deepspeed  # noqa: PLC0415 - optional, imported only for its runs
 
     for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
@@ -257,6 +262,8 @@ def _deepspeed(cfg: GPTConfig, placement: str, work: Path, batch: int, dtype: st
     if "nvme" in json.dumps(ds_config["zero_optimization"]):
         ds_config["aio"] = {"block_size": 1 << 20, "queue_depth": 8, "intra_op_parallelism": 1}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    if compile_forward:
+        engine.compile()  # DeepSpeed's own torch.compile of the wrapped module
 
     def step(x: torch.Tensor, y: torch.Tensor) -> float:
         loss = GPT.loss(engine(x), y)
@@ -345,6 +352,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1,
                     help="run every placement this many times, round-robin, and quote the median of each round's "
                     "ratios (a shared machine's slow spells then hit ours and the baseline alike)")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the model in every run (plain torch, "
+                    "compute bound, ours, DeepSpeed's engine.compile())")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per run")
     ap.add_argument("--out", default="results/gpu_train.json")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -368,10 +377,10 @@ def main() -> None:
     has_ds = args.deepspeed == "auto" and _importable("deepspeed") and device.type == "cuda"
     dtype = args.dtype if args.dtype != "auto" else "bf16" if fast_bf16(device) else "fp32"
     base = {"model": cfg.__dict__, "batch": args.batch, "tokens": args.tokens, "steps": args.steps,
-            "warmup": args.warmup, "nvme_dir": args.nvme_dir, "dtype": dtype}
+            "warmup": args.warmup, "nvme_dir": args.nvme_dir, "dtype": dtype, "compile": args.compile}
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (no CUDA)"
     print(f"gpu bench: GPT {layers} x {width}, {n / 1e9:.3g}B parameters, {args.batch} x {args.tokens} tokens, "
-          f"on {name}, {dtype}; DeepSpeed {'beside ours' if has_ds else 'not run'}", flush=True)
+          f"on {name}, {dtype}{', compiled' if args.compile else ''}; DeepSpeed {'beside ours' if has_ds else 'not run'}", flush=True)
     with torch.device("meta"):
         estimates = {e.placement: e for e in offload.estimate(model=GPT(cfg), cuda=device.type == "cuda",
                                                               dtype_bytes=2 if dtype == "bf16" else 4)}
@@ -383,7 +392,7 @@ def main() -> None:
 
     def write(summary: dict[str, Any] | None) -> None:  # after every run: a bench cut short keeps what it measured
         out.write_text(json.dumps({"model": {**cfg.__dict__, "params": n, "batch": args.batch, "tokens": args.tokens},
-                                   "device": name, "dtype": dtype, "bounds": bounds, "runs": runs,
+                                   "device": name, "dtype": dtype, "compile": args.compile, "bounds": bounds, "runs": runs,
                                    "summary": summary, "complete": summary is not None,
                                    "estimates": {k: v.__dict__ for k, v in estimates.items()}}, indent=2,
                                   default=str))
