@@ -660,6 +660,29 @@ def test_a_host_budget_the_state_does_not_fit_fails_before_any_parameter_moves(t
         assert p.data_ptr() == ptr and p.dtype == torch.float32 and torch.equal(p.detach(), value), name
 
 
+@pytest.mark.parametrize("home", ["cpu", "nvme"])
+@pytest.mark.parametrize("limit, error, match", [
+    ({"offload": {"device_memory_budget": "1KiB"}}, offload.BudgetExceeded, r"device tier: the parameter window"),
+    ({"zero_optimization": {"stage3_max_live_parameters": 100, "stage3_param_persistence_threshold": 10}},
+     ValueError, r"stage3_max_live_parameters \(100\) is smaller than the largest parameter"),
+], ids=["device budget", "window"])
+def test_a_parameter_window_that_cannot_fit_fails_before_any_parameter_moves(tmp_path, home, limit, error, match):
+    """Parameter offload with bf16: the window is checked before the parameters go to their homes, so the model
+    comes back as it was, fp32 and unrounded (before, the device budget's check came after the move)."""
+    model = make()
+    before = {n: (p.data_ptr(), p.detach().clone()) for n, p in model.named_parameters()}
+    cfg = config(tmp_path, "cpu", bf16={"enabled": True},
+                 zero_optimization={"stage": 3, "offload_param": {"device": home,
+                                                                  "nvme_path": str(tmp_path / "params")}})
+    for key, value in limit.items():
+        cfg[key] = {**cfg.get(key, {}), **value}
+    with pytest.raises(error, match=match):
+        offload.initialize(model, cfg)
+    for name, p in model.named_parameters():
+        ptr, value = before[name]
+        assert p.data_ptr() == ptr and p.dtype == torch.float32 and torch.equal(p.detach(), value), name
+
+
 @pytest.mark.parametrize("device, dtype, cuda_path", [("nvme", torch.float32, False), ("cpu", torch.bfloat16, False),
                                                      ("none", torch.bfloat16, False), ("none", torch.bfloat16, True)])
 def test_checkpoint_resume_is_bit_identical(tmp_path, monkeypatch, device, dtype, cuda_path):

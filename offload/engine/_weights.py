@@ -29,7 +29,7 @@ from ..dist import Comm, GradPartition, ParamShards
 from ..memory import AllOf, Copy, CopyStreams, Tier, TieredStore, fmt_bytes
 from ..optim._layout import FlatLayout
 from ..optim.offloaded import OffloadedAdam
-from ..params import ParameterOffload
+from ..params import ParameterOffload, check_window
 from ..plan import UPDATE_BUFFERS, Partition, Plan
 
 _FIX_HOST = "raise offload.host_memory_budget or home the parameters on nvme"
@@ -134,6 +134,8 @@ class Weights:
         pieces in its own folder); the device holds a window (params/_offload.py)."""
         plan, layout = self.plan, self.layout
         frozen = self.frozen()
+        check_window([p.numel() for p in layout.params + frozen], plan.persistence_threshold, plan.max_live,
+                     plan.dtype, self.store.accounts[Tier.DEVICE].budget)  # before any parameter moves
         homes: list[torch.Tensor | None] = [None] * len(layout.params)
         if plan.partition is Partition.PER_PARAM:
             if plan.param_tier is Tier.NVME:  # pieces in this rank's NVMe folder

@@ -1,6 +1,6 @@
 """Parameter offload (ZeRO-3 / ZeRO-Infinity for parameters): homes on HOST or NVMe, a bounded device window,
 module hooks and trace-driven prefetch. See ``_offload.py``."""
 
-from ._offload import ParameterOffload, ParamState
+from ._offload import ParameterOffload, ParamState, check_window
 
-__all__ = ["ParamState", "ParameterOffload"]
+__all__ = ["ParamState", "ParameterOffload", "check_window"]

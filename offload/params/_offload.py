@@ -119,10 +119,32 @@ class _Trace:
     pos: int = 0
 
 
+def check_window(sizes: list[int], persistence_threshold: int, max_live: int, dtype: torch.dtype,
+                 budget: int | None) -> None:
+    """The window (``max_live`` elements) plus the persistent parameters must fit the device ``budget``, and the
+    largest parameter the window: checked before anything moves (the engine calls it before the parameters go to
+    their homes, so a config that cannot fit leaves the model as it was), not mid-step."""
+    size = torch.empty((), dtype=dtype).element_size()
+    persistent = sum(n for n in sizes if n <= persistence_threshold) * size
+    largest = max((n for n in sizes if n > persistence_threshold), default=0)
+    if largest > max_live:
+        raise ValueError(f"zero_optimization.stage3_max_live_parameters ({max_live}) is smaller than the "
+                         f"largest parameter ({largest} elements); raise it to at least {largest}")
+    if budget is not None and max_live * size + persistent > budget:
+        fix = (f"lower zero_optimization.stage3_max_live_parameters to at most {(budget - persistent) // size}"
+               if budget - persistent >= largest * size else
+               "lower zero_optimization.stage3_param_persistence_threshold (fewer parameters kept on the "
+               "device)") + " or raise offload.device_memory_budget"
+        raise BudgetExceeded(Tier.DEVICE, f"the parameter window (stage3_max_live_parameters {max_live} "
+                             f"x {size} B) plus {persistent} B of persistent parameters",
+                             max_live * size + persistent, 0, budget, fix)
+
+
 class ParameterOffload:
     """Owns the device copies of the model's parameters, the hooks that fetch and release them, the prefetch
     traces, and (NVMe home) its own swap engine. ``close()`` removes the hooks and puts every parameter back on
-    the device as a plain tensor."""
+    the device as a plain tensor. The caller checks the window with :func:`check_window` before it moves any
+    parameter to a home."""
 
     def __init__(self, module: torch.nn.Module, params: list[torch.nn.Parameter], homes: list[torch.Tensor | None],
                  store: TieredStore, copies: CopyStreams, dtype: torch.dtype, *, persistence_threshold: int,
@@ -177,7 +199,6 @@ class ParameterOffload:
         self._private: list[torch.Tensor] = []  # host copies this object allocated (and frees at close)
         self._parts = parts or []
         try:
-            self._check_window([p.numel() for p in params], persistence_threshold)
             # NVMe keys of this object's own: the pieces of sharded parameters are ParamShards' (frozen ones are not)
             homed = [i for i, p in enumerate(params) if p.numel() > persistence_threshold
                      and not (shards is not None and shards.covers(i))]
@@ -247,24 +268,6 @@ class ParameterOffload:
         finally:
             if owned is not None:
                 self.store.free(Tier.HOST, owned)
-
-    def _check_window(self, sizes: list[int], persistence_threshold: int) -> None:
-        """The window plus the persistent parameters must fit the device budget: fail here, not mid-step."""
-        budget = self.store.accounts[Tier.DEVICE].budget
-        size = torch.empty((), dtype=self.dtype).element_size()
-        persistent = sum(n for n in sizes if n <= persistence_threshold) * size
-        largest = max((n for n in sizes if n > persistence_threshold), default=0)
-        if largest > self.max_live:
-            raise ValueError(f"zero_optimization.stage3_max_live_parameters ({self.max_live}) is smaller than the "
-                             f"largest parameter ({largest} elements); raise it to at least {largest}")
-        if budget is not None and self.max_live * size + persistent > budget:
-            fix = (f"lower zero_optimization.stage3_max_live_parameters to at most {(budget - persistent) // size}"
-                   if budget - persistent >= largest * size else
-                   "lower zero_optimization.stage3_param_persistence_threshold (fewer parameters kept on the "
-                   "device)") + " or raise offload.device_memory_budget"
-            raise BudgetExceeded(Tier.DEVICE, f"the parameter window (stage3_max_live_parameters {self.max_live} "
-                                 f"x {size} B) plus {persistent} B of persistent parameters",
-                                 self.max_live * size + persistent, 0, budget, fix)
 
     @staticmethod
     def _key(rec: _Param, start: int) -> str:
