@@ -18,6 +18,7 @@ Frozen parameters and buffers are moved to the device once, here (floating point
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -136,7 +137,7 @@ class Weights:
         frozen = self.frozen()
         check_window([p.numel() for p in layout.params + frozen], plan.persistence_threshold, plan.max_live,
                      plan.dtype, self.store.accounts[Tier.DEVICE].budget)  # before any parameter moves
-        homes: list[torch.Tensor | None] = [None] * len(layout.params)
+        homes: list[torch.Tensor | None] = [None] * (len(layout.params) + len(frozen))
         if plan.partition is Partition.PER_PARAM:
             if plan.param_tier is Tier.NVME:  # pieces in this rank's NVMe folder
                 self.shards = ParamShards(comm, layout, self.copies, store=self.store, dtype=plan.dtype,
@@ -157,6 +158,12 @@ class Weights:
         elif plan.param_tier is Tier.HOST:
             flats = [self._allocate_host(n, f"the host home of param group {g}", _FIX_HOST)
                      for g, n in enumerate(layout.group_numel)]
+            if frozen:  # taken with the rest, before any parameter moves: a budget they miss leaves the model as is
+                block = self._allocate_host(sum(p.numel() for p in frozen), "the host homes of the frozen "
+                                            "parameters", _FIX_HOST)
+                starts = itertools.accumulate((p.numel() for p in frozen), initial=0)
+                for k, (p, start) in enumerate(zip(frozen, starts)):
+                    homes[len(layout.params) + k] = block[start : start + p.numel()]
             with torch.no_grad():
                 for i, p in enumerate(layout.params):  # each one read into the masters, then moved to its home
                     optimizer.fill_masters(i + 1)
@@ -164,6 +171,8 @@ class Weights:
                     view.copy_(p.detach())
                     homes[i] = view.view(-1)
                     p.data = view  # the user's tensor is freed here, not after every home is written
+                for k, p in enumerate(frozen):
+                    homes[len(layout.params) + k].copy_(p.detach().reshape(-1))
             optimizer.attach_device(flats)
         else:
             optimizer.attach_device([], on_updated=self._write_homes, dtype=plan.dtype,
@@ -171,7 +180,7 @@ class Weights:
         self._move_buffers()
         trainable = len(layout.params)
         self.params = ParameterOffload(
-            self.module, layout.params + frozen, homes + [None] * len(frozen), self.store, self.copies, plan.dtype,
+            self.module, layout.params + frozen, homes, self.store, self.copies, plan.dtype,
             persistence_threshold=plan.persistence_threshold, max_live=plan.max_live, bucket=plan.prefetch_bucket,
             nvme_path=nvme_path if plan.param_tier is Tier.NVME else None, aio=aio, shards=self.shards,
             scratch=optimizer.update_staging, parts=self._segments(), land=not plan.delayed,

@@ -54,6 +54,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import functools
+import itertools
 import threading
 import time
 from collections.abc import Callable
@@ -238,6 +239,17 @@ class ParameterOffload:
                 writing = owned = self.store.allocate(Tier.HOST, largest, self.dtype, "the buffer parameters are "
                                                       "written to NVMe through at initialize",
                                                       "raise offload.host_memory_budget")
+        # frozen parameters, and persistent ones with NVMe homes, keep a private host copy: one block, taken
+        # before anything moves, so a host budget it does not fit fails with the model as it was
+        private = [i for i, (p, home) in enumerate(zip(params, homes)) if home is None
+                   and not (self.shards is not None and self.shards.covers(i))
+                   and (self._swap is None or p.numel() <= persistence_threshold)]
+        copies = self.store.allocate(Tier.HOST, sum(params[i].numel() for i in private), self.dtype,
+                                     f"the host copies of {len(private)} frozen or persistent parameters",
+                                     "raise offload.host_memory_budget") if private else None
+        if copies is not None:
+            self._private.append(copies)
+        offsets = dict(zip(private, itertools.accumulate((params[i].numel() for i in private), initial=0)))
         try:
             for i, (p, home) in enumerate(zip(params, homes)):
                 if before_home is not None:
@@ -253,9 +265,9 @@ class ParameterOffload:
                         writing[:n].copy_(flat[start : start + n])
                         self._swap.write(self._key(rec, start), writing[:n]).wait()
                     rec.home = None
-                elif home is None:  # frozen, or persistent with NVMe homes: a private host copy
-                    rec.home = self.store.allocate(Tier.HOST, p.numel(), self.dtype, f"the host copy of parameter {i}")
-                    self._private.append(rec.home)
+                elif home is None:  # frozen, or persistent with NVMe homes: its private host copy
+                    assert copies is not None and i in offsets
+                    rec.home = copies[offsets[i] : offsets[i] + p.numel()]
                     rec.home.copy_(p.detach().reshape(-1))
                 self.params.append(rec)
                 self._by_param[id(p)] = rec
