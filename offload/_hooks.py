@@ -39,29 +39,18 @@ def _copied() -> Callable[..., None]:
     return _nothing
 
 
-def _call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    return fn(*args, **kwargs)
-
-
-@functools.cache
-def _untraced() -> Callable[..., Any]:
-    """``_call`` hidden from dynamo (see the module docstring). Made on first use, not at import: wrapping imports
-    torch._dynamo, a second or more that ``import offload`` alone (the CLI's estimate) need not pay."""
-    return torch.compiler.disable(_call)
-
-
 class Hook:
     """``fn`` as a hook; ``refuse``: the error a copy of the model raises, or a callable giving it at the time of
     the copy (None: the copy drops the hook)."""
 
-    __slots__ = ("fn", "refuse", "_run")
+    __slots__ = ("fn", "refuse")
 
     def __init__(self, fn: Callable[..., Any], refuse: str | Callable[[], str | None] | None = None) -> None:
         self.fn, self.refuse = fn, refuse
-        self._run = _untraced()
+        _hide_from_dynamo()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._run(self.fn, args, kwargs)  # traced this far, the graph breaks at the call
+        return self.fn(*args, **kwargs)
 
     def _copy(self) -> None:
         why = self.refuse() if callable(self.refuse) else self.refuse
@@ -75,3 +64,12 @@ class Hook:
     def __reduce__(self) -> tuple[Any, tuple[()]]:
         self._copy()
         return _copied, ()
+
+
+@functools.cache
+def _hide_from_dynamo() -> None:
+    """Makes ``Hook.__call__`` a frame dynamo never enters (see the module docstring), once, when the first hook is
+    made: ``torch.compiler.disable`` imports torch._dynamo, a second or more that ``import offload`` alone (the
+    CLI's estimate) need not pay. Disabling a callee instead is not enough: dynamo would then compile every hook's
+    own frame, an empty graph guarded on its arguments, and recompile it for each kind of hook."""
+    Hook.__call__ = torch.compiler.disable(Hook.__call__)  # type: ignore[method-assign]

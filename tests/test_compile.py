@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch._dynamo.utils import counters
+from torch._dynamo.utils import counters, get_compilation_metrics
 
 import offload
 from models import DEVICE, batches, lm_loss, make, on_device, reference_model
@@ -97,6 +97,8 @@ def test_a_compiled_model_trains_like_torch(tmp_path, how, placement, backend):
     counters.clear()
     engine, losses, out = train(tmp_path, placement, how, backend, data)
     assert counters["stats"]["unique_graphs"] > 0  # the engine's forward did run compiled graphs
+    hooks = [m for m in get_compilation_metrics() if (m.co_filename or "").endswith("offload/_hooks.py")]
+    assert not hooks  # dynamo never enters a hook's frame (it compiled each, and recompiled per kind of hook)
     if "offload_param" in PLACEMENTS[placement]:
         assert out["stats"]["params"]["released"] > 0  # parameters left the window between forward and backward
     assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
