@@ -3,13 +3,15 @@
 ``initialize`` builds many owners (the store, swap engines, threads, hooks); when one of them fails, everything
 built so far is closed before the error propagates. A second error raised by that cleanup (it often follows from
 the first, e.g. a half-built object) must not replace the original: :func:`close_after_failure` attaches it to the
-original as a note and lets the caller re-raise the original.
+original as a note and lets the caller re-raise the original. :func:`run_all` is the same rule for a ``close()``
+made of steps: each runs even after an earlier one failed (a GPU left in a sticky error state fails every later
+synchronize, and the swap files, threads and hooks must still go), and the first error is raised.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Callable, Iterable
 
 log = logging.getLogger("offload")
 
@@ -19,8 +21,30 @@ def close_after_failure(close: Callable[[], object], error: BaseException) -> No
     try:
         close()
     except BaseException as cleanup:  # noqa: BLE001 - the original error is the one the caller re-raises
-        note = f"(while cleaning up after this error, another was raised: {type(cleanup).__name__}: {cleanup})"
-        if hasattr(error, "add_note"):
-            error.add_note(note)
-        else:  # Python 3.10
-            log.warning("offload: %s", note)
+        _note(error, cleanup)
+
+
+def _note(error: BaseException, cleanup: BaseException) -> None:
+    note = f"(while cleaning up after this error, another was raised: {type(cleanup).__name__}: {cleanup})"
+    if hasattr(error, "add_note"):
+        error.add_note(note)
+    else:  # Python 3.10
+        log.warning("offload: %s", note)
+
+
+def run_all(steps: Iterable[Callable[[], object] | None]) -> None:
+    """Calls every step (None: skipped) in order, even after one raised; then raises the first error, with any
+    later ones noted on it."""
+    first: BaseException | None = None
+    for step in steps:
+        if step is None:
+            continue
+        try:
+            step()
+        except BaseException as exc:  # noqa: BLE001 - raised below, once every step has run
+            if first is None:
+                first = exc
+            else:
+                _note(first, exc)
+    if first is not None:
+        raise first

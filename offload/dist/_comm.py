@@ -127,10 +127,12 @@ class Comm:
         self._run("broadcast", t, 1.0, lambda: dist.broadcast(t, group_src=src, group=self.pg.group))
 
     def barrier(self) -> None:
+        """Returns on each rank once every rank has called it."""
         if self.world_size == 1:
             return
         flag = torch.zeros(1, device=self._scalar_device)
         self._run("barrier", flag, 2.0, lambda: dist.all_reduce(flag, group=self.pg.group))
+        flag.item()  # NCCL's all_reduce returns once queued: the host waits here, as a barrier must
 
     def sum_float(self, value: float) -> float:
         """The sum over ranks of one float64 number (gradient norms)."""

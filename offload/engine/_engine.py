@@ -51,7 +51,7 @@ import torch
 from nvme_swapper import FileIO, arena_device, pinned_bytes
 
 from .. import _checkpoint
-from .._cleanup import close_after_failure
+from .._cleanup import close_after_failure, run_all
 from .._device import fast_bf16
 from .._hooks import Hook, unwrap_compiled
 from .._precision import LossScaler
@@ -436,6 +436,7 @@ class Engine:
         except BaseException as exc:
             self._fail("engine.backward (its updates, run during backward)", exc)
             raise
+        self.copies.use_uploads()  # on a GPU their new values may still be on the way to the device
 
     def apply_delayed_update(self) -> None:
         """Delayed update: waits for the update in flight and puts its parameters on the device now (``step``
@@ -662,29 +663,19 @@ class Engine:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-        try:
-            try:
-                if self._gate is not None:
-                    self._gate.close()
-                if self.copies is not None:
-                    self.copies.synchronize()  # no copy may still touch the buffers freed below
-                if self.grads is not None:
-                    self.grads.close()
-                if self.optimizer is not None:
-                    self.optimizer.wait()
-                if self.weights is not None:
-                    self.weights.close()  # the model gets its current parameters back as plain tensors
-                if self.optimizer is not None:
-                    self.optimizer.close()
-                if self._reduce is not None:
-                    self._reduce.close()
-            finally:
-                if self.copies is not None:
-                    self.copies.synchronize()
-                if self.store is not None:
-                    self.store.close()
-        finally:
-            self._close_comm()
+        sync = self.copies.synchronize if self.copies is not None else None
+        run_all([  # every step runs even after one fails (a GPU in a sticky error state fails each synchronize)
+            self._gate.close if self._gate is not None else None,
+            sync,  # no copy may still touch the buffers freed below
+            self.grads.close if self.grads is not None else None,
+            self.optimizer.wait if self.optimizer is not None else None,
+            self.weights.close if self.weights is not None else None,  # the model gets its parameters back
+            self.optimizer.close if self.optimizer is not None else None,
+            self._reduce.close if self._reduce is not None else None,
+            sync,
+            self.store.close if self.store is not None else None,
+            self._close_comm,
+        ])
 
     def _close_comm(self) -> None:
         """Stops the heartbeat, destroys the process group if the engine created it, and removes the per-rank

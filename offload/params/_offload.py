@@ -67,7 +67,7 @@ import torch
 
 from nvme_swapper import AioConfig, SwapEngine, aligned_tensor
 
-from .._cleanup import close_after_failure
+from .._cleanup import close_after_failure, run_all
 from .._hooks import Hook
 from .._worker import bind_thread
 from ..memory import DONE, AllOf, BudgetExceeded, Copy, CopyStreams, Tier, TieredStore, wait_all
@@ -838,8 +838,12 @@ class ParameterOffload:
             del self.module.forward  # the instance attribute; the class's forward shows through again
             self._original_forward = None
         self._copier.shutdown(wait=True)  # fetches in flight land first
-        self.copies.synchronize()  # and so do their copies: homes and staging are freed below
-        for rec in self.params:  # hand the model back whole, as plain tensors
+        run_all([self._hand_back, self._free])  # the swap file goes even if the GPU failed the hand-back
+
+    def _hand_back(self) -> None:
+        """Every parameter back as a plain tensor holding its current value."""
+        self.copies.synchronize()  # fetches' copies land first: homes and staging are freed after
+        for rec in self.params:
             if rec.state is ParamState.LANDING:
                 self._cancel_landing(rec)
             if rec.state is ParamState.FETCHING:
@@ -857,6 +861,9 @@ class ParameterOffload:
                 self.store.free(Tier.DEVICE, rec.device)
                 rec.device = None
             rec.state = ParamState.RELEASED
+
+    def _free(self) -> None:
+        """Device cache, staging, the swap engine (its files), NVMe claims and private host copies."""
         self._trim(0)
         for bufs in self._staging.values():
             for b in bufs:

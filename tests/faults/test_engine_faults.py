@@ -288,3 +288,28 @@ def test_parameter_read_fault_in_backward_then_a_load_loses_nothing(tmp_path, un
         for batch in data[SAVED_AT:]:
             bounded(lambda: step(engine, batch))
         assert_same(state(engine), unfaulted_params)
+
+
+class StickyDeviceError(RuntimeError):
+    pass
+
+
+def test_close_after_the_device_fails_still_removes_files_threads_and_hooks(tmp_path, monkeypatch):
+    """A GPU left in a sticky error state (a device-side assert in the model) fails every later synchronize.
+    close() still runs every step of its teardown: the swap files are removed, the threads joined, the hooks
+    taken off the model; then the device's error is raised."""
+    model = make()
+    cfg = params_config(tmp_path)
+    engine = offload.initialize(model, cfg)
+    step(engine, batches(1)[0])
+
+    def broken() -> None:
+        raise StickyDeviceError("CUDA error: device-side assert triggered")
+
+    monkeypatch.setattr(engine.copies, "synchronize", broken)
+    with pytest.raises(StickyDeviceError):
+        engine.close()
+    for path in (tmp_path / "nvme", tmp_path / "params"):
+        assert not [f for f in path.rglob("*") if f.is_file()], path
+    assert not [t for t in threading.enumerate() if t.name.startswith(("offload", "nvme_swapper"))]
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
