@@ -144,8 +144,10 @@ class TieredStore:
     # plain allocations -----------------------------------------------------------------------------------------
 
     def allocate(self, tier: Tier, numel: int, dtype: torch.dtype, what: str, fix: str = "", *,
-                 stagger: int = 0, prefault: bool = True) -> torch.Tensor:
-        """A zeroed flat tensor on DEVICE or HOST, counted against the tier's budget until ``free``.
+                 stagger: int = 0, prefault: bool = True, pin: bool = True) -> torch.Tensor:
+        """A zeroed flat tensor on DEVICE or HOST, counted against the tier's budget until ``free``. HOST buffers
+        are pinned where the store pins (CUDA, ``pin_memory``) unless ``pin=False``: a buffer no device copy
+        touches (the optimizer state) need not lock its pages nor pay the registration.
 
         ``stagger=k`` (CPU memory, large buffers) starts the buffer k stream-offsets into its huge page, for buffers
         streamed in lockstep with others by the Adam kernel: streams at equal huge-page offsets hit the same DRAM
@@ -158,14 +160,15 @@ class TieredStore:
         self.accounts[tier].reserve(charged, what, fix)
         try:
             if stagger:
-                t = host_stream_buffer(numel, dtype, slot=stagger, pin_memory=tier is Tier.HOST and self.pin_memory)
+                t = host_stream_buffer(numel, dtype, slot=stagger,
+                                       pin_memory=tier is Tier.HOST and self.pin_memory and pin)
             elif tier is Tier.DEVICE and self.device.type == "cpu":
                 t = aligned_tensor(numel, dtype, pin_memory=False, prefault=prefault)
             elif tier is Tier.DEVICE:  # prefault=False: the caller overwrites it whole, zeros would be wasted
                 t = torch.zeros(numel, dtype=dtype, device=self.device) if prefault else \
                     torch.empty(numel, dtype=dtype, device=self.device)
             elif tier is Tier.HOST:
-                t = aligned_tensor(numel, dtype, pin_memory=self.pin_memory)
+                t = aligned_tensor(numel, dtype, pin_memory=self.pin_memory and pin)
             else:
                 raise ValueError(f"allocate: {tier} holds files, not tensors; use register()")
         except BaseException:
@@ -210,7 +213,8 @@ class TieredStore:
         self.claim_nvme(root, total_bytes + spare, f"{what} on {root}",
                         f"free disk space at {root}, point zero_optimization.offload_optimizer.nvme_path at a larger "
                         "filesystem, or lower the state offloaded there")
-        self._pool = BufferPool(buffer_count, slot_bytes, self.accounts[Tier.HOST], pin_memory=self.pin_memory,
+        # the optimizer state's staging: the disk and CPU Adam read and write it, no device copy does (unpinned)
+        self._pool = BufferPool(buffer_count, slot_bytes, self.accounts[Tier.HOST], pin_memory=False,
                                 what=f"{buffer_count} NVMe staging buffers of {fmt_bytes(slot_bytes)}",
                                 fix="lower zero_optimization.sub_group_size or offload_optimizer.buffer_count, or "
                                     "raise offload.host_memory_budget")

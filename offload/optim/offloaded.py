@@ -176,7 +176,8 @@ class OffloadedAdam(torch.optim.Optimizer):
                 self.store.accounts[self.placement].release(3 * sg.numel * 4)
                 self._unfilled -= 3 * sg.numel * 4
                 block = self.store.allocate(self.placement, 3 * sg.numel, torch.float32,
-                                            f"optimizer state of sub-group {sg.index}", _FIX_HOST)
+                                            f"optimizer state of sub-group {sg.index}", _FIX_HOST,
+                                            pin=False)  # read by CPU Adam alone, never copied to a device
                 self._state.append(block)
             self._filling = (sg, block.zero_())
         return self._filling[1]
