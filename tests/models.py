@@ -9,6 +9,8 @@ runs that must agree bit for bit do, in this process and in the subprocesses tha
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -67,6 +69,29 @@ def batches(n: int, vocab: int = 96, bsz: int = 4, t: int = 16, seed: int = 1) -
 def lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Cross-entropy of next-token logits; the targets follow the logits to their device."""
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.to(logits.device).reshape(-1))
+
+
+PLACEMENTS = {  # zero_optimization of each placement: the optimizer state's tier, and stage 3's parameter homes
+    "opt-host": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+    "opt-host-overlap": {"stage": 2, "offload_optimizer": {"device": "cpu", "overlap_forward": True}},
+    "opt-nvme": {"stage": 2, "offload_optimizer": {"device": "nvme"}},
+    "params-host": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}},
+    "params-nvme": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "nvme"}},
+    "all-nvme": {"stage": 3, "offload_optimizer": {"device": "nvme"}, "offload_param": {"device": "nvme"}},
+}
+
+
+def placement_config(tmp_path, placement: str, *, lr: float = 3e-3, live: int = 30_000, bucket: int = 8_000,
+                     **extra) -> dict:
+    """A config of TinyGPT's size for ``placement`` (swap files under ``tmp_path``): stage 3's window of ``live``
+    elements, fetched ``bucket`` at a time; ``extra`` goes to the top level."""
+    zero = {"sub_group_size": 4096, "stage3_max_live_parameters": live, "stage3_prefetch_bucket_size": bucket,
+            "stage3_param_persistence_threshold": 100, **copy.deepcopy(PLACEMENTS[placement])}
+    for section in ("offload_optimizer", "offload_param"):
+        if section in zero:
+            zero[section]["nvme_path"] = str(tmp_path / section)
+    return {"optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.01}},
+            "zero_optimization": zero, "aio": {"block_size": 1 << 16}, **extra}
 
 
 def train_steps(engine, data, loss=None) -> None:

@@ -15,27 +15,16 @@ import torch
 from torch._dynamo.utils import counters, get_compilation_metrics
 
 import offload
-from models import DEVICE, batches, lm_loss, make, on_device, reference_model
+from models import PLACEMENTS, batches, lm_loss, make, on_device, placement_config, reference_model
 
 LR = 3e-3
 STEPS = 4
 
-PLACEMENTS = {
-    "opt-host": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
-    "opt-host-overlap": {"stage": 2, "offload_optimizer": {"device": "cpu", "overlap_forward": True}},
-    "params-host": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}},
-    "all-nvme": {"stage": 3, "offload_optimizer": {"device": "nvme"}, "offload_param": {"device": "nvme"}},
-}
+COMPILE_PLACEMENTS = ["opt-host", "opt-host-overlap", "params-host", "all-nvme"]
 
 
 def config(tmp_path, placement: str) -> dict:
-    zero = {"sub_group_size": 4096, "stage3_max_live_parameters": 8_000, "stage3_prefetch_bucket_size": 2_000,
-            "stage3_param_persistence_threshold": 100, **PLACEMENTS[placement]}
-    for section in ("offload_optimizer", "offload_param"):
-        if section in zero:
-            zero[section] = {**zero[section], "nvme_path": str(tmp_path / section)}
-    return {"optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
-            "zero_optimization": zero, "aio": {"block_size": 1 << 16}}
+    return placement_config(tmp_path, placement, lr=LR, live=8_000, bucket=2_000)
 
 
 @pytest.fixture(autouse=True)
@@ -82,7 +71,7 @@ def train(tmp_path, placement: str, how: str, backend: str, data) -> tuple[offlo
     return engine, losses, {"state": state, "stats": stats}
 
 
-CASES = [("wrapped", p, "aot_eager") for p in PLACEMENTS] + [
+CASES = [("wrapped", p, "aot_eager") for p in COMPILE_PLACEMENTS] + [
     ("in place", "params-host", "aot_eager"),
     ("after", "all-nvme", "aot_eager"),
     ("wrapped", "all-nvme", "inductor"),

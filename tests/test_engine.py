@@ -4,7 +4,6 @@ machine's device (CUDA when present), and the references run there too (tests/mo
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import os
@@ -25,8 +24,8 @@ from hypothesis import strategies as st
 import offload
 import offload.plan
 from offload.memory._heap import HeapTrim, available as heap_trim_available
-from models import (DEVICE, bag_batches, bag_loss, batches, close_enough, lazy_adamw_reference, lm_loss, make,
-                    make_bag, on_device, reference_model, train_steps)
+from models import (DEVICE, PLACEMENTS, bag_batches, bag_loss, batches, close_enough, lazy_adamw_reference, lm_loss,
+                    make, make_bag, on_device, placement_config, reference_model, train_steps)
 
 LR, WD = 3e-3, 0.01
 
@@ -686,17 +685,8 @@ def test_a_parameter_window_that_cannot_fit_fails_before_any_parameter_moves(tmp
         assert p.data_ptr() == ptr and p.dtype == torch.float32 and torch.equal(p.detach(), value), name
 
 
-INIT_PLACEMENTS = {
-    "opt-host": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
-    "opt-nvme": {"stage": 2, "offload_optimizer": {"device": "nvme"}},
-    "params-host": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}},
-    "params-nvme": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "nvme"}},
-    "all-nvme": {"stage": 3, "offload_optimizer": {"device": "nvme"}, "offload_param": {"device": "nvme"}},
-}
-
-
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(placement=st.sampled_from(sorted(INIT_PLACEMENTS)), frozen=st.booleans(),
+@given(placement=st.sampled_from(sorted(PLACEMENTS)), frozen=st.booleans(),
        tier=st.sampled_from(["host_memory_budget", "device_memory_budget", "nvme_memory_budget"]),
        budget=st.integers(1 << 10, 1 << 20))
 def test_an_initialize_that_fails_on_a_budget_leaves_the_model_as_it_was(tmp_path, placement, frozen, tier, budget):
@@ -708,11 +698,7 @@ def test_an_initialize_that_fails_on_a_budget_leaves_the_model_as_it_was(tmp_pat
         for p in [model.tok.weight, *model.blocks[0].parameters()]:
             p.requires_grad_(False)
     before = {n: (p.data_ptr(), p.detach().clone()) for n, p in model.named_parameters()}
-    zero = {"sub_group_size": 4096, **copy.deepcopy(INIT_PLACEMENTS[placement])}
-    for section in ("offload_optimizer", "offload_param"):
-        if section in zero:
-            zero[section]["nvme_path"] = str(tmp_path / section)
-    cfg = {"bf16": {"enabled": True}, "zero_optimization": zero, "offload": {tier: budget}}
+    cfg = placement_config(tmp_path, placement, bf16={"enabled": True}, offload={tier: budget})
     try:
         offload.initialize(model, cfg).close()
         return

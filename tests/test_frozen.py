@@ -12,29 +12,17 @@ import torch
 from torch import nn
 
 import offload
-from models import DEVICE, batches, lm_loss, make, on_device
+from models import DEVICE, batches, lm_loss, make, on_device, placement_config
 from test_export import read_folder
 
 LR = 3e-3
 STEPS = 4
 
-PLACEMENTS = {  # zero_optimization for each: the optimizer state's tier, and stage 3's parameter homes
-    "opt-host": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
-    "opt-nvme": {"stage": 2, "offload_optimizer": {"device": "nvme"}},
-    "params-host": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}},
-    "params-nvme": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "nvme"}},
-    "all-nvme": {"stage": 3, "offload_optimizer": {"device": "nvme"}, "offload_param": {"device": "nvme"}},
-}
+FROZEN_PLACEMENTS = ["opt-host", "opt-nvme", "params-host", "params-nvme", "all-nvme"]
 
 
 def config(tmp_path, placement: str) -> dict:
-    zero = {"sub_group_size": 4096, "stage3_max_live_parameters": 30_000, "stage3_prefetch_bucket_size": 8_000,
-            "stage3_param_persistence_threshold": 100, **PLACEMENTS[placement]}
-    for section in ("offload_optimizer", "offload_param"):
-        if section in zero:
-            zero[section] = {**zero[section], "nvme_path": str(tmp_path / section)}
-    return {"optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
-            "zero_optimization": zero, "aio": {"block_size": 1 << 16}}
+    return placement_config(tmp_path, placement, lr=LR)
 
 
 def frozen_base(seed: int = 0) -> nn.Module:
@@ -63,7 +51,7 @@ def reference(data) -> tuple[nn.Module, list[float]]:
     return model, losses
 
 
-@pytest.mark.parametrize("placement", list(PLACEMENTS))
+@pytest.mark.parametrize("placement", FROZEN_PLACEMENTS)
 def test_a_frozen_base_trains_like_torch_and_keeps_its_values(tmp_path, placement):
     data = batches(STEPS)
     ref, ref_losses = reference(data)
@@ -102,7 +90,7 @@ def test_a_frozen_base_trains_like_torch_and_keeps_its_values(tmp_path, placemen
     assert all(torch.equal(again[k], state[k]) for k in state)
 
 
-@pytest.mark.parametrize("placement", list(PLACEMENTS))
+@pytest.mark.parametrize("placement", FROZEN_PLACEMENTS)
 def test_weights_loaded_into_an_engine_reach_the_frozen_homes(tmp_path, placement):
     """engine.load_state_dict from safetensors (another seed's weights): the frozen parameters' homes take them,
     so the state dict reads them back and the forward computes with them."""
