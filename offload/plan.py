@@ -412,6 +412,10 @@ def resolve(cfg: OffloadConfig, model: ModelSizes, *, device: torch.device, worl
     why["next forward"] = ("off: " + "; ".join(beside_forward)) if beside_forward else \
         ("step() returns once the updates are queued; each module's forward waits only for the sub-groups up to "
          "its own parameters (offload_optimizer.overlap_forward)")
+    if device.type == "cuda" and not zero.offload_optimizer.pin_memory:
+        why["pinned memory"] = ("off (offload_optimizer.pin_memory false): every copy between the GPU and the host "
+                                "goes through the driver's staging and blocks the thread that issues it (for "
+                                "gradients, backward's), so copies no longer overlap compute")
     cuda_path = device.type == "cuda" or STAGE_ON_CPU
     staged = cuda_path and optimizer_tier is not Tier.DEVICE
     dtype_bytes = torch.empty((), dtype=cfg.dtype).element_size()

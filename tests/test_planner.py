@@ -106,3 +106,16 @@ def test_a_host_budget_that_needs_the_model_freed_fits(tmp_path, monkeypatch, pa
     with offload.initialize(model, config) as engine:
         assert engine.memory_report()["host"]["peak"] == peak > peak - model_bytes // 2
         assert engine.plan().budgets[offload.memory.Tier.HOST] == peak - model_bytes // 2 + model_bytes * 9 // 10
+
+
+def test_the_plan_says_what_unpinned_memory_costs_on_a_gpu():
+    """Planning only (nothing runs on the device): on CUDA, pin_memory false is named with its cost."""
+    sizes = offload.plan.ModelSizes((1 << 20,))
+    def why(pin: bool, device: str) -> dict[str, str]:
+        cfg = offload.OffloadConfig.load({"zero_optimization": {"offload_optimizer": {"device": "cpu",
+                                                                                      "pin_memory": pin}},
+                                          "offload": {"device_memory_budget": 1 << 30}})
+        return offload.plan.resolve(cfg, sizes, device=torch.device(device)).why
+
+    assert "blocks the thread" in why(False, "cuda")["pinned memory"]
+    assert "pinned memory" not in why(True, "cuda") and "pinned memory" not in why(False, "cpu")
