@@ -18,7 +18,6 @@ Frozen parameters and buffers are moved to the device once, here (floating point
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 import torch
@@ -159,11 +158,9 @@ class Weights:
             flats = [self._allocate_host(n, f"the host home of param group {g}", _FIX_HOST)
                      for g, n in enumerate(layout.group_numel)]
             if frozen:  # taken with the rest, before any parameter moves: a budget they miss leaves the model as is
-                block = self._allocate_host(sum(p.numel() for p in frozen), "the host homes of the frozen "
-                                            "parameters", _FIX_HOST)
-                starts = itertools.accumulate((p.numel() for p in frozen), initial=0)
-                for k, (p, start) in enumerate(zip(frozen, starts)):
-                    homes[len(layout.params) + k] = block[start : start + p.numel()]
+                sizes = [p.numel() for p in frozen]
+                block = self._allocate_host(sum(sizes), "the host homes of the frozen parameters", _FIX_HOST)
+                homes[len(layout.params):] = block.split(sizes)
             with torch.no_grad():
                 for i, p in enumerate(layout.params):  # each one read into the masters, then moved to its home
                     optimizer.fill_masters(i + 1)

@@ -54,7 +54,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import functools
-import itertools
 import threading
 import time
 from collections.abc import Callable
@@ -244,12 +243,13 @@ class ParameterOffload:
         private = [i for i, (p, home) in enumerate(zip(params, homes)) if home is None
                    and not (self.shards is not None and self.shards.covers(i))
                    and (self._swap is None or p.numel() <= persistence_threshold)]
-        copies = self.store.allocate(Tier.HOST, sum(params[i].numel() for i in private), self.dtype,
-                                     f"the host copies of {len(private)} frozen or persistent parameters",
-                                     "raise offload.host_memory_budget") if private else None
-        if copies is not None:
-            self._private.append(copies)
-        offsets = dict(zip(private, itertools.accumulate((params[i].numel() for i in private), initial=0)))
+        copies: dict[int, torch.Tensor] = {}
+        if private:
+            sizes = [params[i].numel() for i in private]
+            block = self.store.allocate(Tier.HOST, sum(sizes), self.dtype, f"the host copies of {len(private)} "
+                                        "frozen or persistent parameters", "raise offload.host_memory_budget")
+            self._private.append(block)
+            copies = dict(zip(private, block.split(sizes)))
         try:
             for i, (p, home) in enumerate(zip(params, homes)):
                 if before_home is not None:
@@ -266,8 +266,7 @@ class ParameterOffload:
                         self._swap.write(self._key(rec, start), writing[:n]).wait()
                     rec.home = None
                 elif home is None:  # frozen, or persistent with NVMe homes: its private host copy
-                    assert copies is not None and i in offsets
-                    rec.home = copies[offsets[i] : offsets[i] + p.numel()]
+                    rec.home = copies[i]
                     rec.home.copy_(p.detach().reshape(-1))
                 self.params.append(rec)
                 self._by_param[id(p)] = rec
