@@ -43,13 +43,24 @@ def step(engine, batch) -> None:
     engine.step()
 
 
-@pytest.fixture(scope="module")
-def unfaulted(tmp_path_factory) -> dict[str, torch.Tensor]:
-    tmp = tmp_path_factory.mktemp("unfaulted")
-    with offload.initialize(make(), config(tmp)) as engine:
+def to_checkpoint(engine, data, ckpt: Path) -> None:
+    """The steps before the fault, then the checkpoint a test resumes from."""
+    for batch in data[:SAVED_AT]:
+        step(engine, batch)
+    engine.save_checkpoint(ckpt)
+
+
+def trained(cfg: dict) -> dict[str, torch.Tensor]:
+    """The state after every step, never faulted: what each test's run must end equal to."""
+    with offload.initialize(make(), cfg) as engine:
         for batch in batches(STEPS):
             step(engine, batch)
         return state(engine)
+
+
+@pytest.fixture(scope="module")
+def unfaulted(tmp_path_factory) -> dict[str, torch.Tensor]:
+    return trained(config(tmp_path_factory.mktemp("unfaulted")))
 
 
 def state(engine) -> dict[str, torch.Tensor]:
@@ -87,9 +98,7 @@ def test_swap_fault_mid_step_names_key_and_file_and_loses_nothing(tmp_path, unfa
     ckpt = tmp_path / "ckpt"
     with offload.initialize(make(), config(tmp_path, backend), _file_io=faults) as engine:
         swap_file = str(engine.store._swap._file.path)
-        for batch in data[:SAVED_AT]:
-            step(engine, batch)
-        engine.save_checkpoint(ckpt)
+        to_checkpoint(engine, data, ckpt)
         step(engine, data[SAVED_AT])
         faults.arm(op, fault)  # until cleared: every write (or read) of the swap file fails
         with pytest.raises(OSError) as info:
@@ -126,9 +135,7 @@ def test_exception_in_swap_worker_surfaces_at_next_wait(tmp_path, unfaulted):
     faults = Faults()
     ckpt = tmp_path / "ckpt"
     with offload.initialize(make(), config(tmp_path), _file_io=faults) as engine:
-        for batch in data[:SAVED_AT]:
-            step(engine, batch)
-        engine.save_checkpoint(ckpt)
+        to_checkpoint(engine, data, ckpt)
         faults.arm("read", WorkerBug("injected bug in the swap worker"), times=1)
         with pytest.raises(WorkerBug, match="injected bug in the swap worker"):
             bounded(lambda: step(engine, data[SAVED_AT]))
@@ -154,9 +161,7 @@ def test_exception_in_stepper_thread_surfaces_at_next_wait(tmp_path, unfaulted, 
         return real(*args, **kwargs)
 
     with offload.initialize(make(), config(tmp_path)) as engine:
-        for batch in data[:SAVED_AT]:
-            step(engine, batch)
-        engine.save_checkpoint(ckpt)
+        to_checkpoint(engine, data, ckpt)
         monkeypatch.setattr(offloaded, "adam_step", failing_once)
         with pytest.raises(WorkerBug, match="optimizer thread"):
             bounded(lambda: step(engine, data[SAVED_AT]))
@@ -186,9 +191,7 @@ def test_stepper_error_inside_backward_then_a_load_loses_nothing(tmp_path, unfau
 
     with offload.initialize(make(), config(tmp_path)) as engine:
         assert engine.plan().grad_slots
-        for batch in data[:SAVED_AT]:
-            step(engine, batch)
-        engine.save_checkpoint(ckpt)
+        to_checkpoint(engine, data, ckpt)
         monkeypatch.setattr(offloaded, "adam_step", slow_failure_once)
         x, y = data[SAVED_AT]
         waits = engine.stats()["gradient_buffers"]["waits"]
@@ -209,9 +212,7 @@ def test_swap_file_altered_behind_the_engine_fails_the_step_then_resumes(tmp_pat
     data = batches(STEPS)
     ckpt = tmp_path / "ckpt"
     with offload.initialize(make(), config(tmp_path)) as engine:
-        for batch in data[:SAVED_AT]:
-            step(engine, batch)
-        engine.save_checkpoint(ckpt)
+        to_checkpoint(engine, data, ckpt)
         swap = engine.store._swap
         key = swap.keys()[1]
         fd = os.open(swap._file.path, os.O_RDWR)
@@ -241,11 +242,7 @@ def params_config(tmp_path: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def unfaulted_params(tmp_path_factory) -> dict[str, torch.Tensor]:
-    tmp = tmp_path_factory.mktemp("unfaulted_params")
-    with offload.initialize(make(), params_config(tmp)) as engine:
-        for batch in batches(STEPS):
-            step(engine, batch)
-        return state(engine)
+    return trained(params_config(tmp_path_factory.mktemp("unfaulted_params")))
 
 
 def test_parameter_read_fault_fails_the_forward_then_the_same_batch_trains_on(tmp_path, unfaulted_params):
@@ -275,9 +272,7 @@ def test_parameter_read_fault_in_backward_then_a_load_loses_nothing(tmp_path, un
     faults = Faults()
     ckpt = tmp_path / "ckpt"
     with offload.initialize(make(), params_config(tmp_path), _file_io=faults) as engine:
-        for batch in data[:SAVED_AT]:
-            step(engine, batch)
-        engine.save_checkpoint(ckpt)
+        to_checkpoint(engine, data, ckpt)
         x, y = data[SAVED_AT]
         loss = lm_loss(engine(x), y)
         faults.arm("read", errno.EIO)
