@@ -171,7 +171,12 @@ class SwapFile:
         try:
             while done < length:
                 n = min(len(view), length - done)
-                wrote = self._io.pwrite(self.fd, view[:n], extent.offset + done)
+                try:
+                    wrote = self._io.pwrite(self.fd, view[:n], extent.offset + done)
+                except OSError as exc:
+                    raise OSError(exc.errno, f"writing {length} bytes of zeros to reserve space in {self.path} "
+                                             f"failed after {done}: {os.strerror(exc.errno or 0)}",
+                                  str(self.path)) from None
                 if wrote != n:
                     raise OSError(errno.ENOSPC, f"short write reserving space in {self.path}")
                 done += n

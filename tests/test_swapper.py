@@ -317,6 +317,19 @@ class Faults(FileIO):
         return super().aio_run(ctx, depth, fd, is_write, transfers, single_submit, overlap)
 
 
+def test_a_failed_space_reservation_names_the_file(tmp_path):
+    """reserve() writes zeros with pwrite; its error says which file and how far it got, as every I/O error does."""
+    faults = Faults()
+    with SwapEngine(tmp_path, AioConfig(block_size=1 << 16), file_io=faults) as eng:
+        faults.fail["pwrite"] = errno.EIO
+        with pytest.raises(OSError) as info:
+            eng.reserve(1 << 20)
+        assert info.value.errno == errno.EIO and str(eng.directory) in str(info.value)
+        assert "writing 1048576 bytes of zeros to reserve space" in str(info.value)
+        faults.fail.clear()
+        eng.write("k", aligned_tensor(4096, torch.uint8)).wait()  # the engine is still usable
+
+
 @pytest.mark.parametrize("backend", ["aio", "threads"])
 @pytest.mark.parametrize("op, fault, code", [
     ("write", errno.ENOSPC, errno.ENOSPC),
