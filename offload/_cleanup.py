@@ -25,7 +25,11 @@ def close_after_failure(close: Callable[[], object], error: BaseException) -> No
 
 
 def _note(error: BaseException, cleanup: BaseException) -> None:
-    note = f"(while cleaning up after this error, another was raised: {type(cleanup).__name__}: {cleanup})"
+    note_on(error, f"(while cleaning up after this error, another was raised: {type(cleanup).__name__}: {cleanup})")
+
+
+def note_on(error: BaseException, note: str) -> None:
+    """Adds ``note`` to ``error``'s message (Python 3.10, which has no notes: logs it as a warning)."""
     if hasattr(error, "add_note"):
         error.add_note(note)
     else:  # Python 3.10

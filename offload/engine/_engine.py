@@ -51,7 +51,7 @@ import torch
 from nvme_swapper import FileIO, arena_device, pinned_bytes
 
 from .. import _checkpoint
-from .._cleanup import close_after_failure, run_all
+from .._cleanup import close_after_failure, note_on, run_all
 from .._device import fast_bf16
 from .._hooks import Hook, unwrap_compiled
 from .._precision import LossScaler
@@ -129,10 +129,12 @@ class Engine:
         self._gate: UpdateGate | None = None  # plan.overlap_forward: the step's updates finish beside the forward
         self.start_sync: StartSync | None = None  # the parameters and buffers copied from rank 0 at start
         self.comm = Comm(join(cfg.offload.comm_timeout, cfg.offload.device))
+        given = {id(p): (p.dtype, p.device) for p in self.module.parameters()}
         try:
             self._build(param_groups, _file_io)
         except BaseException as exc:
             close_after_failure(self._teardown, exc)
+            _note_moved(self.module, given, exc)
             raise
         self._comm_mark = self._comm_totals()
         _unclosed.add(self)
@@ -776,6 +778,22 @@ def _param_groups(module: torch.nn.Module, param_groups: Iterable[dict[str, Any]
         raise ValueError(f"param_groups leave {len(missing)} trainable parameter(s) out; add them to a group or set "
                          "requires_grad=False")
     return groups, options
+
+
+def _note_moved(module: torch.nn.Module, given: dict[int, tuple[torch.dtype, torch.device]],
+                error: BaseException) -> None:
+    """A failure after parameters began moving to their homes (a disk or device error; budgets are all checked
+    before the first move) hands them back where and how the engine held them: says so on ``error``, so that nobody
+    trains on, say, bf16-rounded weights believing them the fp32 ones they loaded."""
+    moved = [(name, p) for name, p in module.named_parameters() if (p.dtype, p.device) != given.get(id(p))]
+    if not moved:
+        return
+    now = sorted({f"{p.dtype} on {p.device}" for _, p in moved})
+    names = ", ".join(name for name, _ in moved[:3]) + (", ..." if len(moved) > 3 else "")
+    rounded = " (their values rounded to it)" if any(p.dtype != given[id(p)][0] for _, p in moved) else ""
+    note_on(error, f"initialize had moved {len(moved)} of {len(given)} parameters ({names}) when it failed; they "
+                   f"are left as {' and '.join(now)}{rounded}: reload the model's weights, or build it again, before "
+                   "using it")
 
 
 def initialize(model: torch.nn.Module, config: OffloadConfig | Mapping[str, Any] | str | Path | None = None, *,

@@ -1,9 +1,9 @@
 """Shared by the fault-injection tests: a FileIO that fails chosen swap-file syscalls, and a hang guard.
 
-``Faults.arm(op, fault, times)`` makes the next ``times`` calls of ``op`` ("write" or "read", on either I/O path:
-kernel AIO or pread/pwrite) fail with ``fault``: an errno (the call fails with it), ``("short", n)`` (the call moves
-only ``n`` bytes), or an exception instance (raised from the worker thread as a bug would be). ``times=None``
-keeps failing until ``disarm``.
+``Faults.arm(op, fault, times, after)`` lets ``after`` calls of ``op`` ("write" or "read", on either I/O path:
+kernel AIO or pread/pwrite) through, then makes the next ``times`` fail with ``fault``: an errno (the call fails with
+it), ``("short", n)`` (the call moves only ``n`` bytes), or an exception instance (raised from the worker thread as a
+bug would be). ``times=None`` keeps failing until ``disarm``.
 """
 
 from __future__ import annotations
@@ -25,11 +25,13 @@ class Faults(FileIO):
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.armed: dict[str, tuple[object, int | None]] = {}
+        self.passes: dict[str, int] = {}  # calls still let through before an armed fault
         self.hits: dict[str, int] = {"write": 0, "read": 0}
 
-    def arm(self, op: str, fault: object, times: int | None = None) -> None:
+    def arm(self, op: str, fault: object, times: int | None = None, after: int = 0) -> None:
         with self.lock:
             self.armed[op] = (fault, times)
+            self.passes[op] = after
 
     def disarm(self) -> None:
         with self.lock:
@@ -38,6 +40,9 @@ class Faults(FileIO):
     def _take(self, op: str) -> object | None:
         with self.lock:
             if op not in self.armed:
+                return None
+            if self.passes.get(op, 0) > 0:
+                self.passes[op] -= 1
                 return None
             fault, times = self.armed[op]
             if times is not None:

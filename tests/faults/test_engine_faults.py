@@ -22,7 +22,7 @@ import torch
 
 import offload
 from _faults import Faults, bounded
-from models import batches, lm_loss, make
+from models import batches, lm_loss, make, placement_config
 
 STEPS, SAVED_AT = 6, 3
 
@@ -308,3 +308,27 @@ def test_close_after_the_device_fails_still_removes_files_threads_and_hooks(tmp_
         assert not [f for f in path.rglob("*") if f.is_file()], path
     assert not [t for t in threading.enumerate() if t.name.startswith(("offload", "nvme_swapper"))]
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+
+
+@pytest.mark.parametrize("placement", ["opt-nvme", "params-nvme", "all-nvme"])
+def test_a_disk_failure_midway_through_initialize_says_what_it_left_of_the_model(tmp_path, placement):
+    """Budgets are checked before any parameter moves; a disk failing after some have moved (bf16: their fp32
+    values rounded as they went) cannot be undone, so the error says which and how they are left, and the rest of
+    the model is untouched. Found with bare errors: the model silently half bf16, and a failed space reservation
+    that named no file."""
+    model = make()
+    given = {n: (p.dtype, p.device, p.detach().clone()) for n, p in model.named_parameters()}
+    faults = Faults()
+    faults.arm("write", errno.EIO, times=None, after=4)  # the space reservations, then the first homes or state
+    with pytest.raises(OSError, match=r"write of key '(param|adam)/.*' failed: Input/output error") as info:
+        offload.initialize(model, placement_config(tmp_path, placement, bf16={"enabled": True}), _file_io=faults)
+    moved = [n for n, p in model.named_parameters() if (p.dtype, p.device) != given[n][:2]]
+    assert 0 < len(moved) < len(given)
+    note = "\n".join(getattr(info.value, "__notes__", []))
+    assert f"initialize had moved {len(moved)} of {len(given)} parameters ({moved[0]}" in note, note
+    assert "torch.bfloat16" in note and "rounded" in note and "reload the model's weights" in note, note
+    for name, p in model.named_parameters():
+        dtype, _, value = given[name]
+        expected = value.to(torch.bfloat16) if name in moved else value
+        assert torch.equal(p.detach().cpu(), expected), name
+    assert not [f for f in tmp_path.rglob("*") if f.is_file()]
