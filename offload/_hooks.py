@@ -43,7 +43,7 @@ class Hook:
     """``fn`` as a hook; ``refuse``: the error a copy of the model raises, or a callable giving it at the time of
     the copy (None: the copy drops the hook)."""
 
-    __slots__ = ("fn", "refuse")
+    __slots__ = ("fn", "refuse", "_from_public_api")  # the last: torch's mark on public state_dict post-hooks
 
     def __init__(self, fn: Callable[..., Any], refuse: str | Callable[[], str | None] | None = None) -> None:
         self.fn, self.refuse = fn, refuse

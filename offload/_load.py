@@ -13,7 +13,8 @@ Targets (:func:`load_state_dict`):
   makes later start from the checkpoint's values;
 * an :class:`offload.Engine`: the fp32 master weights are written into the optimizer state sub-group by sub-group
   (read, patched and written back where the state lives on NVMe), and each parameter's low-precision home
-  (device, host or NVMe) gets its new value; Adam's moments and the step count are left as they are.
+  (device, host or NVMe) gets its new value; Adam's moments and the step count are left as they are. A module an
+  open engine holds is loaded as that engine (its tensors are the engine's).
 """
 
 from __future__ import annotations
@@ -162,7 +163,12 @@ def load_state_dict(target: "torch.nn.Module | Engine", source: str | os.PathLik
     default) every tensor of the model must be in the checkpoint and nothing else (tied weights count as one);
     otherwise what matches is loaded and the rest reported."""
     from .engine import Engine
+    from .engine._engine import holding
 
+    if isinstance(target, torch.nn.Module):
+        held = holding(unwrap_compiled(target))
+        if held is not None:  # its tensors are the engine's: the masters must get the values too
+            return held.load_state_dict(source, strict=strict)
     with StateSource(source) as src:
         if isinstance(target, Engine):
             return _into_engine(target, src, strict)

@@ -3,7 +3,9 @@
 * ``_engine.py``: :class:`Engine` wires the layers a :class:`~offload.plan.Plan` asks for and runs the step
   (:class:`Phase` says where it is; :class:`TrainingState` is what checkpoints store besides tensors);
 * ``_weights.py``: :class:`Weights`, where the low-precision parameters live and how new values reach them;
-* ``_grads.py``: :class:`GradientStream`, gradients from the device to the host buffers as they become final.
+* ``_grads.py``: :class:`GradientStream`, gradients from the device to the host buffers as they become final;
+* ``_model_state.py``: :class:`ModelStateHooks`, the model's own ``state_dict()`` and ``load_state_dict()`` through
+  the engine.
 """
 
 from ._engine import Engine, Phase, TrainingState, initialize

@@ -16,7 +16,8 @@ What ``initialize`` builds, in order, and who owns what afterwards (``close()`` 
   Adam;
 * the engine's own hooks: a post-accumulate-grad hook per trainable parameter, and a forward pre-hook on the root
   module, the one place inputs are moved to the device (tensors in args and kwargs, nested in lists, tuples and
-  dicts; asynchronously from pinned memory).
+  dicts; asynchronously from pinned memory); and :class:`ModelStateHooks`, through which the model's own
+  ``load_state_dict()`` reaches the fp32 masters and its ``state_dict()`` the offloaded parameters' values.
 
 ``torch.compile(model)`` may be handed over: the engine's ``module`` is the model it wraps (hooks, names,
 checkpoints and exports as without compile) and its forward runs the compiled one (the hooks run eagerly between
@@ -64,6 +65,7 @@ from ..optim.offloaded import OffloadedAdam
 from ..plan import ModelSizes, Partition, Plan, resolve
 from ._gate import UpdateGate
 from ._grads import GradientStream
+from ._model_state import ModelStateHooks
 from ._weights import Weights
 
 log = logging.getLogger("offload")
@@ -105,6 +107,11 @@ class Engine:
         if not isinstance(model, torch.nn.Module):
             raise ValueError(f"initialize: model must be a torch.nn.Module, got {type(model).__name__}")
         self.module = unwrap_compiled(model)  # what hooks, names and checkpoints see
+        if holding(self.module) is not None:
+            raise ValueError("initialize: this model is held by an engine that is still open (its hooks and "
+                             "parameters are that engine's); close it first (engine.close(), or `with "
+                             "offload.initialize(...) as engine:`), which hands the model back with its current "
+                             "weights")
         self._call = model  # what a forward runs: torch.compile(model) stays compiled
         self.phase = Phase.IDLE
         self._failure = ""  # what put the engine in Phase.FAILED
@@ -216,6 +223,7 @@ class Engine:
                                                                  prepend=True))
         for i, p in enumerate(self.layout.params):
             self._hooks.append(p.register_post_accumulate_grad_hook(Hook(self._grad_hook(i))))
+        self._hooks.extend(ModelStateHooks(self).handles)  # model.state_dict() / load_state_dict() through here
 
     def _grad_hook(self, i: int) -> Any:
         def hook(p: torch.Tensor) -> None:
@@ -700,6 +708,11 @@ class Engine:
 
 
 _unclosed: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+
+
+def holding(module: torch.nn.Module) -> Engine | None:
+    """The open engine that holds ``module``, if any."""
+    return next((e for e in list(_unclosed) if e.module is module), None)
 
 
 @atexit.register
