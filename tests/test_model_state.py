@@ -1,4 +1,5 @@
-"""The model's own ``state_dict()`` and ``load_state_dict()`` while an engine holds it (engine/_model_state.py).
+"""The model's own ``state_dict()`` and ``load_state_dict()`` while an engine holds it (engine/_model_state.py), and
+a model whose tensors were replaced behind the engine (``Weights.check_held``).
 
 Before, both went quietly wrong: a load wrote only the low-precision copies and the next step put the old fp32
 masters back (stages 0-2), or failed copying into a placeholder (stage 3); ``state_dict()`` with parameters offloaded
@@ -136,3 +137,21 @@ def test_a_held_model_loads_through_its_engine_and_is_not_initialized_twice(tmp_
         train_steps(engine, batches(1))  # the first engine is unharmed
     with offload.initialize(model, placement_config(tmp_path / "again", "opt-host")) as engine:
         train_steps(engine, batches(1))
+
+
+@pytest.mark.parametrize("placement", ["opt-host", "params-nvme"])
+@pytest.mark.parametrize("convert", ["double", "bfloat16"])
+def test_a_model_converted_after_initialize_fails_its_next_forward(tmp_path, placement, convert):
+    """``model.double()`` after initialize used to stop training silently (stages 0-2: the optimizer kept
+    updating the tensors the engine held, no longer the model's) or fail deep in a layer (stage 3). Now the next
+    forward names the parameter and the fix; a ``.to()`` that changes nothing is fine."""
+    model = make()
+    data = batches(2)
+    with offload.initialize(model, placement_config(tmp_path, placement, bf16={"enabled": convert == "double"})) \
+            as engine:
+        model.to(DEVICE, engine.dtype)  # already there: the same tensors
+        train_steps(engine, data[:1])
+        getattr(model, convert)()
+        with pytest.raises(RuntimeError, match=r"parameter 'pos' is now torch\.\w+ on .*no longer the tensor the "
+                                               r"engine trains .*convert the model before initialize"):
+            engine(data[1][0])

@@ -244,7 +244,9 @@ class Engine:
     def _move_inputs(self, module: torch.nn.Module, args: tuple[Any, ...],
                      kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The root module's forward pre-hook: tensors in the inputs go to the device (non-blocking from pinned
-        memory), so a batch built on the CPU works unchanged on a GPU."""
+        memory), so a batch built on the CPU works unchanged on a GPU; and the model still holds the engine's
+        tensors (:meth:`Weights.check_held`)."""
+        self.weights.check_held()
         return _to_device(args, self.device), _to_device(kwargs, self.device)
 
     def train(self, mode: bool = True) -> "Engine":

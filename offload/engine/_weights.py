@@ -50,10 +50,12 @@ class Weights:
         self.shards: ParamShards | None = None
         self.pending = False  # delayed update: the optimizer's newest values are not on the device yet
         self._reserved = 0  # bytes reserved on the DEVICE tier for the flat parameters
+        self._held: list[tuple[torch.nn.Parameter, int]] = []  # DEVICE tier: each parameter's storage address
         try:
             if plan.param_tier is Tier.DEVICE:
                 self._reserve_device()
                 self.flats = self._flatten_to_device(optimizer)
+                self._held = [(p, p.data_ptr()) for p in layout.params + self.frozen()]
                 if plan.delayed:  # updates land in host buffers, copied to the device at the next step
                     host = [self._allocate_host(f.numel(), "delayed-update parameters", "raise "
                                                 "offload.host_memory_budget or turn off "
@@ -255,6 +257,28 @@ class Weights:
             zero.gather_params(self.flats)  # every rank's updated share, to every rank
         if self.params is not None:
             self.params.updated()
+
+    def check_held(self) -> None:
+        """Raises if a parameter's tensor was replaced behind the engine (``model.to(dtype)``, ``.half()``,
+        ``.cpu()`` on a GPU, ``p.data = ...`` after initialize): the optimizer's updates would go to the tensors
+        the engine holds, no longer the model's, and training would silently stop (or, with parameter offload,
+        fail in some layer with a dtype error). Once per forward: one address (parameter offload: dtype and
+        device) per parameter."""
+        if self.params is not None:
+            bad = next((p for p in self.params.managed() if p.dtype != self.plan.dtype
+                        or p.device != self.plan.device), None)
+        else:
+            bad = next((p for p, ptr in self._held if p.data_ptr() != ptr), None)
+        if bad is None:
+            return
+        name = next((n for n, p in self.module.named_parameters() if p is bad), "?")
+        raise RuntimeError(f"parameter {name!r} is now {bad.dtype} on {bad.device}, no longer the tensor the engine "
+                           f"trains ({self.plan.dtype} on {self.plan.device}): a model.to(), .half(), .float(), "
+                           ".cpu() or `p.data = ...` after offload.initialize replaced it, so updates would not "
+                           "reach it. Choose the dtype in the config (bf16 / fp16 enabled) and the device with "
+                           "offload.device, or convert the model before initialize; set values with "
+                           "engine.load_state_dict or model.load_state_dict. Close this engine and initialize "
+                           "again")
 
     def register_external(self, module: torch.nn.Module, param: torch.nn.Parameter) -> None:
         if self.params is not None:
