@@ -13,6 +13,9 @@ and waits on threads and files, which dynamo cannot trace, and a traced copy of 
 wrongly. The compiled graphs sit between the hooks (a graph break at each module that has some), and autograd's
 saved-tensor hooks still see what a compiled graph saves for backward. :func:`unwrap_compiled` is the model the
 hooks and every name belong to when the user hands over ``torch.compile(model)``.
+
+Under ``torch.inference_mode()`` a hook runs with inference mode off: the device buffers and placeholders it makes
+outlive the block, and an inference tensor could be neither written nor saved for backward after it.
 """
 
 from __future__ import annotations
@@ -50,6 +53,9 @@ class Hook:
         _hide_from_dynamo()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.is_inference_mode_enabled():  # what a hook makes (device buffers, placeholders) outlives the
+            with torch.inference_mode(False):  # block: an inference tensor could not be written or saved after it
+                return self.fn(*args, **kwargs)
         return self.fn(*args, **kwargs)
 
     def _copy(self) -> None:

@@ -303,6 +303,26 @@ def test_eval_no_grad_checkpointing_and_accumulation(tmp_path):
         assert torch.allclose(evaluated, expected, rtol=1e-4, atol=1e-4)  # logits of ~20 after 4 steps
 
 
+@pytest.mark.parametrize("home", ["cpu", "nvme"])
+def test_inference_mode_between_steps(tmp_path, home):
+    """Evaluation under ``torch.inference_mode()`` (an eval harness's way) between steps: the device buffers and
+    placeholders its fetches make are ordinary tensors, so training after it goes on as without it (host homes
+    failed: a buffer made in inference mode cannot be copied into outside it). Its logits are the reference's."""
+    data = batches(6)
+    model = make()
+    ref, ref_losses = reference(copy.deepcopy(model), data, gpt_loss)
+    with offload.initialize(model, config(tmp_path, home, live=9000, bucket=4000)) as engine:
+        losses = run(engine, data[:3], gpt_loss)
+        with torch.inference_mode():
+            evaluated = [engine(x) for x, _ in data[3:]]
+        losses += run(engine, data[3:], gpt_loss)
+    assert_same(model, ref, losses, ref_losses)
+    part, _ = reference(make(), data[:3], gpt_loss)  # the weights the evaluation saw
+    with torch.no_grad():
+        for got, (x, _) in zip(evaluated, data[3:]):
+            assert torch.allclose(got, part(x.to(DEVICE)), rtol=1e-4, atol=1e-4)
+
+
 def test_parameter_larger_than_the_prefetch_bucket(tmp_path):
     data = batches(4)
     model = make()
