@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 import threading
-from collections import namedtuple
+from collections import UserDict, namedtuple
 from pathlib import Path
 
 import pytest
@@ -32,16 +32,19 @@ def config(tmp_path, **offload_section) -> dict:
 
 
 class Nested(torch.nn.Module):
-    """A model whose forward takes tensors nested in a dict, a list, a named tuple and a keyword argument."""
+    """A model whose forward takes tensors nested in a mapping (a ``UserDict``, as transformers' BatchEncoding), a
+    dict, a list, a named tuple and a keyword argument."""
 
     def __init__(self) -> None:
         super().__init__()
         self.gpt = make()
 
-    def forward(self, batch: dict, *, scale: torch.Tensor) -> torch.Tensor:
+    def forward(self, batch: UserDict, *, scale: torch.Tensor) -> torch.Tensor:
         idx = batch["ids"][0]
-        assert batch["pair"].idx.device == idx.device == scale.device == self.gpt.tok.weight.device
-        return self.gpt(idx) * scale + batch["pair"].extra.sum()
+        extra = batch["more"]["pair"].extra
+        assert isinstance(batch, UserDict)
+        assert batch["more"]["pair"].idx.device == idx.device == scale.device == self.gpt.tok.weight.device
+        return self.gpt(idx) * scale + extra.sum()
 
 
 def test_inputs_move_to_the_device_and_the_model_lives_there(tmp_path):
@@ -50,7 +53,7 @@ def test_inputs_move_to_the_device_and_the_model_lives_there(tmp_path):
     with offload.initialize(model, config(tmp_path)) as engine:
         assert engine.device == DEVICE and engine.plan().device == DEVICE
         assert all(p.device == DEVICE for p in model.parameters())
-        batch = {"ids": [x], "pair": Pair(x, torch.zeros(3))}
+        batch = UserDict({"ids": [x], "more": {"pair": Pair(x, torch.zeros(3))}})
         out = engine(batch, scale=torch.ones(()))  # CPU tensors in, nested
         assert out.device == DEVICE
         engine.backward(lm_loss(out, y))

@@ -744,7 +744,7 @@ def _warn_slow_bf16(device: torch.device, dtype: torch.dtype) -> None:
 
 
 def _to_device(value: Any, device: torch.device) -> Any:
-    """``value`` with every tensor in it (through lists, tuples, named tuples and dicts) on ``device``."""
+    """``value`` with every tensor in it (through lists, tuples, named tuples and mappings) on ``device``."""
     if isinstance(value, torch.Tensor):
         if value.device == device:
             return value
@@ -753,11 +753,11 @@ def _to_device(value: Any, device: torch.device) -> Any:
         return type(value)(*(_to_device(v, device) for v in value))
     if isinstance(value, (list, tuple)):
         return type(value)(_to_device(v, device) for v in value)
-    if isinstance(value, dict):
+    if isinstance(value, Mapping):  # dicts, and UserDicts such as transformers' BatchEncoding
         moved = {k: _to_device(v, device) for k, v in value.items()}
         try:
             return type(value)(moved)
-        except TypeError:  # a dict subclass that cannot be built from a dict
+        except TypeError:  # a mapping that cannot be built from a dict
             return moved
     return value
 
