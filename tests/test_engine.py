@@ -1069,6 +1069,23 @@ def test_a_gradient_that_arrives_twice_in_one_backward_is_named(tmp_path):
             engine.backward(engine(torch.randn(4, 8)))
 
 
+@pytest.mark.parametrize("params", ["none", "cpu"])
+def test_loss_backward_instead_of_engine_backward_is_named_and_changes_nothing(tmp_path, params):
+    """``loss.backward()`` (plain torch's habit) fails at the first gradient, naming engine.backward; the gradient
+    it had made is dropped, so training from there matches torch's AdamW."""
+    data = batches(4)
+    cfg = config(tmp_path, "cpu", zero_optimization={"stage": 3 if params != "none" else 2,
+                                                     "offload_param": {"device": params}})
+    with offload.initialize(make(), cfg) as engine:
+        x, y = data[0]
+        with pytest.raises(RuntimeError, match=r"outside engine\.backward\(loss\): call engine\.backward"):
+            lm_loss(engine(x), y).backward()
+        train(engine, data)
+        state = engine.consolidated_state_dict()
+    for name, r in reference_fp32(len(data), data).named_parameters():
+        close_enough(state[name], r.detach(), 1e-5)
+
+
 @pytest.mark.parametrize("device", ["cpu", "nvme"])
 @pytest.mark.parametrize("sparse_module", [False, True])
 def test_lazy_sparse_gradients_leave_untouched_rows_alone(tmp_path, device, sparse_module):

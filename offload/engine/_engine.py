@@ -328,6 +328,11 @@ class Engine:
         1-2 on several ranks), then freed."""
         grad = p.grad
         assert grad is not None
+        if self.phase is not Phase.BACKWARD:
+            p.grad = None  # the next engine.backward must not add to it
+            raise RuntimeError("a gradient arrived outside engine.backward(loss): call engine.backward(loss) "
+                               "instead of loss.backward() (it scales the loss for accumulation and fp16, and "
+                               "hands each gradient to the offloaded optimizer as backward produces it)")
         if i in self._seen_micro:
             raise RuntimeError(
                 f"parameter {i} (shape {tuple(p.shape)}) got its gradient twice in one backward: reentrant "
