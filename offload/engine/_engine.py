@@ -203,6 +203,10 @@ class Engine:
             self._gate = UpdateGate(self.module, self.layout, self.optimizer, self.copies,
                                     on_error=lambda exc: self._fail("engine.step (its updates, finishing beside "
                                                                     "the next forward)", exc))
+        # the model still holds the engine's tensors: checked first of all the root's pre-hooks, outside the gate's
+        # trace of what each module reads (the check touches every parameter, as a read the trace would record)
+        self._hooks.append(self.module.register_forward_pre_hook(Hook(lambda *_: self.weights.check_held()),
+                                                                 prepend=True))
 
     def _prepare_nvme(self, name: str) -> str | None:
         """The checked swap directory of ``zero_optimization.<name>``: with several ranks, a ``rank<r>`` folder of
@@ -244,9 +248,7 @@ class Engine:
     def _move_inputs(self, module: torch.nn.Module, args: tuple[Any, ...],
                      kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The root module's forward pre-hook: tensors in the inputs go to the device (non-blocking from pinned
-        memory), so a batch built on the CPU works unchanged on a GPU; and the model still holds the engine's
-        tensors (:meth:`Weights.check_held`)."""
-        self.weights.check_held()
+        memory), so a batch built on the CPU works unchanged on a GPU."""
         return _to_device(args, self.device), _to_device(kwargs, self.device)
 
     def train(self, mode: bool = True) -> "Engine":
