@@ -497,10 +497,12 @@ class Crossed(torch.nn.Module):
 def test_gradient_slots_when_sub_groups_fill_out_of_order(tmp_path, device, gradients):
     """Gradients held in sub-group slots (one micro-batch, no clipping): when more sub-groups are open at once
     than there are slots and no update is queued to free one, the pool grows instead of deadlocking. The result
-    equals torch's AdamW, and the layout's padding keeps zero master weights although the slots are reused."""
+    equals torch's AdamW, and the layout's padding keeps zero master weights although the slots are reused.
+    Buckets of 512: an a and a b in separate buckets, so that (staged, as on CUDA, where a slot is taken when a
+    bucket is sent) each b's bucket takes its sub-group's slot before the a's arrive."""
     xs = [torch.randn(4, 512, generator=torch.Generator().manual_seed(i)) for i in range(5)]
     model, ref = Crossed(), Crossed().to(DEVICE)
-    cfg = config(tmp_path, device, zero_optimization={"sub_group_size": 1024})
+    cfg = config(tmp_path, device, zero_optimization={"sub_group_size": 1024, "reduce_bucket_size": 512})
     with offload.initialize(model, cfg) as engine:
         assert engine.plan().grad_slots == offload.plan.GRAD_SLOTS < len(engine.layout.sub_groups) == 8
         for x in xs:
@@ -521,6 +523,20 @@ def test_gradient_slots_when_sub_groups_fill_out_of_order(tmp_path, device, grad
         opt.step()
     for p, r in zip(model.parameters(), ref.parameters()):
         close_enough(p, r, 1e-5)
+
+
+def test_a_bucket_of_padding_alone_holds_no_update_back(tmp_path, gradients):
+    """Buckets of 100 elements: each sub-group of Crossed ends in two of alignment padding alone. Every sub-group's
+    update still starts during backward, as soon as its last gradient is in (a bucket no gradient could complete
+    held each one back until step())."""
+    model = Crossed()
+    cfg = config(tmp_path, "cpu", zero_optimization={"sub_group_size": 1024, "reduce_bucket_size": 100})
+    with offload.initialize(model, cfg) as engine:
+        for i in range(3):
+            x = torch.randn(4, 512, generator=torch.Generator().manual_seed(i))
+            engine.backward(engine(x).pow(2).mean())
+            engine.step()
+        assert engine.stats()["sub_groups_overlapped"] == 3 * len(engine.layout.sub_groups) == 3 * 8
 
 
 def test_gradient_slots_save_the_host_gradient_buffer(tmp_path):

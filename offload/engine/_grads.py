@@ -107,18 +107,23 @@ class GradientStream:
         self.begin_micro_batch()
 
     def _cut(self, bucket: int) -> None:
+        """Buckets of at most ``bucket`` elements over each sub-group. A range of padding alone gets none: the host
+        buffers hold zeros there already (zeroed when allocated, and a slot when taken), and a bucket no gradient
+        can complete would hold its sub-group's update back until the step."""
         for sg in self.layout.sub_groups:
             for start in range(sg.start, sg.end, bucket):
                 b = _Bucket(sg.index, start, min(start + bucket, sg.end))
-                self.buckets.append(b)
-                self._of_sub_group[sg.index].append(b)
                 for seg in sg.segments:
                     lo, hi = max(b.start, seg.flat_start), min(b.end, seg.flat_start + seg.numel)
                     if lo < hi:
                         piece = _Piece(len(b.pieces), seg.param_start + lo - seg.flat_start, lo, hi - lo)
                         b.pieces.append(piece)
                         self._of_param[seg.param].append((b, piece))
+                if not b.pieces:
+                    continue
                 b.gaps = sg.padding(b.start, b.end)
+                self.buckets.append(b)
+                self._of_sub_group[sg.index].append(b)
 
     def _new_staging(self) -> torch.Tensor:
         return self.store.allocate(Tier.DEVICE, self._staging_numel, self._dtype, "a gradient bucket on the device",
