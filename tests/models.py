@@ -22,8 +22,9 @@ from offload.models import Block, GPTConfig
 # than a one-GPU machine has GPUs); their engines choose their own device, this is the test process's reference.
 DEVICE = resolve_device("auto", local_rank=0)
 if DEVICE.type == "cuda":
-    torch.backends.cuda.enable_flash_sdp(False)  # flash and memory-efficient attention backward use atomics
-    torch.backends.cuda.enable_mem_efficient_sdp(False)
+    torch.backends.cuda.enable_flash_sdp(False)  # flash and memory-efficient attention backward use atomics;
+    torch.backends.cuda.enable_mem_efficient_sdp(False)  # torch calls cuDNN's attention nondeterministic (and
+    torch.backends.cuda.enable_cudnn_sdp(False)  # prefers it on sm90 with recent cuDNN)
 
 
 class TinyGPT(nn.Module):

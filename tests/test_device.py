@@ -20,7 +20,7 @@ import torch
 import offload
 from nvme_swapper import SwapEngine, aligned_tensor, pinned_bytes
 from offload._device import resolve_device
-from models import DEVICE, batches, lm_loss, make
+from models import DEVICE, batches, lm_loss, make, on_device
 
 CUDA = torch.cuda.is_available()
 Pair = namedtuple("Pair", "idx extra")
@@ -94,7 +94,8 @@ def test_a_gpu_of_its_own_per_rank_is_cuda_0(monkeypatch):
         resolve_device("cuda:0", local_rank=2, local_world_size=4)
 
 
-def test_more_ranks_than_gpus_is_an_error_that_names_the_fix():
+def test_more_ranks_than_gpus_is_an_error_that_names_the_fix(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # one GPU named there reads as one GPU per process
     assert resolve_device("cpu", local_rank=5, local_world_size=8) == torch.device("cpu")
     if not CUDA:
         assert resolve_device("auto", local_rank=3, local_world_size=4) == torch.device("cpu")
@@ -168,8 +169,9 @@ def test_a_failure_inside_initialize_surfaces_as_itself(tmp_path, monkeypatch):
     assert list((tmp_path / "p").iterdir()) == []
     for n, p in model.named_parameters():  # every parameter holds its value again, as a plain tensor
         assert torch.equal(p.detach().cpu(), before[n].to(p.dtype)), n
-    x, y = batches(1)[0]
-    lm_loss(model(x.to(p.device)), y).backward()
+    model.to(DEVICE)  # on a GPU those handed back are there already, the rest still on the CPU
+    x, y = on_device(batches(1)[0])
+    lm_loss(model(x), y).backward()
 
 
 @pytest.mark.skipif(not CUDA, reason="page-locked memory is registered with CUDA")

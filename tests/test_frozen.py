@@ -83,7 +83,7 @@ def test_a_frozen_base_trains_like_torch_and_keeps_its_values(tmp_path, placemen
     for n, p in model.named_parameters():  # close() hands the model back, on the device
         assert p.device == DEVICE and torch.isfinite(p).all(), n
         if n in frozen:
-            assert torch.equal(p.detach(), original[n]), n
+            assert torch.equal(p.detach().cpu(), original[n]), n
     with offload.initialize(frozen_base(seed=5), config(tmp_path / "again", placement)) as resumed:
         resumed.load_checkpoint(tmp_path / "ckpt")
         again = resumed.consolidated_state_dict()
