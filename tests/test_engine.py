@@ -678,6 +678,24 @@ def test_a_host_budget_the_state_does_not_fit_fails_before_any_parameter_moves(t
         assert p.data_ptr() == ptr and p.dtype == torch.float32 and torch.equal(p.detach(), value), name
 
 
+@pytest.mark.parametrize("short", [1, 4 << 10, 16 << 10, 64 << 10])
+def test_a_host_budget_just_below_the_peak_leaves_the_model_as_it_was(tmp_path, gradients, short):
+    """The host buffers the engine takes last (with CUDA: the pinned staging updated parameters reach the device
+    through) come before any parameter moves too: a budget ``short`` bytes below the peak fails with the model as
+    given. Found by a desk review for CUDA: the staging was taken after the move, leaving bf16-rounded weights."""
+    cfg = config(tmp_path, "cpu", bf16={"enabled": True})
+    with offload.initialize(make(), cfg) as engine:
+        peak = engine.memory_report()["host"]["peak"]
+    model = make()
+    before = {n: (p.data_ptr(), p.detach().clone()) for n, p in model.named_parameters()}
+    with pytest.raises(offload.BudgetExceeded, match="host tier"):
+        offload.initialize(model, config(tmp_path, "cpu", bf16={"enabled": True},
+                                         offload={"host_memory_budget": peak - short}))
+    for name, p in model.named_parameters():
+        ptr, value = before[name]
+        assert p.data_ptr() == ptr and p.dtype == torch.float32 and torch.equal(p.detach(), value), name
+
+
 @pytest.mark.parametrize("home", ["cpu", "nvme"])
 @pytest.mark.parametrize("limit, error, match", [
     ({"offload": {"device_memory_budget": "1KiB"}}, offload.BudgetExceeded, r"device tier: the parameter window"),

@@ -52,17 +52,18 @@ class Weights:
         self._reserved = 0  # bytes reserved on the DEVICE tier for the flat parameters
         self._held: list[tuple[torch.nn.Parameter, int]] = []  # DEVICE tier: each parameter's storage address
         try:
-            if plan.param_tier is Tier.DEVICE:
-                self._reserve_device()
-                self.flats = self._flatten_to_device(optimizer)
-                self._held = [(p, p.data_ptr()) for p in layout.params + self.frozen()]
+            if plan.param_tier is Tier.DEVICE:  # every buffer before the first parameter moves: a budget that
+                self._reserve_device()  # misses one leaves the model as it was given
+                self.flats = self._device_flats()
                 if plan.delayed:  # updates land in host buffers, copied to the device at the next step
                     host = [self._allocate_host(f.numel(), "delayed-update parameters", "raise "
                                                 "offload.host_memory_budget or turn off "
                                                 "offload_optimizer.delayed_update") for f in self.flats]
                     optimizer.attach_device(host)
-                else:
+                else:  # CUDA: the new values reach the device through pinned staging, allocated here
                     optimizer.attach_device(self.flats, upload=plan.cuda_path)
+                self._flatten_to_device(optimizer)
+                self._held = [(p, p.data_ptr()) for p in layout.params + self.frozen()]
             else:
                 self._offload(comm, optimizer, aio, nvme_path)
         except BaseException as exc:
@@ -93,11 +94,16 @@ class Weights:
             "raise offload.device_memory_budget (parameter offload is the other way out)")
         self._reserved = flat + frozen + grad
 
-    def _flatten_to_device(self, optimizer: OffloadedAdam) -> list[torch.Tensor]:
-        plan, layout = self.plan, self.layout
-        # zeroed: the alignment padding between parameters stays zero
-        flats = [torch.zeros(numel, dtype=plan.dtype, device=plan.device) if plan.cuda
-                 else aligned_tensor(numel, plan.dtype, pin_memory=False) for numel in layout.group_numel]
+    def _device_flats(self) -> list[torch.Tensor]:
+        """One flat buffer per param group on the device, zeroed: the alignment padding between parameters stays
+        zero."""
+        plan = self.plan
+        return [torch.zeros(numel, dtype=plan.dtype, device=plan.device) if plan.cuda
+                else aligned_tensor(numel, plan.dtype, pin_memory=False) for numel in self.layout.group_numel]
+
+    def _flatten_to_device(self, optimizer: OffloadedAdam) -> None:
+        """Each trainable parameter becomes a view into its group's flat, each frozen one and each buffer moves."""
+        layout, flats = self.layout, self.flats
         with torch.no_grad():
             for i, p in enumerate(layout.params):  # each one read into the masters, then moved: its memory goes
                 optimizer.fill_masters(i + 1)
@@ -106,7 +112,6 @@ class Weights:
             for p in self.frozen():
                 p.data = self._to_device(p.data)
         self._move_buffers()
-        return flats
 
     def _place(self, dst: torch.Tensor, value: torch.Tensor) -> None:
         """``value`` (the user's tensor, on any device, any float dtype) into ``dst`` on the device."""
