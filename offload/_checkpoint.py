@@ -63,11 +63,17 @@ def _names(engine: "Engine") -> list[str]:
     return [by_id[id(p)] for p in engine.layout.params]
 
 
-def _others(engine: "Engine") -> dict[str, torch.Tensor]:
+def _frozen_and_buffers(engine: "Engine") -> dict[str, torch.Tensor]:
+    """The checkpoint names of the frozen parameters and buffers -> the tensors (parameter offload: placeholders)."""
     trainable = {id(p) for p in engine.layout.params}
-    out = {f"frozen/{n}": _host_value(engine, p) for n, p in engine.module.named_parameters() if id(p) not in trainable}
-    out.update({f"buffer/{n}": _host_value(engine, b) for n, b in engine.module.named_buffers()})
+    out = {f"frozen/{n}": p for n, p in engine.module.named_parameters() if id(p) not in trainable}
+    out.update({f"buffer/{n}": b for n, b in engine.module.named_buffers()})
     return out
+
+
+def _other_shapes(engine: "Engine") -> dict[str, tuple[int, ...]]:
+    """Their shapes, read from nothing (a frozen base can be most of the model)."""
+    return {n: tuple(t.shape) for n, t in _frozen_and_buffers(engine).items()}
 
 
 def _pieces(sg, block: torch.Tensor, names: list[str]):
@@ -243,7 +249,7 @@ def _write_shard(engine: "Engine", tmp: Path) -> dict[str, dict[str, Any]]:
             for k in _KINDS:
                 entries.append((f"{k}/{n}", torch.float32, (piece[1],)))
                 starts[f"{k}/{n}"] = piece[0]
-    others = _others(engine) if rank == 0 else {}
+    others = _frozen_and_buffers(engine) if rank == 0 else {}  # read one at a time as they are written
     entries += [(n, t.dtype, tuple(t.shape)) for n, t in others.items()]
     # delayed update: the device still holds the previous parameters
     pending = engine.training_state().pending_update and rank == 0
@@ -260,7 +266,7 @@ def _write_shard(engine: "Engine", tmp: Path) -> dict[str, dict[str, Any]]:
                 f.write(name, view, offset - index[name]["start"])
             opt.done_state(sg, dirty=False)
         for name, t in others.items():
-            f.write(name, t)
+            f.write(name, _host_value(engine, t))
         if pending:
             for name, p in zip(names, layout.params):
                 f.write(f"device/{name}", engine.copies.download(p))
@@ -381,7 +387,7 @@ def load(engine: "Engine", root: Path, tag: str | None, before_write: Any = None
         names = _names(engine)
         layout, opt = engine.layout, engine.optimizer
         expected = {f"{k}/{n}": tuple(p.shape) for n, p in zip(names, layout.params) for k in _KINDS}
-        expected.update({n: tuple(t.shape) for n, t in _others(engine).items()})
+        expected.update(_other_shapes(engine))
         found = {n: tuple(s) for n, s in ck.shapes.items() if not n.startswith("device/")}
         missing = sorted(set(expected) - set(found))
         unexpected = sorted(set(found) - set(expected))
