@@ -63,17 +63,18 @@ def _names(engine: "Engine") -> list[str]:
     return [by_id[id(p)] for p in engine.layout.params]
 
 
-def _frozen_and_buffers(engine: "Engine") -> dict[str, torch.Tensor]:
-    """The checkpoint names of the frozen parameters and buffers -> the tensors (parameter offload: placeholders)."""
+def _frozen_and_buffers(engine: "Engine", frozen: bool = True) -> dict[str, torch.Tensor]:
+    """The checkpoint names of the frozen parameters (unless not ``frozen``) and buffers -> the tensors (parameter
+    offload: placeholders)."""
     trainable = {id(p) for p in engine.layout.params}
-    out = {f"frozen/{n}": p for n, p in engine.module.named_parameters() if id(p) not in trainable}
+    out = {f"frozen/{n}": p for n, p in engine.module.named_parameters() if frozen and id(p) not in trainable}
     out.update({f"buffer/{n}": b for n, b in engine.module.named_buffers()})
     return out
 
 
-def _other_shapes(engine: "Engine") -> dict[str, tuple[int, ...]]:
+def _other_shapes(engine: "Engine", frozen: bool = True) -> dict[str, tuple[int, ...]]:
     """Their shapes, read from nothing (a frozen base can be most of the model)."""
-    return {n: tuple(t.shape) for n, t in _frozen_and_buffers(engine).items()}
+    return {n: tuple(t.shape) for n, t in _frozen_and_buffers(engine, frozen).items()}
 
 
 def _pieces(sg, block: torch.Tensor, names: list[str]):
@@ -166,11 +167,13 @@ def _owned_piece(engine: "Engine", i: int) -> tuple[int, int] | None:
     return None
 
 
-def _state_dict_entries(engine: "Engine", names: list[str]) -> dict[str, str]:
-    """Each key of ``module.state_dict()`` -> the checkpoint entry holding its value (tied weights share one)."""
+def _state_dict_entries(engine: "Engine", names: list[str], frozen: bool) -> dict[str, str]:
+    """Each key of ``module.state_dict()`` -> the checkpoint entry holding its value (tied weights share one);
+    frozen parameters only if ``frozen`` (written)."""
     entry: dict[int, str] = {id(p): f"param/{n}" for n, p in zip(names, engine.layout.params)}
     for n, p in engine.module.named_parameters():
-        entry.setdefault(id(p), f"frozen/{n}")
+        if frozen:
+            entry.setdefault(id(p), f"frozen/{n}")
     for n, b in engine.module.named_buffers():
         entry.setdefault(id(b), f"buffer/{n}")
     return {key: entry[id(t)] for key, t in engine.module.state_dict(keep_vars=True).items() if id(t) in entry}
@@ -180,8 +183,9 @@ def _shard_names(rank: int) -> tuple[str, str]:
     return ("tensors.bin" if rank == 0 else f"tensors.{rank}.bin"), f"index.{rank}.json"
 
 
-def save(engine: "Engine", root: Path, tag: str) -> Path:
-    """Collective with several ranks: each writes its shard; rank 0 commits once all succeeded."""
+def save(engine: "Engine", root: Path, tag: str, frozen: bool = True) -> Path:
+    """Collective with several ranks: each writes its shard; rank 0 commits once all succeeded. ``frozen``:
+    whether the frozen parameters are written (else loads keep the model's own)."""
     if not tag or "/" in tag or tag.startswith(".") or tag == "latest":
         raise ValueError(f"checkpoint tag {tag!r} must be a plain name (no '/', not starting with '.', not 'latest')")
     comm, rank = engine.comm, engine.rank
@@ -198,7 +202,7 @@ def save(engine: "Engine", root: Path, tag: str) -> Path:
     comm.barrier()
     error: BaseException | None = None
     try:
-        index = _write_shard(engine, tmp)
+        index = _write_shard(engine, tmp, frozen)
     except (OSError, ValueError) as exc:
         error = exc
     failed = int(comm.sum_float(1.0 if error is not None else 0.0))
@@ -225,7 +229,8 @@ def save(engine: "Engine", root: Path, tag: str) -> Path:
             "pending_update": state.pending_update,
             "lr_scheduler": state.lr_scheduler,
             "shapes": shapes,
-            "state_dict": _state_dict_entries(engine, names),
+            "state_dict": _state_dict_entries(engine, names, frozen),
+            "frozen_excluded": not frozen,
         }
         _write_file(tmp / "meta.json", json.dumps(meta, indent=1).encode())
         _fsync_dir(tmp)
@@ -238,7 +243,7 @@ def save(engine: "Engine", root: Path, tag: str) -> Path:
     return final
 
 
-def _write_shard(engine: "Engine", tmp: Path) -> dict[str, dict[str, Any]]:
+def _write_shard(engine: "Engine", tmp: Path, frozen: bool) -> dict[str, dict[str, Any]]:
     """This rank's pieces of the trainable state (and, on rank 0, the replicated tensors) and its index."""
     names = _names(engine)
     layout, opt, rank = engine.layout, engine.optimizer, engine.rank
@@ -249,7 +254,7 @@ def _write_shard(engine: "Engine", tmp: Path) -> dict[str, dict[str, Any]]:
             for k in _KINDS:
                 entries.append((f"{k}/{n}", torch.float32, (piece[1],)))
                 starts[f"{k}/{n}"] = piece[0]
-    others = _frozen_and_buffers(engine) if rank == 0 else {}  # read one at a time as they are written
+    others = _frozen_and_buffers(engine, frozen) if rank == 0 else {}  # read one at a time as they are written
     entries += [(n, t.dtype, tuple(t.shape)) for n, t in others.items()]
     # delayed update: the device still holds the previous parameters
     pending = engine.training_state().pending_update and rank == 0
@@ -387,7 +392,8 @@ def load(engine: "Engine", root: Path, tag: str | None, before_write: Any = None
         names = _names(engine)
         layout, opt = engine.layout, engine.optimizer
         expected = {f"{k}/{n}": tuple(p.shape) for n, p in zip(names, layout.params) for k in _KINDS}
-        expected.update(_other_shapes(engine))
+        frozen = not meta.get("frozen_excluded", False)
+        expected.update(_other_shapes(engine, frozen))
         found = {n: tuple(s) for n, s in ck.shapes.items() if not n.startswith("device/")}
         missing = sorted(set(expected) - set(found))
         unexpected = sorted(set(found) - set(expected))
@@ -420,7 +426,7 @@ def load(engine: "Engine", root: Path, tag: str | None, before_write: Any = None
                     engine.write_parameter(p, master)  # the working copy: master rounded to the training dtype
             trainable = {id(p) for p in layout.params}
             for n, p in engine.module.named_parameters():
-                if id(p) not in trainable:
+                if frozen and id(p) not in trainable:
                     engine.write_parameter(p, ck.read(f"frozen/{n}"))
             for n, b in engine.module.named_buffers():
                 b.copy_(engine.copies.upload(ck.read(f"buffer/{n}")))

@@ -78,15 +78,24 @@ class Partition(Enum):
 
 @dataclass(frozen=True)
 class ModelSizes:
-    """What a plan needs to know of a model: the element count of each trainable parameter (in order) and of the
-    frozen tensors (frozen parameters and buffers)."""
+    """What a plan needs to know of a model: the element count of each trainable parameter (in order), of the
+    frozen tensors (frozen parameters and buffers), and of each frozen parameter (under parameter offload homed and
+    fetched like a trainable one: a LoRA run's base is most of the window)."""
 
     params: tuple[int, ...]
     frozen: int = 0
+    frozen_params: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, trainable: list[torch.Tensor], frozen: list[torch.Tensor] = ()) -> "ModelSizes":
-        return cls(tuple(p.numel() for p in trainable), sum(t.numel() for t in frozen))
+    def of(cls, trainable: list[torch.Tensor], frozen: list[torch.Tensor] = (),
+           buffers: list[torch.Tensor] = ()) -> "ModelSizes":
+        return cls(tuple(p.numel() for p in trainable), sum(t.numel() for t in [*frozen, *buffers]),
+                   tuple(p.numel() for p in frozen))
+
+    @property
+    def offloaded(self) -> tuple[int, ...]:
+        """Every parameter, trainable then frozen: what parameter offload gives a home off the device."""
+        return self.params + self.frozen_params
 
     @property
     def numel(self) -> int:
@@ -214,7 +223,7 @@ def _persistence(model: ModelSizes, dtype_bytes: int, device: int | None, why: d
     """PERSISTENCE, lowered until the persistent parameters take at most a quarter of the device budget."""
     threshold = PERSISTENCE
     if device is not None:
-        small = sorted(s for s in model.params if s <= threshold)
+        small = sorted(s for s in model.offloaded if s <= threshold)
         while small and sum(small) * dtype_bytes > device // 4:
             threshold = small.pop() - 1
         if threshold < PERSISTENCE:
@@ -271,9 +280,10 @@ def choose_sizes(model: ModelSizes, *, optimizer_tier: Tier, param_tier: Tier, d
         persistence_threshold = PERSISTENCE if param_tier is Tier.DEVICE else \
             _persistence(model, dtype_bytes, budgets.get(Tier.DEVICE), why)
     if param_tier is not Tier.DEVICE:
-        homed = [s for s in model.params if s > persistence_threshold]
+        homed = [s for s in model.offloaded if s > persistence_threshold]
         largest, total = max(homed, default=0), sum(homed)
-        persistent = sum(s for s in model.params if s <= persistence_threshold) + model.frozen
+        persistent = sum(s for s in model.offloaded if s <= persistence_threshold) + \
+            model.frozen - sum(model.frozen_params)  # and the buffers
         device = budgets.get(Tier.DEVICE)
         if max_live is None and device is None:
             max_live = min(total, max(total // 8, largest + largest // 4))
@@ -304,8 +314,8 @@ def expected_bytes(plan: Plan, model: ModelSizes) -> dict[Tier, int]:
     flat = sum(layout.group_numel)
     owned = layout.owned_numel(0)
     max_sg = layout.max_sub_group_numel
-    homed = [s for s in model.params if s > plan.persistence_threshold]
-    persistent = sum(s for s in model.params if s <= plan.persistence_threshold)
+    homed = [s for s in model.offloaded if s > plan.persistence_threshold]
+    persistent = sum(s for s in model.offloaded if s <= plan.persistence_threshold)
     largest = max(model.params, default=0)
     out = {Tier.DEVICE: 0, Tier.HOST: 0, Tier.NVME: 0}
     bucket = min(plan.grad_bucket, max_sg)
@@ -351,20 +361,24 @@ def expected_bytes(plan: Plan, model: ModelSizes) -> dict[Tier, int]:
             parts = [seg.numel for sg in layout.sub_groups for seg in sg.segments]
             out[Tier.NVME] += d * (sum(parts) + max(parts, default=0))
         else:
-            out[Tier.HOST] += d * (model.frozen + persistent)  # host copies (homes are written through the
-            # optimizer's staging of updated parameters, one part at a time)
+            out[Tier.HOST] += d * persistent  # host copies (homes are written through the optimizer's staging of
+            # updated parameters, one part at a time)
             held = [seg.numel for sg in layout.sub_groups for seg in sg.segments
                     if model.params[seg.param] > plan.persistence_threshold]
+            for s in model.frozen_params:  # frozen ones in parts of the staging's size
+                if s > plan.persistence_threshold:
+                    held += [max_sg] * (s // max_sg) + ([s % max_sg] if s % max_sg else [])
             out[Tier.NVME] += d * (sum(held) + max(held, default=0))  # a key per part, and one spare extent
             if plan.cuda_path:  # pinned staging of reads, kept by size: the fetches in flight at once
-                if not plan.delayed and sum(homed) <= min(plan.prefetch_bucket, plan.max_live):
+                frozen_homed = any(s > plan.persistence_threshold for s in model.frozen_params)
+                if not plan.delayed and not frozen_homed and sum(homed) <= min(plan.prefetch_bucket, plan.max_live):
                     # every homed parameter lands from the update after the first step, whose fetches wait one
-                    # at a time: one buffer per size
+                    # at a time: one buffer per size (frozen ones never land: read each step)
                     out[Tier.HOST] += d * sum(set(homed))
                 else:
                     out[Tier.HOST] += d * min(plan.prefetch_bucket + max(homed, default=0), sum(homed))
     if plan.param_tier is Tier.HOST and not per_param:
-        out[Tier.HOST] += d * model.frozen  # frozen tensors' host copies
+        out[Tier.HOST] += d * sum(model.frozen_params)  # frozen parameters' host copies
     return out
 
 

@@ -62,8 +62,8 @@ def estimate(num_params: int | None = None, *, model: torch.nn.Module | None = N
         raise ValueError(f"estimate: dtype_bytes must be 2 (bf16/fp16) or 4 (fp32), got {dtype_bytes}")
     if model is not None:
         trainable = [p for p in model.parameters() if p.requires_grad]
-        frozen = [p for p in model.parameters() if not p.requires_grad] + list(model.buffers())
-        sizes = ModelSizes.of(trainable, frozen)
+        frozen = [p for p in model.parameters() if not p.requires_grad]
+        sizes = ModelSizes.of(trainable, frozen, list(model.buffers()))
     else:
         sizes = ModelSizes((int(num_params),))
     budgets = {Tier.DEVICE: gpu_mem, Tier.HOST: host_mem // gpus if host_mem else None,

@@ -109,3 +109,38 @@ def test_weights_loaded_into_an_engine_reach_the_frozen_homes(tmp_path, placemen
             got = lm_loss(engine(x), y).item()
     assert all(torch.equal(state[k], weights[k]) for k in weights)
     assert got == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.parametrize("placement", ["opt-host", "params-nvme"])
+def test_a_checkpoint_without_the_frozen_base_resumes_bit_identically(tmp_path, placement):
+    """``save_checkpoint(exclude_frozen_parameters=True)`` (what OffloadTrainer uses for peft models, as the Trainer
+    asks of DeepSpeed): the frozen base is not written, a new engine on the same base resumes from it bit for bit,
+    and ``consolidated_state_dict(keys)`` reads just the entries asked for."""
+    data = batches(STEPS)
+    with offload.initialize(frozen_base(), config(tmp_path / "a", placement)) as engine:
+        for x, y in data[:2]:
+            engine.backward(lm_loss(engine(x), y))
+            engine.step()
+        engine.save_checkpoint(tmp_path / "full", "t")
+        engine.save_checkpoint(tmp_path / "thin", "t", exclude_frozen_parameters=True)
+        trainable = [n for n, p in engine.module.named_parameters() if p.requires_grad]
+        dtype_bytes = torch.empty((), dtype=engine.dtype).element_size()  # frozen tensors are kept in it
+        some = engine.consolidated_state_dict(trainable)
+        assert list(some) == trainable and all(v.dtype == torch.float32 for v in some.values())
+        with pytest.raises(ValueError, match=r"\['nope'\] are not keys of the model's state_dict"):
+            engine.consolidated_state_dict(["nope"])
+        for x, y in data[2:]:
+            engine.backward(lm_loss(engine(x), y))
+            engine.step()
+        straight = engine.consolidated_state_dict()
+    size = {name: sum(f.stat().st_size for f in (tmp_path / name).rglob("*") if f.is_file()) for name in ("full",
+                                                                                                        "thin")}
+    frozen_bytes = sum(p.numel() * dtype_bytes for p in frozen_base().parameters() if not p.requires_grad)
+    assert size["full"] - size["thin"] >= frozen_bytes
+    with offload.initialize(frozen_base(), config(tmp_path / "b", placement)) as engine:
+        engine.load_checkpoint(tmp_path / "thin")
+        for x, y in data[2:]:
+            engine.backward(lm_loss(engine(x), y))
+            engine.step()
+        resumed = engine.consolidated_state_dict()
+    assert all(torch.equal(resumed[k], straight[k]) for k in straight)

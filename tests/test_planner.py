@@ -18,7 +18,17 @@ KNOBS = dict(sub_group_size=200_000, buffer_count=3, max_live_parameters=600_000
 BUDGETS = dict(gpu_mem=48 << 20, host_mem=64 << 20)  # the derived sizes follow these
 
 
-def measured(tmp_path, opt: str, par: str, derived: bool) -> dict[str, int]:
+def frozen_base() -> GPT:
+    """The demo's model frozen but for the attention projections of its last block (the weight above the
+    persistence threshold, the bias below): a large base and a small trainable part, as in a LoRA run."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.startswith(f"blocks.{CFG.layers - 1}.proj."))
+    return model
+
+
+def measured(tmp_path, opt: str, par: str, derived: bool, model: GPT | None = None) -> dict[str, int]:
     torch.manual_seed(0)
     config = config_for(offload.planner.Estimate("", opt, par, 0, 0, 0, None, None), str(tmp_path))
     z = config["zero_optimization"]
@@ -30,7 +40,7 @@ def measured(tmp_path, opt: str, par: str, derived: bool) -> dict[str, int]:
         z["offload_optimizer"]["buffer_count"] = KNOBS["buffer_count"]
     config["aio"] = {"block_size": 1 << 16}
     x = torch.randint(0, CFG.vocab_size, (2, 32))
-    with offload.initialize(GPT(CFG), config) as engine:
+    with offload.initialize(model if model is not None else GPT(CFG), config) as engine:
         for _ in range(2):
             engine.backward(GPT.loss(engine(x), x))
             engine.step()
@@ -52,6 +62,33 @@ def test_estimate_within_ten_percent_of_measured_peaks(tmp_path, monkeypatch, na
     for tier in ("device", "host", "nvme"):
         want, got = getattr(est, tier), peaks[tier]
         assert abs(want - got) <= 0.10 * max(got, 1), (tier, want, got)
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["own", "cuda-path"])
+@pytest.mark.parametrize("name, opt, par", PLACEMENTS)
+def test_estimate_of_a_model_with_a_frozen_base(tmp_path, monkeypatch, name, opt, par, staged):
+    """Frozen parameters are homed and fetched like trainable ones under parameter offload: the window derived
+    without a device budget counts them (it was sized from the trainable ones alone, below the largest frozen
+    parameter, and initialize failed), and the estimate counts their homes, host copies and NVMe keys. With
+    parameters on NVMe and CUDA's pinned read staging, how many reads are in flight at once depends on the disk
+    and the copies: the estimate takes the prefetch bucket's worth, an upper bound (within 1.5x here)."""
+    if staged:
+        monkeypatch.setattr(offload.plan, "STAGE_ON_CPU", True)
+    knobs = dict(persistence_threshold=KNOBS["persistence_threshold"], **BUDGETS)
+    est = next(e for e in estimate(model=frozen_base(), cuda=DEVICE.type == "cuda" or staged, **knobs)
+               if e.placement == name)
+    peaks = measured(tmp_path, opt, par, True, frozen_base())
+    for tier in ("device", "host", "nvme"):
+        want, got = getattr(est, tier), peaks[tier]
+        if tier == "host" and par == "nvme" and (staged or DEVICE.type == "cuda"):
+            assert got <= want <= 1.5 * got, (tier, want, got)
+        else:
+            assert abs(want - got) <= 0.10 * max(got, 1), (tier, want, got)
+    if par != "none":  # no device budget, nothing given: the window still holds the largest (frozen) parameter
+        zero = {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                "offload_param": {"device": par, "nvme_path": str(tmp_path / "window")}}
+        with offload.initialize(frozen_base(), {"zero_optimization": zero}) as engine:
+            assert engine.plan().max_live >= max(p.numel() for p in engine.module.parameters())
 
 
 def test_fits_best_and_table():

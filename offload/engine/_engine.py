@@ -155,8 +155,8 @@ class Engine:
         self.start_sync = agree_with_rank0(self.module, self.comm)  # before any rank reads its copy of the model
         trainable = {id(p) for g in groups for p in g}
         sizes = ModelSizes.of([p for g in groups for p in g],
-                              [p for p in self.module.parameters() if id(p) not in trainable]
-                              + list(self.module.buffers()))
+                              [p for p in self.module.parameters() if id(p) not in trainable],
+                              list(self.module.buffers()))
         in_ram = sum(p.numel() * p.element_size() for g in groups for p in g
                      if p.device.type == "cpu" and arena_device(p) is None)
         self._plan = plan = resolve(cfg, sizes, device=pg.device, world_size=pg.world_size, rank=pg.rank,
@@ -574,11 +574,20 @@ class Engine:
 
         return load_state_dict(self, source, strict=strict)
 
-    def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
-        """The full model state as plain CPU tensors: fp32 master weights for trainable parameters."""
+    def consolidated_state_dict(self, keys: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+        """The model state as plain CPU tensors: fp32 master weights for trainable parameters. ``keys``: only
+        those entries of ``module.state_dict()`` (a LoRA adapter's, say), read from the sub-groups holding them.
+        Collective with several ranks (every rank passes the same keys)."""
         self._expect("engine.consolidated_state_dict()", Phase.IDLE, Phase.ACCUMULATING)
         self._finish_updates()
-        return _checkpoint.consolidated_state_dict(self)
+        if keys is None:
+            return _checkpoint.consolidated_state_dict(self)
+        keys = list(keys)
+        known = self.module.state_dict(keep_vars=True)
+        unknown = [k for k in keys if k not in known]
+        if unknown:
+            raise ValueError(f"consolidated_state_dict: {unknown[:5]} are not keys of the model's state_dict")
+        return _checkpoint.engine_tensors(self, keys)
 
     def save_safetensors(self, path: str | Path, *, max_shard_size: int | str = "5GB") -> list[Path]:
         """Writes the model (fp32 master weights) into the folder ``path`` as ``model.safetensors``, or as shards of
@@ -591,12 +600,16 @@ class Engine:
 
         return save_engine(self, path, max_shard_size)
 
-    def save_checkpoint(self, path: str | Path, tag: str | None = None) -> Path:
+    def save_checkpoint(self, path: str | Path, tag: str | None = None, *,
+                        exclude_frozen_parameters: bool = False) -> Path:
         """Writes model, optimizer state (wherever it lives), loss scaler and counters under ``path/tag`` and then
-        points ``path/latest`` at it; a crash mid-save leaves the previous checkpoint loadable."""
+        points ``path/latest`` at it; a crash mid-save leaves the previous checkpoint loadable.
+        ``exclude_frozen_parameters`` (DeepSpeed's name): leaves the parameters that do not train out (a LoRA run's
+        base model, which the training script builds again); loading it keeps the model's own."""
         self._expect("engine.save_checkpoint()", Phase.IDLE, Phase.ACCUMULATING)
         self._finish_updates()
-        return _checkpoint.save(self, Path(path), tag or f"step{self.global_steps}")
+        return _checkpoint.save(self, Path(path), tag or f"step{self.global_steps}",
+                                frozen=not exclude_frozen_parameters)
 
     def load_checkpoint(self, path: str | Path, tag: str | None = None) -> str:
         """Restores a checkpoint written by save_checkpoint (``latest`` unless ``tag``); returns the tag."""
