@@ -29,6 +29,10 @@ logging, callbacks, checkpoint rotation, RNG state. What changes is who holds th
   the Adam state starts fresh, with a warning).
 * ``save_model`` writes ``config.json`` and the fp32 weights as ``model.safetensors`` (sharded with an index above
   ``save_max_shard_size``), streamed from wherever they live, one shard in RAM at a time.
+* A peft model (LoRA and the like) is saved as the Trainer saves one: the adapter alone, through peft's
+  ``save_pretrained`` (``adapter_config.json``, ``adapter_model.safetensors``: the fp32 masters of the trainable
+  parameters, read from the sub-groups holding them). The engine's checkpoints leave the frozen base out (as the
+  Trainer asks of DeepSpeed), and a plain Trainer's adapter checkpoint or best model loads through peft.
 
 One process per GPU (torchrun), as with DeepSpeed; the engine's collectives replace DDP, and ``save_model`` and
 checkpoints are collective (every rank calls them, as the Trainer does; rank 0 writes into a folder all ranks see).
@@ -44,6 +48,7 @@ import logging
 import math
 import os
 import shutil
+import sys
 import weakref
 from pathlib import Path
 from typing import Any, Mapping
@@ -271,7 +276,9 @@ class OffloadTrainer(Trainer):
             wd = self.offload_config.optimizer.weight_decay
             groups = [{"params": [p for n, p in named if n in decay], "weight_decay": wd},
                       {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
-            self.engine = initialize(self.model, self.offload_config, param_groups=[g for g in groups if g["params"]])
+            # both groups even when one is empty (a LoRA adapter has no biases): the schedule's state then has the
+            # plain Trainer's shape, so either resumes from the other's checkpoint
+            self.engine = initialize(self.model, self.offload_config, param_groups=groups)
             # threads, buffers and swap files go with the trainer even if close() is never called
             self._finalizer = weakref.finalize(self, self.engine.close)
         if not isinstance(self.optimizer, _EngineOptimizer) or self.optimizer.engine is not self.engine:
@@ -360,22 +367,33 @@ class OffloadTrainer(Trainer):
 
     # saving and resuming ----------------------------------------------------------------------------------------
 
+    def _peft(self) -> Any:
+        """``self.model`` if it is a peft model (peft is imported by whoever built one), else None."""
+        peft = sys.modules.get("peft")
+        return self.model if peft is not None and isinstance(self.model, peft.PeftModel) else None
+
     def _save(self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None) -> None:
         """A folder ``from_pretrained`` loads: config.json and the fp32 weights as (sharded) safetensors, streamed
-        from the engine; with several ranks every rank takes part and rank 0 writes."""
+        from the engine (a peft model: its adapter, as the Trainer saves it); with several ranks every rank takes
+        part and rank 0 writes."""
         if self.engine is None:
             return super()._save(output_dir, state_dict)
         out = Path(output_dir if output_dir is not None else self.args.output_dir)
-        self.engine.save_safetensors(out, max_shard_size=self.save_max_shard_size)
+        model, adapter = self.model, self._peft()
+        if adapter is not None:
+            trainable = [k for k, t in adapter.state_dict(keep_vars=True).items() if getattr(t, "requires_grad", False)]
+            masters = self.engine.consolidated_state_dict(trainable)  # collective
+            adapter.save_pretrained(str(out), state_dict=masters, is_main_process=self.args.should_save)
+        else:
+            self.engine.save_safetensors(out, max_shard_size=self.save_max_shard_size)
         if not self.args.should_save:
             return None
-        model = self.model
         config = getattr(model, "config", None)
-        if config is not None and hasattr(config, "save_pretrained"):
+        if adapter is None and config is not None and hasattr(config, "save_pretrained"):
             config.architectures = [type(model).__name__]
             config.save_pretrained(out)
         generation = getattr(model, "generation_config", None)
-        if generation is not None and getattr(model, "can_generate", lambda: False)():
+        if adapter is None and generation is not None and getattr(model, "can_generate", lambda: False)():
             generation.save_pretrained(out)
         tokenizer = self.processing_class or getattr(self.data_collator, "tokenizer", None)
         if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
@@ -390,7 +408,7 @@ class OffloadTrainer(Trainer):
         # old ones go once ``latest`` names it, so a crash in between leaves one loadable
         old = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("v")] if root.is_dir() else []
         tag = f"v{1 + max((int(p.name[1:]) for p in old if p.name[1:].isdigit()), default=0)}"
-        self._ensure_engine().save_checkpoint(root, tag=tag)
+        self._ensure_engine().save_checkpoint(root, tag=tag, exclude_frozen_parameters=self._peft() is not None)
         if self.args.should_save:
             for p in old:
                 shutil.rmtree(p, ignore_errors=True)
@@ -409,7 +427,7 @@ class OffloadTrainer(Trainer):
         else:
             log.warning("offload: %s holds no %s/ (written by a plain Trainer, or with save_only_model=True): "
                         "loading its model weights; the Adam moments start from zero", folder, STATE_DIR)
-            engine.load_state_dict(folder)
+            self._load_weights(folder)
         if self.lr_scheduler is not None and (folder / _SCHEDULER_FILE).exists():
             self.lr_scheduler.load_state_dict(torch.load(folder / _SCHEDULER_FILE, weights_only=True))
             for group, lr in zip(self.optimizer.param_groups, self.lr_scheduler.get_last_lr()):
@@ -420,5 +438,18 @@ class OffloadTrainer(Trainer):
         best = self.state.best_model_checkpoint
         if self.engine is None or best is None:
             return super()._load_best_model()
-        self.engine.load_state_dict(best)
+        self._load_weights(Path(best))
         return None
+
+    def _load_weights(self, folder: Path) -> None:
+        """The weights a save_model folder holds, into the engine (masters and homes); a peft model's adapter
+        through peft, whose load of the model's state dict the engine takes (engine/_model_state.py)."""
+        adapter = self._peft()
+        if adapter is None:
+            self.engine.load_state_dict(folder)
+            return
+        from peft.utils import load_peft_weights, set_peft_model_state_dict
+
+        result = set_peft_model_state_dict(adapter, load_peft_weights(str(folder)))
+        if result.unexpected_keys:
+            raise ValueError(f"the adapter in {folder} does not match the model: unexpected {result.unexpected_keys[:5]}")
