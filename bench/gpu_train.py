@@ -12,13 +12,18 @@ peak RSS, GPU peak and pinned memory are the run's own, and an out-of-memory run
 
 (``--dtype fp32``, the default on a CPU without native bf16, where torch's bf16 matmuls are ~100x slower: fp32
 parameters everywhere and no autocast.) Each run by this library and, when ``deepspeed`` is importable (never a
-dependency), by DeepSpeed with the same keys. Per run: median step time (forward + backward + optimizer step, after
+dependency), by DeepSpeed with the same keys (``overlap_comm`` and ``contiguous_gradients`` on for both, as
+DeepSpeed's ZeRO-Offload tutorial sets them; with Adam state on NVMe DeepSpeed also gets its own advice, sub-groups
+of 1e8 and pipelined reads and writes). DeepSpeed's ops (CPU Adam, AIO) are built first, in a run of their own with
+``--build-timeout``, so no placement pays for or times out in the compile. Per run: median step time (forward + backward + optimizer step, after
 warm-up), tokens/s, GPU peak (torch's allocator), host peak RSS (VmHWM) and pinned bytes, the loss per step, and the
 parts of a step from the engine's counters (CPU Adam, the share of it hidden in backward, bytes to and from the
 device, NVMe stalls). The host peak is also set against ``offload.estimate``: the RSS the run added above the
 process before the model was built (CUDA's context included there), and the part of it that building the model
 and ``initialize`` added, against the estimate's bytes in RAM (the host tier; on a CPU device also the device tier,
-with activations on top). The JSON is written after every run, so a bench cut short keeps what it measured.
+with activations on top). The JSON, summary included, is written after every run, so a bench cut short keeps what
+it measured; a SIGTERM (a time limit around the bench) also prints the summary so far, and each run's process group
+(a compiler it started included) goes at its ``--timeout``.
 
 Bounds measured in the same run, each in a process of its own: ``compute`` (forward + backward of the bf16 model,
 no optimizer; absent when it does not fit) and ``pcie`` (the gradient bytes device-to-host and the parameter bytes
@@ -33,7 +38,8 @@ arena as modules are built) and set no size: every size is derived from the budg
 
     python bench/gpu_train.py [--params 1e9 | --layers L --width W] [--tokens 512] [--batch 4] [--steps 5]
                               [--warmup 2] [--placements plain,opt-host,...] [--deepspeed auto|off]
-                              [--rounds 1] [--compile] [--nvme-dir DIR] [--out results/gpu_train.json]
+                              [--rounds 1] [--compile] [--nvme-dir DIR] [--timeout 900] [--build-timeout 420]
+                              [--out results/gpu_train.json]
 
 ``--compile`` runs every model through ``torch.compile`` (ours: the compiled model handed to ``initialize``;
 DeepSpeed: its ``engine.compile()``), compute bound included.
@@ -48,6 +54,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -83,7 +91,10 @@ LR = 3e-4
 
 def config_for(placement: str, work: Path, batch: int, dtype: str = "bf16") -> dict[str, Any]:
     stage, opt, par = PLACEMENTS[placement]
-    zero: dict[str, Any] = {"stage": stage, "offload_optimizer": {"device": opt, "pin_memory": True}}
+    # overlap_comm and contiguous_gradients as DeepSpeed's ZeRO-Offload tutorial sets them (DeepSpeed turns
+    # overlap_comm on by default in stage 3 only; ours by default always): both frameworks get the same
+    zero: dict[str, Any] = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True,
+                            "offload_optimizer": {"device": opt, "pin_memory": True}}
     if placement == "opt-host-overlap":
         zero["offload_optimizer"]["overlap_forward"] = True
     if opt == "nvme":
@@ -125,6 +136,8 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     kind, placement = spec["kind"], spec["placement"]
     if kind == "pcie":
         return pcie(cfg.num_parameters, device)
+    if kind == "deepspeed-build":
+        return _build_deepspeed_ops(spec["nvme"])
     data = synthetic_batches(cfg.vocab_size, spec["batch"], spec["tokens"], seed=0)
     batches = [next(data) for _ in range(spec["warmup"] + spec["steps"])]
     work = Path(spec["work"])
@@ -259,7 +272,11 @@ def _deepspeed(cfg: GPTConfig, placement: str, work: Path, batch: int, dtype: st
     deepspeed.init_distributed()
     model = build(cfg, torch.bfloat16 if dtype == "bf16" else torch.float32)
     ds_config = config_for(placement, work, batch, dtype)
-    if "nvme" in json.dumps(ds_config["zero_optimization"]):
+    zero = ds_config["zero_optimization"]
+    if zero["offload_optimizer"]["device"] == "nvme":  # DeepSpeed's own advice for NVMe: sub-groups of 1e8 (its
+        zero["sub_group_size"] = int(1e8)  # default, 1e9, is one sub-group for a 1B model: nothing to pipeline),
+        zero["offload_optimizer"].update(pipeline_read=True, pipeline_write=True)  # reads and writes pipelined
+    if "nvme" in json.dumps(zero):
         ds_config["aio"] = {"block_size": 1 << 20, "queue_depth": 8, "intra_op_parallelism": 1}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
     if compile_forward:
@@ -271,6 +288,18 @@ def _deepspeed(cfg: GPTConfig, placement: str, work: Path, batch: int, dtype: st
         engine.step()
         return loss.item()
     return step, (lambda: None), None
+
+
+def _build_deepspeed_ops(nvme: bool) -> dict[str, Any]:
+    """DeepSpeed compiles its CPU Adam (and, for NVMe, its AIO) op on first use; built here, in a run of its own,
+    the compile is neither timed nor charged to a placement's time limit (a compile killed there would leave
+    torch's build lock behind for every later run)."""
+    from deepspeed.ops.op_builder import AsyncIOBuilder, CPUAdamBuilder  # noqa: PLC0415
+
+    t = time.perf_counter()
+    for builder in [CPUAdamBuilder()] + ([AsyncIOBuilder()] if nvme else []):
+        builder.load()
+    return {"status": "ok", "seconds": time.perf_counter() - t}
 
 
 def pcie(n: int, device: torch.device, repeats: int = 3) -> dict[str, Any]:
@@ -304,25 +333,37 @@ def pcie(n: int, device: torch.device, repeats: int = 3) -> dict[str, Any]:
 
 # the parent -------------------------------------------------------------------------------------------------------
 
+_running: list[tuple[subprocess.Popen, str]] = []  # the child now running and its folder: a SIGTERM to the bench
+# takes its process group and the folder too
+
+
 def launch(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """Runs ``spec`` in a child process of its own session: at the time limit the whole group goes (a compiler
+    the child started included), and the result says what the child had printed last."""
     with tempfile.TemporaryDirectory(prefix="gpu-bench-", dir=spec["nvme_dir"]) as work:
         spec = {**spec, "work": work}
+        proc = subprocess.Popen([sys.executable, __file__, "--child", json.dumps(spec)], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        _running[:] = [(proc, work)]
         try:
-            done = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True,
-                                  text=True, timeout=timeout)
-        except subprocess.TimeoutExpired as exc:  # a child that printed its result and then hung at exit counts
-            out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
-            return _result_in(out) or {"status": f"timed out after {timeout:.0f} s"}
-    result = _result_in(done.stdout)
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+            tail = " | ".join((stderr or "").strip().splitlines()[-2:])[-300:]
+            # a child that printed its result and then hung at exit counts
+            return _result_in(stdout) or {"status": f"timed out after {timeout:.0f} s" + (f": {tail}" if tail else "")}
+    _running.clear()
+    result = _result_in(stdout)
     if result is not None:
         return result
-    text = done.stderr or done.stdout
+    text = stderr or stdout
     if "out of memory" in text.lower() or "OutOfMemoryError" in text:
         return {"status": "out of memory"}
-    if done.returncode == -9:
+    if proc.returncode == -9:
         return {"status": "killed (SIGKILL: the host out of memory?)"}
     tail = text.strip().splitlines()[-3:]
-    return {"status": f"failed (exit {done.returncode}): {' | '.join(tail)[-300:]}"}
+    return {"status": f"failed (exit {proc.returncode}): {' | '.join(tail)[-300:]}"}
 
 
 def _result_in(stdout: str) -> dict[str, Any] | None:
@@ -355,6 +396,8 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="torch.compile the model in every run (plain torch, "
                     "compute bound, ours, DeepSpeed's engine.compile())")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per run")
+    ap.add_argument("--build-timeout", type=float, default=420, help="seconds for DeepSpeed to build its ops "
+                    "(CPU Adam; AIO with NVMe placements) before the runs, once")
     ap.add_argument("--out", default="results/gpu_train.json")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -373,6 +416,8 @@ def main() -> None:
     cfg = GPTConfig(vocab_size=args.vocab, context=args.tokens, layers=layers, heads=max(1, width // 64),
                     width=width)
     n = cfg.num_parameters
+    if args.nvme_dir:
+        Path(args.nvme_dir).mkdir(parents=True, exist_ok=True)
     device = offload.default_device()
     has_ds = args.deepspeed == "auto" and _importable("deepspeed") and device.type == "cuda"
     dtype = args.dtype if args.dtype != "auto" else "bf16" if fast_bf16(device) else "fp32"
@@ -384,18 +429,33 @@ def main() -> None:
     with torch.device("meta"):
         estimates = {e.placement: e for e in offload.estimate(model=GPT(cfg), cuda=device.type == "cuda",
                                                               dtype_bytes=2 if dtype == "bf16" else 4)}
+    printed: list[str] = []  # the summary lines of what ran so far
+    _on_sigterm(printed)
     bounds = {"compute": launch({**base, "kind": "compute", "placement": "compute"}, args.timeout),
               "pcie": launch({**base, "kind": "pcie", "placement": "pcie"}, args.timeout)}
+    if has_ds:
+        nvme = any("nvme" in p for p in placements)
+        bounds["deepspeed_build"] = launch({**base, "kind": "deepspeed-build", "placement": "build", "nvme": nvme},
+                                           args.build_timeout)
+        built = bounds["deepspeed_build"]
+        print(f"  DeepSpeed's ops (CPU Adam{', AIO' if nvme else ''}): {built['status']}"
+              + (f", built in {built['seconds']:.0f} s" if "seconds" in built else ""), flush=True)
+        has_ds = built["status"] == "ok"  # else each DeepSpeed run would fail the same way, at its time limit
     runs: list[dict[str, Any]] = []
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
 
-    def write(summary: dict[str, Any] | None) -> None:  # after every run: a bench cut short keeps what it measured
+    def write(complete: bool) -> dict[str, Any]:
+        """After every run, with the summary of what ran so far: a bench cut short keeps what it measured."""
+        summary = _rounds_summary(runs, bounds, estimates, n, max(1, min(args.rounds, 1 + runs[-1]["round"])))
+        printed[:] = summary["lines"]
         out.write_text(json.dumps({"model": {**cfg.__dict__, "params": n, "batch": args.batch, "tokens": args.tokens},
                                    "device": name, "dtype": dtype, "compile": args.compile, "bounds": bounds, "runs": runs,
-                                   "summary": summary, "complete": summary is not None,
+                                   "summary": {k: v for k, v in summary.items() if k != "lines"},
+                                   "complete": complete,
                                    "estimates": {k: v.__dict__ for k, v in estimates.items()}}, indent=2,
                                   default=str))
+        return summary
 
     order = [(r, p) for r in range(args.rounds) for p in placements]
     for rnd, placement in progress(order, "placements"):
@@ -406,12 +466,23 @@ def main() -> None:
             runs.append({"framework": {"plain": "torch", "ours": "offload"}.get(kind, kind), "placement": placement,
                          "round": rnd, **result})
             _row(runs[-1])
-            write(None)
-    summary = _rounds_summary(runs, bounds, estimates, n, args.rounds)
-    for line in summary.pop("lines"):
+            write(False)
+    for line in write(True)["lines"]:
         print(line)
-    write(summary)
     print(f"\nwrote {out}")
+
+
+def _on_sigterm(lines: list[str]) -> None:
+    """A time limit around the bench (SIGTERM): the run in progress goes, and what was measured is printed (the
+    JSON already holds it)."""
+    def handler(*_: Any) -> None:
+        for proc, work in _running:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            shutil.rmtree(work, ignore_errors=True)
+        print("\nstopped (SIGTERM); measured so far:" + "".join(f"\n{line}" for line in lines), flush=True)
+        os._exit(143)
+    signal.signal(signal.SIGTERM, handler)
 
 
 def _importable(name: str) -> bool:
