@@ -15,15 +15,15 @@ parameters everywhere and no autocast.) Each run by this library and, when ``dee
 dependency), by DeepSpeed with the same keys (``overlap_comm`` and ``contiguous_gradients`` on for both, as
 DeepSpeed's ZeRO-Offload tutorial sets them; with Adam state on NVMe DeepSpeed also gets its own advice, sub-groups
 of 1e8 and pipelined reads and writes). DeepSpeed's ops (CPU Adam, AIO) are built first, in a run of their own with
-``--build-timeout``, so no placement pays for or times out in the compile. Per run: median step time (forward + backward + optimizer step, after
-warm-up), tokens/s, GPU peak (torch's allocator), host peak RSS (VmHWM) and pinned bytes, the loss per step, and the
-parts of a step from the engine's counters (CPU Adam, the share of it hidden in backward, bytes to and from the
-device, NVMe stalls). The host peak is also set against ``offload.estimate``: the RSS the run added above the
-process before the model was built (CUDA's context included there), and the part of it that building the model
-and ``initialize`` added, against the estimate's bytes in RAM (the host tier; on a CPU device also the device tier,
-with activations on top). The JSON, summary included, is written after every run, so a bench cut short keeps what
-it measured; a SIGTERM (a time limit around the bench) also prints the summary so far, and each run's process group
-(a compiler it started included) goes at its ``--timeout``.
+``--build-timeout``, so no placement pays for or times out in the compile. Per run: median step time (forward +
+backward + optimizer step, after warm-up), tokens/s, GPU peak (torch's allocator), host peak RSS (VmHWM) and pinned
+bytes, the loss per step, and the parts of a step from the engine's counters (CPU Adam, the share of it hidden in
+backward, bytes to and from the device, NVMe stalls). The host peak is also set against ``offload.estimate``: the
+RSS the run added above the process before the model was built (CUDA's context included there), and the part of it
+that building the model and ``initialize`` added, against the estimate's bytes in RAM (the host tier; on a CPU
+device also the device tier, with activations on top). The JSON, summary included, is written after every run, so a
+bench cut short keeps what it measured; a SIGTERM (a time limit around the bench) also prints the summary so far,
+and each run's process group (a compiler it started included) goes at its ``--timeout``.
 
 Bounds measured in the same run, each in a process of its own: ``compute`` (forward + backward of the bf16 model,
 no optimizer; absent when it does not fit) and ``pcie`` (the gradient bytes device-to-host and the parameter bytes

@@ -452,4 +452,5 @@ class OffloadTrainer(Trainer):
 
         result = set_peft_model_state_dict(adapter, load_peft_weights(str(folder)))
         if result.unexpected_keys:
-            raise ValueError(f"the adapter in {folder} does not match the model: unexpected {result.unexpected_keys[:5]}")
+            raise ValueError(f"the adapter in {folder} does not match the model: unexpected "
+                             f"{result.unexpected_keys[:5]}")
