@@ -23,8 +23,9 @@ pytest.importorskip("accelerate")
 
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
 
+import offload  # noqa: E402
 from offload.integrations.transformers import OffloadTrainer, trainer_config  # noqa: E402
-from models import DEVICE  # noqa: E402
+from models import DEVICE, placement_config  # noqa: E402
 
 VOCAB = 64
 
@@ -368,3 +369,24 @@ def test_torch_compile_through_the_trainer(tmp_path, stage, params):
         trainer.save_model(tmp_path / "saved")
     assert set(load_file(tmp_path / "saved" / "model.safetensors")) == set(plain.model.state_dict()) - {"lm_head.weight"}
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("placement", ["opt-host", "all-nvme"])
+def test_save_pretrained_of_the_wrapped_model_round_trips(tmp_path, placement):
+    """transformers' own ``model.save_pretrained`` on the engine's model, outside the Trainer: it saves
+    ``model.state_dict()``, which with parameters offloaded now holds their values (it held NaN placeholders), so
+    ``from_pretrained`` gives a model computing what the engine computes."""
+    model = gpt2()
+    data = dataset(3)
+    with offload.initialize(model, placement_config(tmp_path, placement, live=5000)) as engine:
+        for batch in data[:2]:
+            out = engine(input_ids=batch["input_ids"][None], labels=batch["labels"][None])
+            engine.backward(out.loss)
+            engine.step()
+        model.save_pretrained(str(tmp_path / "saved"))
+        engine.eval()
+        with torch.no_grad():
+            want = engine(input_ids=data[2]["input_ids"][None]).logits.float().cpu()
+    back = GPT2LMHeadModel.from_pretrained(str(tmp_path / "saved")).to(DEVICE).eval()
+    with torch.no_grad():
+        assert torch.equal(back(input_ids=data[2]["input_ids"][None].to(DEVICE)).logits.float().cpu(), want)
