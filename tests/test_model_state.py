@@ -155,3 +155,26 @@ def test_a_model_converted_after_initialize_fails_its_next_forward(tmp_path, pla
         with pytest.raises(RuntimeError, match=r"parameter 'pos' is now torch\.\w+ on .*no longer the tensor the "
                                                r"engine trains .*convert the model before initialize"):
             engine(data[1][0])
+
+
+@pytest.mark.parametrize("placement", ["opt-host", "params-nvme"])
+@pytest.mark.parametrize("flip", ["freeze", "unfreeze"])
+def test_requires_grad_flipped_after_initialize_fails_the_next_forward(tmp_path, placement, flip):
+    """Freezing or unfreezing a parameter after initialize (gradual unfreezing) trained silently wrong: a newly
+    frozen one went on moving with Adam's momentum, a newly unfrozen one never trained while its ``.grad`` grew.
+    The next forward names it and the fix; after close, a new engine trains the new set."""
+    model = make()
+    for p in model.blocks[0].parameters():
+        p.requires_grad_(False)
+    data = batches(3)
+    with offload.initialize(model, placement_config(tmp_path, placement)) as engine:
+        train_steps(engine, data[:1])
+        target = model.blocks[1].ln1.weight if flip == "freeze" else model.blocks[0].fc.weight
+        target.requires_grad_(flip == "unfreeze")
+        name = "blocks.1.ln1.weight" if flip == "freeze" else "blocks.0.fc.weight"
+        with pytest.raises(RuntimeError, match=rf"parameter '{name}' was( not)? trainable at offload.initialize and "
+                                               rf"now has requires_grad={flip == 'unfreeze'}.*initialize again"):
+            engine(data[1][0])
+    with offload.initialize(model, placement_config(tmp_path / "again", placement)) as engine:
+        train_steps(engine, data[1:])
+        assert any(p is target for p in engine.layout.params) == (flip == "unfreeze")

@@ -50,7 +50,8 @@ class Weights:
         self.shards: ParamShards | None = None
         self.pending = False  # delayed update: the optimizer's newest values are not on the device yet
         self._reserved = 0  # bytes reserved on the DEVICE tier for the flat parameters
-        self._held: list[tuple[torch.nn.Parameter, int]] = []  # DEVICE tier: each parameter's storage address
+        # each parameter, its storage address (DEVICE tier; parameter offload moves it) and whether it trains
+        self._held: list[tuple[torch.nn.Parameter, int | None, bool]] = []
         try:
             if plan.param_tier is Tier.DEVICE:  # every buffer before the first parameter moves: a budget that
                 self._reserve_device()  # misses one leaves the model as it was given
@@ -63,9 +64,11 @@ class Weights:
                 else:  # CUDA: the new values reach the device through pinned staging, allocated here
                     optimizer.attach_device(self.flats, upload=plan.cuda_path)
                 self._flatten_to_device(optimizer)
-                self._held = [(p, p.data_ptr()) for p in layout.params + self.frozen()]
             else:
                 self._offload(comm, optimizer, aio, nvme_path)
+            trains = {id(p) for p in layout.params}
+            self._held = [(p, p.data_ptr() if self.params is None else None, id(p) in trains)
+                          for p in layout.params + self.frozen()]
         except BaseException as exc:
             close_after_failure(self.close, exc)
             raise
@@ -264,26 +267,31 @@ class Weights:
             self.params.updated()
 
     def check_held(self) -> None:
-        """Raises if a parameter's tensor was replaced behind the engine (``model.to(dtype)``, ``.half()``,
-        ``.cpu()`` on a GPU, ``p.data = ...`` after initialize): the optimizer's updates would go to the tensors
-        the engine holds, no longer the model's, and training would silently stop (or, with parameter offload,
-        fail in some layer with a dtype error). Once per forward: one address (parameter offload: dtype and
-        device) per parameter."""
-        if self.params is not None:
-            bad = next((p for p in self.params.managed() if p.dtype != self.plan.dtype
-                        or p.device != self.plan.device), None)
-        else:
-            bad = next((p for p, ptr in self._held if p.data_ptr() != ptr), None)
-        if bad is None:
-            return
-        name = next((n for n, p in self.module.named_parameters() if p is bad), "?")
-        raise RuntimeError(f"parameter {name!r} is now {bad.dtype} on {bad.device}, no longer the tensor the engine "
-                           f"trains ({self.plan.dtype} on {self.plan.device}): a model.to(), .half(), .float(), "
-                           ".cpu() or `p.data = ...` after offload.initialize replaced it, so updates would not "
-                           "reach it. Choose the dtype in the config (bf16 / fp16 enabled) and the device with "
-                           "offload.device, or convert the model before initialize; set values with "
-                           "engine.load_state_dict or model.load_state_dict. Close this engine and initialize "
-                           "again")
+        """Raises if the model changed behind the engine since initialize, which would otherwise train silently
+        wrong: a parameter's tensor replaced (``model.to(dtype)``, ``.half()``, ``.cpu()`` on a GPU, ``p.data =
+        ...``: the optimizer's updates would go to the engine's tensors, no longer the model's; with parameter
+        offload a dtype error deep in some layer), or its ``requires_grad`` flipped (a newly frozen parameter would
+        go on moving with Adam's momentum, a newly unfrozen one never train while its ``.grad`` grows). Once per
+        forward: one flag and one address (parameter offload: dtype and device) per parameter."""
+        plan, offloaded = self.plan, self.params is not None
+        for p, ptr, trains in self._held:
+            if p.requires_grad != trains:
+                raise RuntimeError(
+                    f"parameter {self._name(p)!r} {'was' if trains else 'was not'} trainable at offload.initialize "
+                    f"and now has requires_grad={p.requires_grad}: the engine trains the parameters it was given, "
+                    "with optimizer state for those only. To change which parameters train, close this engine "
+                    "(the model keeps its current weights) and initialize again")
+            if (p.dtype != plan.dtype or p.device != plan.device) if offloaded else p.data_ptr() != ptr:
+                raise RuntimeError(
+                    f"parameter {self._name(p)!r} is now {p.dtype} on {p.device}, no longer the tensor the engine "
+                    f"trains ({plan.dtype} on {plan.device}): a model.to(), .half(), .float(), .cpu() or `p.data = "
+                    "...` after offload.initialize replaced it, so updates would not reach it. Choose the dtype in "
+                    "the config (bf16 / fp16 enabled) and the device with offload.device, or convert the model "
+                    "before initialize; set values with engine.load_state_dict or model.load_state_dict. Close "
+                    "this engine and initialize again")
+
+    def _name(self, param: torch.nn.Parameter) -> str:
+        return next((n for n, p in self.module.named_parameters() if p is param), "?")
 
     def register_external(self, module: torch.nn.Module, param: torch.nn.Parameter) -> None:
         if self.params is not None:

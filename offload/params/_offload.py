@@ -804,10 +804,6 @@ class ParameterOffload:
         self._read_parts(rec, staged).wait()
         return staged.view(rec.shape)
 
-    def managed(self) -> list[torch.nn.Parameter]:
-        """The parameters this object holds, in its order."""
-        return [rec.param for rec in self.params]
-
     def index_of(self, param: torch.nn.Parameter) -> int:
         return self._by_param[id(param)].index
 
