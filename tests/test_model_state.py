@@ -162,7 +162,8 @@ def test_a_model_converted_after_initialize_fails_its_next_forward(tmp_path, pla
 def test_requires_grad_flipped_after_initialize_fails_the_next_forward(tmp_path, placement, flip):
     """Freezing or unfreezing a parameter after initialize (gradual unfreezing) trained silently wrong: a newly
     frozen one went on moving with Adam's momentum, a newly unfrozen one never trained while its ``.grad`` grew.
-    The next forward names it and the fix; after close, a new engine trains the new set."""
+    The next backward names it and the fix (a forward alone may flip flags for its duration: peft's
+    ``disable_adapter()``, test_peft); after close, a new engine trains the new set."""
     model = make()
     for p in model.blocks[0].parameters():
         p.requires_grad_(False)
@@ -172,9 +173,12 @@ def test_requires_grad_flipped_after_initialize_fails_the_next_forward(tmp_path,
         target = model.blocks[1].ln1.weight if flip == "freeze" else model.blocks[0].fc.weight
         target.requires_grad_(flip == "unfreeze")
         name = "blocks.1.ln1.weight" if flip == "freeze" else "blocks.0.fc.weight"
+        x, y = data[1]
+        loss = lm_loss(engine(x), y)
         with pytest.raises(RuntimeError, match=rf"parameter '{name}' was( not)? trainable at offload.initialize and "
-                                               rf"now has requires_grad={flip == 'unfreeze'}.*initialize again"):
-            engine(data[1][0])
+                                               rf"has requires_grad={flip == 'unfreeze'} at this backward.*initialize "
+                                               "again"):
+            engine.backward(loss)
     with offload.initialize(model, placement_config(tmp_path / "again", placement)) as engine:
         train_steps(engine, data[1:])
         assert any(p is target for p in engine.layout.params) == (flip == "unfreeze")

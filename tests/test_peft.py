@@ -149,3 +149,39 @@ def test_offload_trainer_saves_and_resumes_a_lora_adapter(tmp_path):
         for t in trainers:
             if t.engine is not None:
                 t.engine.close()
+
+
+@pytest.mark.parametrize("placement", ["opt-host-overlap", "params-nvme"])
+def test_a_reference_pass_with_the_adapter_disabled(tmp_path, placement):
+    """A DPO-style step: the reference logits from the same model with the adapter disabled under no_grad (peft
+    turns the adapter's requires_grad off for that), then the policy's, one loss from both. Trains as torch does."""
+    import torch.nn.functional as F
+
+    def loss_of(call, model, x):
+        with torch.no_grad(), model.disable_adapter():
+            ref = call(input_ids=x).logits
+        pol = call(input_ids=x).logits
+        return F.kl_div(F.log_softmax(pol, -1), F.log_softmax(ref, -1), log_target=True, reduction="batchmean") \
+            + 1e-3 * pol.pow(2).mean()
+
+    data = batches(4)
+    ref = lora().to(DEVICE)
+    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.0)
+    want = []
+    for x in data:
+        loss = loss_of(ref, ref, x.to(DEVICE))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(loss.item())
+    model = lora()
+    cfg = placement_config(tmp_path, placement, lr=1e-2)
+    cfg["optimizer"]["params"]["weight_decay"] = 0.0
+    with offload.initialize(model, cfg) as engine:
+        got = []
+        for x in data:
+            loss = loss_of(engine, model, x)
+            engine.backward(loss)
+            engine.step()
+            got.append(loss.item())
+    assert got == pytest.approx(want, rel=1e-3, abs=1e-7)

@@ -292,6 +292,7 @@ class Engine:
         self._expect("engine.backward(loss)", Phase.IDLE, Phase.ACCUMULATING)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("engine.backward expects a scalar loss tensor")
+        self.weights.check_trainable()
         self._settle()  # parameters no forward hook reached, and the gradient slots the updates read
         gas = self.gradient_accumulation_steps
         self._last_micro = self._boundary if self._boundary is not None else self.micro_steps % gas == gas - 1

@@ -266,21 +266,26 @@ class Weights:
         if self.params is not None:
             self.params.updated()
 
-    def check_held(self) -> None:
-        """Raises if the model changed behind the engine since initialize, which would otherwise train silently
-        wrong: a parameter's tensor replaced (``model.to(dtype)``, ``.half()``, ``.cpu()`` on a GPU, ``p.data =
-        ...``: the optimizer's updates would go to the engine's tensors, no longer the model's; with parameter
-        offload a dtype error deep in some layer), or its ``requires_grad`` flipped (a newly frozen parameter would
-        go on moving with Adam's momentum, a newly unfrozen one never train while its ``.grad`` grows). Once per
-        forward: one flag and one address (parameter offload: dtype and device) per parameter."""
-        plan, offloaded = self.plan, self.params is not None
-        for p, ptr, trains in self._held:
+    def check_trainable(self) -> None:
+        """Raises if a parameter's ``requires_grad`` differs from what it was at initialize as a backward starts:
+        a newly frozen parameter would go on moving with Adam's momentum, a newly unfrozen one never train while its
+        ``.grad`` grows. Checked at backward, not at forward: a forward with flags flipped for its duration (peft's
+        ``disable_adapter()``, a DPO step's reference pass) is fine."""
+        for p, _, trains in self._held:
             if p.requires_grad != trains:
                 raise RuntimeError(
                     f"parameter {self._name(p)!r} {'was' if trains else 'was not'} trainable at offload.initialize "
-                    f"and now has requires_grad={p.requires_grad}: the engine trains the parameters it was given, "
-                    "with optimizer state for those only. To change which parameters train, close this engine "
-                    "(the model keeps its current weights) and initialize again")
+                    f"and has requires_grad={p.requires_grad} at this backward: the engine trains the parameters it "
+                    "was given, with optimizer state for those only. To change which parameters train, close this "
+                    "engine (the model keeps its current weights) and initialize again")
+
+    def check_held(self) -> None:
+        """Raises if a parameter's tensor was replaced behind the engine (``model.to(dtype)``, ``.half()``,
+        ``.cpu()`` on a GPU, ``p.data = ...`` after initialize): the optimizer's updates would go to the engine's
+        tensors, no longer the model's, and training would silently stop (with parameter offload: a dtype error
+        deep in some layer). Once per forward: one address (parameter offload: dtype and device) per parameter."""
+        plan, offloaded = self.plan, self.params is not None
+        for p, ptr, _ in self._held:
             if (p.dtype != plan.dtype or p.device != plan.device) if offloaded else p.data_ptr() != ptr:
                 raise RuntimeError(
                     f"parameter {self._name(p)!r} is now {p.dtype} on {p.device}, no longer the tensor the engine "
