@@ -185,3 +185,30 @@ def test_a_reference_pass_with_the_adapter_disabled(tmp_path, placement):
             engine.step()
             got.append(loss.item())
     assert got == pytest.approx(want, rel=1e-3, abs=1e-7)
+
+
+def test_load_best_model_at_end_loads_the_best_adapter(tmp_path):
+    """load_best_model_at_end with an lr high enough that the first checkpoint is the best: the adapter of that
+    checkpoint goes into the engine through peft, and evaluation then agrees with the plain Trainer's."""
+    g = torch.Generator().manual_seed(3)
+    data = [{"input_ids": x, "labels": x.clone()} for x in torch.randint(0, VOCAB, (32, 12), generator=g)]
+    val = [{"input_ids": x, "labels": x.clone()} for x in torch.randint(0, VOCAB, (8, 12), generator=g)]
+
+    def args(out) -> TrainingArguments:
+        return TrainingArguments(str(out), use_cpu=DEVICE.type == "cpu", per_device_train_batch_size=4,
+                                 learning_rate=0.3, weight_decay=0.0, lr_scheduler_type="constant", max_steps=6,
+                                 report_to=[], seed=0, save_strategy="steps", save_steps=2, eval_strategy="steps",
+                                 eval_steps=2, load_best_model_at_end=True, metric_for_best_model="eval_loss",
+                                 disable_tqdm=True)
+
+    plain = Trainer(model=lora().to(DEVICE), args=args(tmp_path / "plain"), train_dataset=data, eval_dataset=val)
+    plain.train()
+    cfg = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 10,
+                                 "offload_optimizer": {"device": "cpu"},
+                                 "offload_param": {"device": "nvme", "nvme_path": str(tmp_path / "par")}}}
+    with OffloadTrainer(model=lora(), args=args(tmp_path / "ours"), train_dataset=data, eval_dataset=val,
+                        offload_config=cfg) as ours:
+        ours.train()
+        assert ours.state.best_model_checkpoint.endswith("checkpoint-2")
+        assert plain.state.best_model_checkpoint.endswith("checkpoint-2")
+        assert math.isclose(ours.evaluate()["eval_loss"], plain.evaluate()["eval_loss"], rel_tol=1e-5)
