@@ -608,6 +608,12 @@ class Engine:
         ``exclude_frozen_parameters`` (DeepSpeed's name): leaves the parameters that do not train out (a LoRA run's
         base model, which the training script builds again); loading it keeps the model's own."""
         self._expect("engine.save_checkpoint()", Phase.IDLE, Phase.ACCUMULATING)
+        if self.phase is Phase.ACCUMULATING:  # a checkpoint holds no gradients: a resume would lose these
+            raise RuntimeError(
+                f"engine.save_checkpoint() with the gradients of an unfinished accumulation window held (after "
+                f"micro-batch {self.micro_steps % self.gradient_accumulation_steps or self.gradient_accumulation_steps} of "
+                f"{self.gradient_accumulation_steps}, or a backward not yet stepped): a checkpoint holds no "
+                "gradients, so a resume would lose them. Save after the engine.step() that ends the window")
         self._finish_updates()
         return _checkpoint.save(self, Path(path), tag or f"step{self.global_steps}",
                                 frozen=not exclude_frozen_parameters)
