@@ -171,8 +171,8 @@ def _state_dict_entries(engine: "Engine", names: list[str], frozen: bool) -> dic
     """Each key of ``module.state_dict()`` -> the checkpoint entry holding its value (tied weights share one);
     frozen parameters only if ``frozen`` (written)."""
     entry: dict[int, str] = {id(p): f"param/{n}" for n, p in zip(names, engine.layout.params)}
-    for n, p in engine.module.named_parameters():
-        if frozen:
+    if frozen:
+        for n, p in engine.module.named_parameters():
             entry.setdefault(id(p), f"frozen/{n}")
     for n, b in engine.module.named_buffers():
         entry.setdefault(id(b), f"buffer/{n}")
@@ -450,6 +450,9 @@ def engine_tensors(engine: "Engine", keys: list[str]) -> dict[str, torch.Tensor]
     memory is the wanted tensors plus one chunk per rank, whatever the model's size."""
     layout, opt = engine.layout, engine.optimizer
     sd = engine.module.state_dict(keep_vars=True)
+    unknown = [k for k in keys if k not in sd]
+    if unknown:
+        raise ValueError(f"consolidated_state_dict: {unknown[:5]} are not keys of the model's state_dict")
     index = {id(p): i for i, p in enumerate(layout.params)}
     wanted = sorted({index[id(sd[k])] for k in keys if id(sd[k]) in index})
     masters = {i: aligned_tensor(tuple(layout.params[i].shape), torch.float32, pin_memory=False) for i in wanted}

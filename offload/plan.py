@@ -78,19 +78,24 @@ class Partition(Enum):
 
 @dataclass(frozen=True)
 class ModelSizes:
-    """What a plan needs to know of a model: the element count of each trainable parameter (in order), of the
-    frozen tensors (frozen parameters and buffers), and of each frozen parameter (under parameter offload homed and
-    fetched like a trainable one: a LoRA run's base is most of the window)."""
+    """What a plan needs to know of a model: the element count of each trainable parameter (in order), of each
+    frozen parameter (under parameter offload homed and fetched like a trainable one: a LoRA run's base is most of
+    the window), and of the buffers together."""
 
     params: tuple[int, ...]
-    frozen: int = 0
     frozen_params: tuple[int, ...] = ()
+    buffers: int = 0
 
     @classmethod
     def of(cls, trainable: list[torch.Tensor], frozen: list[torch.Tensor] = (),
            buffers: list[torch.Tensor] = ()) -> "ModelSizes":
-        return cls(tuple(p.numel() for p in trainable), sum(t.numel() for t in [*frozen, *buffers]),
-                   tuple(p.numel() for p in frozen))
+        return cls(tuple(p.numel() for p in trainable), tuple(p.numel() for p in frozen),
+                   sum(b.numel() for b in buffers))
+
+    @property
+    def frozen(self) -> int:
+        """Elements of the tensors that do not train: frozen parameters and buffers."""
+        return sum(self.frozen_params) + self.buffers
 
     @property
     def offloaded(self) -> tuple[int, ...]:
@@ -282,8 +287,7 @@ def choose_sizes(model: ModelSizes, *, optimizer_tier: Tier, param_tier: Tier, d
     if param_tier is not Tier.DEVICE:
         homed = [s for s in model.offloaded if s > persistence_threshold]
         largest, total = max(homed, default=0), sum(homed)
-        persistent = sum(s for s in model.offloaded if s <= persistence_threshold) + \
-            model.frozen - sum(model.frozen_params)  # and the buffers
+        persistent = sum(s for s in model.offloaded if s <= persistence_threshold) + model.buffers
         device = budgets.get(Tier.DEVICE)
         if max_live is None and device is None:
             max_live = min(total, max(total // 8, largest + largest // 4))

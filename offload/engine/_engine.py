@@ -583,12 +583,7 @@ class Engine:
         self._finish_updates()
         if keys is None:
             return _checkpoint.consolidated_state_dict(self)
-        keys = list(keys)
-        known = self.module.state_dict(keep_vars=True)
-        unknown = [k for k in keys if k not in known]
-        if unknown:
-            raise ValueError(f"consolidated_state_dict: {unknown[:5]} are not keys of the model's state_dict")
-        return _checkpoint.engine_tensors(self, keys)
+        return _checkpoint.engine_tensors(self, list(keys))
 
     def save_safetensors(self, path: str | Path, *, max_shard_size: int | str = "5GB") -> list[Path]:
         """Writes the model (fp32 master weights) into the folder ``path`` as ``model.safetensors``, or as shards of
@@ -609,11 +604,11 @@ class Engine:
         base model, which the training script builds again); loading it keeps the model's own."""
         self._expect("engine.save_checkpoint()", Phase.IDLE, Phase.ACCUMULATING)
         if self.phase is Phase.ACCUMULATING:  # a checkpoint holds no gradients: a resume would lose these
+            gas = self.gradient_accumulation_steps
             raise RuntimeError(
                 f"engine.save_checkpoint() with the gradients of an unfinished accumulation window held (after "
-                f"micro-batch {self.micro_steps % self.gradient_accumulation_steps or self.gradient_accumulation_steps} of "
-                f"{self.gradient_accumulation_steps}, or a backward not yet stepped): a checkpoint holds no "
-                "gradients, so a resume would lose them. Save after the engine.step() that ends the window")
+                f"micro-batch {self.micro_steps % gas or gas} of {gas}, or a backward not yet stepped): a checkpoint "
+                "holds no gradients, so a resume would lose them. Save after the engine.step() that ends the window")
         self._finish_updates()
         return _checkpoint.save(self, Path(path), tag or f"step{self.global_steps}",
                                 frozen=not exclude_frozen_parameters)
