@@ -345,18 +345,21 @@ def launch(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
         proc = subprocess.Popen([sys.executable, __file__, "--child", json.dumps(spec)], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
         _running[:] = [(proc, work)]
+        timed_out = False
         try:
             stdout, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             stdout, stderr = proc.communicate()
-            tail = " | ".join((stderr or "").strip().splitlines()[-2:])[-300:]
-            # a child that printed its result and then hung at exit counts
-            return _result_in(stdout) or {"status": f"timed out after {timeout:.0f} s" + (f": {tail}" if tail else "")}
-    _running.clear()
-    result = _result_in(stdout)
+            timed_out = True
+        finally:
+            _running.clear()
+    result = _result_in(stdout)  # a child that printed its result and then hung at exit counts
     if result is not None:
         return result
+    if timed_out:
+        tail = " | ".join((stderr or "").strip().splitlines()[-2:])[-300:]
+        return {"status": f"timed out after {timeout:.0f} s" + (f": {tail}" if tail else "")}
     text = stderr or stdout
     if "out of memory" in text.lower() or "OutOfMemoryError" in text:
         return {"status": "out of memory"}
@@ -425,7 +428,8 @@ def main() -> None:
             "warmup": args.warmup, "nvme_dir": args.nvme_dir, "dtype": dtype, "compile": args.compile}
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (no CUDA)"
     print(f"gpu bench: GPT {layers} x {width}, {n / 1e9:.3g}B parameters, {args.batch} x {args.tokens} tokens, "
-          f"on {name}, {dtype}{', compiled' if args.compile else ''}; DeepSpeed {'beside ours' if has_ds else 'not run'}", flush=True)
+          f"on {name}, {dtype}{', compiled' if args.compile else ''}; "
+          f"DeepSpeed {'beside ours' if has_ds else 'not run'}", flush=True)
     with torch.device("meta"):
         estimates = {e.placement: e for e in offload.estimate(model=GPT(cfg), cuda=device.type == "cuda",
                                                               dtype_bytes=2 if dtype == "bf16" else 4)}
@@ -450,7 +454,8 @@ def main() -> None:
         summary = _rounds_summary(runs, bounds, estimates, n, max(1, min(args.rounds, 1 + runs[-1]["round"])))
         printed[:] = summary["lines"]
         out.write_text(json.dumps({"model": {**cfg.__dict__, "params": n, "batch": args.batch, "tokens": args.tokens},
-                                   "device": name, "dtype": dtype, "compile": args.compile, "bounds": bounds, "runs": runs,
+                                   "device": name, "dtype": dtype, "compile": args.compile, "bounds": bounds,
+                                   "runs": runs,
                                    "summary": {k: v for k, v in summary.items() if k != "lines"},
                                    "complete": complete,
                                    "estimates": {k: v.__dict__ for k, v in estimates.items()}}, indent=2,
@@ -476,8 +481,11 @@ def _on_sigterm(lines: list[str]) -> None:
     """A time limit around the bench (SIGTERM): the run in progress goes, and what was measured is printed (the
     JSON already holds it)."""
     def handler(*_: Any) -> None:
-        for proc, work in _running:
-            os.killpg(proc.pid, signal.SIGKILL)
+        for proc, work in list(_running):
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:  # it ended as the signal came
+                pass
             proc.wait()
             shutil.rmtree(work, ignore_errors=True)
         print("\nstopped (SIGTERM); measured so far:" + "".join(f"\n{line}" for line in lines), flush=True)

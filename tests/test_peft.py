@@ -23,6 +23,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArgumen
 import offload  # noqa: E402
 from models import DEVICE, placement_config  # noqa: E402
 from offload.integrations.transformers import OffloadTrainer  # noqa: E402
+from test_trainer import logged  # noqa: E402
 
 VOCAB = 64
 
@@ -101,10 +102,6 @@ def arguments(out) -> TrainingArguments:
                              disable_tqdm=True)
 
 
-def logged(trainer: Trainer) -> list[float]:
-    return [h["loss"] for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h]
-
-
 def test_offload_trainer_saves_and_resumes_a_lora_adapter(tmp_path):
     """OffloadTrainer, parameters and optimizer on NVMe, against the plain Trainer: the same losses; save_model
     writes the adapter as the plain Trainer does (peft loads it, equal to the plain Trainer's); a checkpoint's
@@ -128,13 +125,13 @@ def test_offload_trainer_saves_and_resumes_a_lora_adapter(tmp_path):
             trainers.append(t)
             t.train(resume_from_checkpoint=resume)
         straight, resumed, from_plain = trainers
-        for a, b in zip(logged(straight), logged(plain)):
+        for a, b in zip(logged(straight, "loss"), logged(plain, "loss")):
             assert math.isclose(a, b, rel_tol=1e-5), (a, b)
-        assert logged(resumed)[2:] == logged(straight)[2:]
+        assert logged(resumed, "loss")[2:] == logged(straight, "loss")[2:]
         a, b = straight.engine.consolidated_state_dict(), resumed.engine.consolidated_state_dict()
         assert all(torch.equal(a[k], b[k]) for k in a)
         # the plain Trainer's adapter at step 2 (Adam's moments start anew): its next loss is the plain Trainer's
-        assert math.isclose(logged(from_plain)[2], logged(plain)[2], rel_tol=1e-5)
+        assert math.isclose(logged(from_plain, "loss")[2], logged(plain, "loss")[2], rel_tol=1e-5)
         straight.save_model(str(tmp_path / "saved"))
         assert sorted(p.name for p in (tmp_path / "saved").iterdir()) == \
             sorted(p.name for p in (tmp_path / "plain-saved").iterdir())
