@@ -6,9 +6,14 @@ native kernel and the pure-torch fallback are both exercised in the same run (OF
 
 from __future__ import annotations
 
+import fcntl
 import io
 import logging
+import os
+import shutil
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -320,6 +325,53 @@ def test_build_failure_falls_back_with_one_warning(
     monkeypatch.setenv(_cpu_adam.BACKEND_ENV, "native")
     with pytest.raises(RuntimeError, match="C\\+\\+ compiler"):
         cpu_adam_backend()
+
+
+def _copy_of_the_build(native: str, cache: Path) -> Path:
+    """The built kernel copied into another cache directory (no rebuild there: ninja finds it up to date)."""
+    built = _cpu_adam.build_directory(native)
+    copy = cache / built.relative_to(_cpu_adam.cache_dir())
+    shutil.copytree(built, copy, ignore=shutil.ignore_patterns("lock", "offload-build.lock"))
+    return copy
+
+
+def _load_kernel(cache: Path) -> subprocess.Popen:
+    env = {**os.environ, "OFFLOAD_CACHE_DIR": str(cache), _cpu_adam.BACKEND_ENV: "native"}
+    code = "from offload.ops import cpu_adam_backend; print(cpu_adam_backend())"
+    return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+
+
+def test_a_build_killed_midway_does_not_block_later_ones(native: str, tmp_path: Path) -> None:
+    # torch's own lock file, as a build killed between creating and deleting it leaves it: torch alone waits forever.
+    (_copy_of_the_build(native, tmp_path) / "lock").touch()
+    child = _load_kernel(tmp_path)
+    try:
+        out, err = child.communicate(timeout=120)
+    finally:
+        child.kill()
+    assert child.returncode == 0, err
+    assert out.strip() == native
+    assert "left by a CPU Adam build that was killed" in err
+
+
+def test_a_build_in_progress_elsewhere_is_waited_for(native: str, tmp_path: Path) -> None:
+    build = _copy_of_the_build(native, tmp_path)
+    with open(build / "offload-build.lock", "a") as held:  # another process building: its OS lock and torch's file
+        fcntl.flock(held, fcntl.LOCK_EX)
+        (build / "lock").touch()
+        child = _load_kernel(tmp_path)
+        try:
+            with pytest.raises(subprocess.TimeoutExpired):
+                child.wait(timeout=5)
+            assert (build / "lock").exists()  # a live builder's file is never taken for a stale one
+            (build / "lock").unlink()  # the builder finishes
+            fcntl.flock(held, fcntl.LOCK_UN)
+            out, err = child.communicate(timeout=120)
+        finally:
+            child.kill()
+    assert child.returncode == 0, err
+    assert out.strip() == native and "killed" not in err
 
 
 # ---------------------------------------------------------------------------------------------------------------

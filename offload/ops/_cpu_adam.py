@@ -3,7 +3,8 @@
 The kernel is compiled on first use with ``torch.utils.cpp_extension`` for the widest instruction set this CPU has
 (AVX-512, AVX2 or plain scalar code; read with py-cpuinfo), so one wheel serves every x86 machine and no flag the
 CPU lacks is ever compiled in. Builds live under ``$OFFLOAD_CACHE_DIR`` (default ``~/.cache/offload``) in a directory
-named after the ISA, the Python and the torch version, so they are reused across runs and never mixed.
+named after the ISA, the Python and the torch version, so they are reused across runs and never mixed; one
+process at a time builds there, under an OS lock that a killed build cannot leave held.
 
 Two environment variables, read on every call so tests can flip them:
 
@@ -16,12 +17,15 @@ The torch path evaluates the same formula in the same order, chunk by chunk so i
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import logging
 import math
 import os
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -98,24 +102,55 @@ def _requested_backend() -> str:
     return backend
 
 
+def build_directory(isa: str) -> Path:
+    """Where the kernel for ``isa`` is built and cached, for this Python and this torch."""
+    version_tag = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__.replace('+', '_')}"
+    return cache_dir() / "cpu_adam" / f"{isa}-{version_tag}"
+
+
+@contextlib.contextmanager
+def _across_processes(build_dir: Path) -> Iterator[None]:
+    """One process at a time builds in ``build_dir``, under an OS lock the kernel drops when its holder dies.
+
+    torch serialises builds with a ``lock`` file it creates and deletes itself (``FileBaton``); a process killed
+    mid-build (a test timeout, Ctrl-C twice, an OOM kill) leaves that file behind, and every later build in the
+    directory waits for it forever. Every build here runs under this lock, so a ``lock`` file found while holding
+    it belongs to a dead process and is removed.
+    """
+    with open(build_dir / "offload-build.lock", "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("offload: waiting for another process building the CPU Adam kernel in %s", build_dir)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        stale = build_dir / "lock"
+        if stale.exists():
+            logger.warning("offload: removing %s, left by a CPU Adam build that was killed", stale)
+            stale.unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 @functools.lru_cache(maxsize=None)
 def _build(isa: str) -> ModuleType:
     """Compile (or reuse the cached build of) the kernel for ``isa`` and import it. Raises on any build failure."""
     from torch.utils import cpp_extension
 
     name = f"offload_cpu_adam_{isa}"
-    version_tag = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__.replace('+', '_')}"
-    build_dir = cache_dir() / "cpu_adam" / f"{isa}-{version_tag}"
+    build_dir = build_directory(isa)
     build_dir.mkdir(parents=True, exist_ok=True)
     cflags = ["-O3", "-fopenmp", "-ffp-contract=off", *_ISA_LEVELS[isa]["cflags"]]
-    module = cpp_extension.load(
-        name=name,
-        sources=[str(_SOURCE)],
-        build_directory=str(build_dir),
-        extra_cflags=cflags,
-        extra_ldflags=["-fopenmp"],
-        verbose=False,
-    )
+    with _across_processes(build_dir):
+        module = cpp_extension.load(
+            name=name,
+            sources=[str(_SOURCE)],
+            build_directory=str(build_dir),
+            extra_cflags=cflags,
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
     assert module.isa == isa, f"built {name} but it reports ISA {module.isa}"
     return module
 
