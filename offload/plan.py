@@ -394,6 +394,9 @@ def resolve(cfg: OffloadConfig, model: ModelSizes, *, device: torch.device, worl
     combination that cannot run."""
     zero = cfg.zero_optimization
     why: dict[str, str] = {}
+    if not model.params:
+        why["forward only"] = ("no parameter trains (requires_grad=False everywhere): no optimizer state beyond one "
+                               "sub-group of padding, no gradients; backward and step raise")
     optimizer_tier, param_tier = _TIER[zero.offload_optimizer.device], _TIER[zero.offload_param.device]
     delayed = zero.offload_optimizer.delayed_update
     if delayed and param_tier is not Tier.DEVICE:

@@ -1,9 +1,11 @@
 """Fine-tuning with part of the model frozen (a frozen base under adapters, frozen early layers): in every placement
 the trainable part trains as torch's AdamW trains it on the un-offloaded model, and the frozen part keeps its values
 everywhere the model is read back: the module after close, consolidated_state_dict, save_safetensors and a
-checkpoint loaded into a new engine; weights loaded into the engine reach the frozen parameters too. Under parameter offload a frozen parameter lives in a home and the module
-holds a placeholder, so each of those reads must go to the home. The engine trains on the machine's device; the
-reference runs there too (tests/models.py)."""
+checkpoint loaded into a new engine; weights loaded into the engine reach the frozen parameters too. Under
+parameter offload a frozen parameter lives in a home and the module holds a placeholder, so each of those reads
+must go to the home. A model frozen whole gets a forward-only engine, used beside a training one as a DPO
+reference or a teacher. The engine trains on the machine's device; the reference runs there too
+(tests/models.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import torch
 from torch import nn
 
 import offload
-from models import DEVICE, batches, lm_loss, make, on_device, placement_config
+from models import DEVICE, batches, close_enough, lm_loss, make, on_device, placement_config
 from test_export import read_folder
 
 LR = 3e-3
@@ -144,3 +146,121 @@ def test_a_checkpoint_without_the_frozen_base_resumes_bit_identically(tmp_path, 
             engine.step()
         resumed = engine.consolidated_state_dict()
     assert all(torch.equal(resumed[k], straight[k]) for k in straight)
+
+
+# A model with nothing to train: a forward-only engine (a DPO reference model, a distillation teacher) ----------------
+
+
+def all_frozen(seed: int = 0) -> nn.Module:
+    model = make(seed)
+    model.requires_grad_(False)
+    return model
+
+
+@pytest.mark.parametrize("placement", ["opt-host", *FROZEN_PLACEMENTS])
+def test_a_model_with_nothing_to_train_runs_forwards_only(tmp_path, placement):
+    """Every placement: the outputs are the un-offloaded model's (with and without autograd recording, before and
+    after the prefetch trace exists), the optimizer holds no more than one padding sub-group, the state dict is the
+    model's, and backward and step say why they cannot run."""
+    data = batches(3)
+    ref = all_frozen().to(DEVICE)
+    model = all_frozen()
+    cfg = placement_config(tmp_path, placement, live=8192, bucket=4096)  # a window of a third of the model
+    with offload.initialize(model, cfg) as engine:
+        assert "forward only" in engine.plan().describe()
+        for i, (x, _) in enumerate(data):
+            with torch.no_grad() if i % 2 == 0 else torch.enable_grad():
+                got = engine(x)
+            assert not got.requires_grad
+            close_enough(got, ref(*on_device((x,))), rel=1e-6)
+        if engine.stats()["params"] is not None:  # the window moved: parameters were released and fetched again
+            assert engine.stats()["params"]["released"] > 0
+        state = engine.consolidated_state_dict()
+        report = engine.memory_report()
+        assert report["host"]["optimizer_state"] + report["nvme"]["optimizer_state"] <= 12 * 2048
+        x, y = data[0]
+        for call in (lambda: engine.backward(lm_loss(engine(x), y)), engine.step):
+            with pytest.raises(RuntimeError, match="this engine trains nothing .* runs forwards only"):
+                call()
+        close_enough(engine(x), ref(*on_device((x,))), rel=1e-6)  # still usable after the refusals
+    assert all(torch.equal(state[k], v.cpu()) for k, v in ref.state_dict().items())
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+
+
+def sequence_logp(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Per sequence, the summed log-probability of its tokens ``y``."""
+    logp = torch.log_softmax(logits.float(), -1)
+    return logp.gather(-1, y.to(logits.device).unsqueeze(-1)).squeeze(-1).sum(-1)
+
+
+def dpo_loss(policy, reference, chosen, rejected, beta: float = 0.1) -> torch.Tensor:
+    (xc, yc), (xr, yr) = chosen, rejected
+    with torch.no_grad():
+        ref_margin = sequence_logp(reference(xc), yc) - sequence_logp(reference(xr), yr)
+    margin = sequence_logp(policy(xc), yc) - sequence_logp(policy(xr), yr)
+    return -torch.nn.functional.logsigmoid(beta * (margin - ref_margin.to(margin.device))).mean()
+
+
+@pytest.mark.parametrize("placements", [("params-host", "params-nvme"), ("opt-host", "all-nvme")])
+def test_dpo_with_the_reference_model_offloaded_too(tmp_path, placements):
+    """Two engines in one process, as a DPO run on one GPU has them: the policy trains, the reference (the same
+    weights, frozen) runs forwards only; the policy's losses and weights are those of the same loop with both models
+    plain and torch's AdamW."""
+    pairs = list(zip(batches(STEPS, seed=1), batches(STEPS, seed=2)))
+    policy, reference = make(0).to(DEVICE), all_frozen().to(DEVICE)
+    opt = torch.optim.AdamW(policy.parameters(), lr=LR, weight_decay=0.01)
+    want = []
+    for chosen, rejected in pairs:
+        opt.zero_grad()
+        loss = dpo_loss(policy, reference, on_device(chosen), on_device(rejected))
+        loss.backward()
+        opt.step()
+        want.append(loss.item())
+    train, frozen = placements
+    with offload.initialize(make(0), config(tmp_path / "policy", train)) as engine, \
+            offload.initialize(all_frozen(), config(tmp_path / "reference", frozen)) as ref_engine:
+        got = []
+        for chosen, rejected in pairs:
+            loss = dpo_loss(engine, ref_engine, chosen, rejected)
+            engine.backward(loss)
+            engine.step()
+            got.append(loss.item())
+        state = engine.consolidated_state_dict()
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+    for k, v in policy.state_dict().items():
+        close_enough(state[k], v, rel=1e-5)
+
+
+def mlp(seed: int, frozen: bool = False) -> nn.Module:
+    torch.manual_seed(seed)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(6)])
+    return model.requires_grad_(not frozen)
+
+
+@pytest.mark.parametrize("placement", ["opt-host", "params-nvme"])
+def test_gradients_flow_through_a_forward_only_engine(tmp_path, placement):
+    """A trained model feeding a frozen one under its own engine (a frozen decoder or critic): the trained engine's
+    backward runs through the frozen engine's modules, whose released parameters are fetched again for it."""
+    xs = [torch.randn(8, 64, generator=torch.Generator().manual_seed(i)) for i in range(STEPS)]
+    first, second = mlp(0).to(DEVICE), mlp(1, frozen=True).to(DEVICE)
+    opt = torch.optim.AdamW(first.parameters(), lr=LR, weight_decay=0.01)
+    want = []
+    for x in xs:
+        opt.zero_grad()
+        loss = second(first(x.to(DEVICE))).square().mean()
+        loss.backward()
+        opt.step()
+        want.append(loss.item())
+    window = {"live": 8192, "bucket": 4160}  # a third of each model
+    with offload.initialize(mlp(0), placement_config(tmp_path / "a", "params-host", **window)) as engine, \
+            offload.initialize(mlp(1, frozen=True), placement_config(tmp_path / "b", placement, **window)) as frozen:
+        got = []
+        for x in xs:
+            loss = frozen(engine(x)).square().mean()
+            engine.backward(loss)
+            engine.step()
+            got.append(loss.item())
+        state = engine.consolidated_state_dict()
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-7)
+    for k, v in first.state_dict().items():
+        close_enough(state[k], v, rel=1e-5)

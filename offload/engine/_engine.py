@@ -289,6 +289,7 @@ class Engine:
         If it raises in a window's first micro-batch before any update started, the window is dropped and the
         engine is idle again; otherwise (earlier micro-batches, or updates already running) it is FAILED until a
         checkpoint is loaded."""
+        self._expect_trainable("engine.backward(loss)")
         self._expect("engine.backward(loss)", Phase.IDLE, Phase.ACCUMULATING)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("engine.backward expects a scalar loss tensor")
@@ -365,6 +366,7 @@ class Engine:
     def step(self) -> None:
         """At an accumulation boundary: overflow check, clipping, the optimizer step; a no-op between micro-batches.
         Gradients are consumed (the next backward starts from zero)."""
+        self._expect_trainable("engine.step()")
         if self.phase is Phase.IDLE:
             raise RuntimeError("engine.step() called before engine.backward(loss)" if self.micro_steps == 0 else
                                "engine.step() called twice without an engine.backward(loss) in between")
@@ -662,6 +664,14 @@ class Engine:
         self.phase = Phase.FAILED
         self._failure = f"{call} raised {type(exc).__name__}: {exc}"
 
+    def _expect_trainable(self, call: str) -> None:
+        if not self.layout.params:
+            raise RuntimeError(f"{call}: this engine trains nothing (no parameter of the model had "
+                               "requires_grad=True at offload.initialize): it runs forwards only, as a reference or "
+                               "teacher model does. Compute its outputs under torch.no_grad() and call backward and "
+                               "step on the engine of the model you train; to train this model, set requires_grad "
+                               "on the parameters to train before offload.initialize")
+
     def _expect(self, call: str, *allowed: Phase) -> None:
         self._check_open()
         if self.phase is Phase.FAILED and Phase.FAILED not in allowed:
@@ -788,8 +798,6 @@ def _param_groups(module: torch.nn.Module, param_groups: Iterable[dict[str, Any]
                   ) -> tuple[list[list[torch.nn.Parameter]], list[dict[str, Any]]]:
     """The trainable parameters in groups, with per-group options, checked against the model."""
     trainable = [p for p in module.parameters() if p.requires_grad]
-    if not trainable:
-        raise ValueError("initialize: the model has no parameter with requires_grad=True")
     if param_groups is None:
         return [trainable], [{}]
     ids = {id(p) for p in trainable}

@@ -90,7 +90,7 @@ class Weights:
         flat = sum(n for n in self.layout.group_numel) * size
         frozen = sum(t.numel() * (size if t.is_floating_point() else t.element_size())
                      for t in self.frozen() + list(self.module.buffers()))
-        grad = max(p.numel() for p in self.layout.params) * size
+        grad = max((p.numel() for p in self.layout.params), default=0) * size
         self.store.accounts[Tier.DEVICE].reserve(
             flat + frozen + grad, f"the model's {fmt_bytes(flat)} of {self.plan.dtype} parameters, "
             f"{fmt_bytes(frozen)} of frozen tensors and one {fmt_bytes(grad)} gradient",
@@ -149,9 +149,10 @@ class Weights:
         homes: list[torch.Tensor | None] = [None] * (len(layout.params) + len(frozen))
         if plan.partition is Partition.PER_PARAM:
             if plan.param_tier is Tier.NVME:  # pieces in this rank's NVMe folder
+                cap = plan.prefetch_bucket // plan.world_size + max(layout.piece, default=0)
                 self.shards = ParamShards(comm, layout, self.copies, store=self.store, dtype=plan.dtype,
                                           nvme_path=nvme_path, aio=aio,  # staging kept: the pieces in flight
-                                          staging_cap=plan.prefetch_bucket // plan.world_size + max(layout.piece))
+                                          staging_cap=cap)
                 optimizer.attach_device([], on_updated=self.shards.write_updated, dtype=plan.dtype,
                                         update_buffers=UPDATE_BUFFERS)
             else:  # each home holds this rank's piece of every parameter
