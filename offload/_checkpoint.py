@@ -12,7 +12,8 @@ Layout of ``save(engine, root, tag)`` (with N ranks; N = 1 is the same)::
 
 Trainable parameters are stored per parameter name (``param/``, ``exp_avg/``, ``exp_avg_sq/``, fp32) as pieces:
 each rank writes the part of each parameter that falls in the range of the flat buffer it owns, so a parameter may
-be split between shards. ``frozen/`` and ``buffer/`` (replicated on every rank) are written by rank 0 whole.
+be split between shards. ``frozen/`` and ``buffer/`` are written by rank 0 whole (a frozen parameter that stage 3
+partitions is gathered from every rank's piece first).
 Nothing depends on sub_group_size, placement or world size: loading re-cuts the pieces for the loading engine's
 layout (N ranks save, M ranks load).
 
@@ -254,8 +255,9 @@ def _write_shard(engine: "Engine", tmp: Path, frozen: bool) -> dict[str, dict[st
             for k in _KINDS:
                 entries.append((f"{k}/{n}", torch.float32, (piece[1],)))
                 starts[f"{k}/{n}"] = piece[0]
-    others = _frozen_and_buffers(engine, frozen) if rank == 0 else {}  # read one at a time as they are written
-    entries += [(n, t.dtype, tuple(t.shape)) for n, t in others.items()]
+    others = _frozen_and_buffers(engine, frozen)  # read one at a time as rank 0 writes them
+    if rank == 0:
+        entries += [(n, t.dtype, tuple(t.shape)) for n, t in others.items()]
     # delayed update: the device still holds the previous parameters
     pending = engine.training_state().pending_update and rank == 0
     if pending:
@@ -271,7 +273,10 @@ def _write_shard(engine: "Engine", tmp: Path, frozen: bool) -> dict[str, dict[st
                 f.write(name, view, offset - index[name]["start"])
             opt.done_state(sg, dirty=False)
         for name, t in others.items():
-            f.write(name, _host_value(engine, t))
+            if rank == 0:
+                f.write(name, _host_value(engine, t))
+            elif layout.per_param and isinstance(t, torch.nn.Parameter):
+                _host_value(engine, t)  # stage 3: a frozen parameter's pieces are gathered, every rank joins
         if pending:
             for name, p in zip(names, layout.params):
                 f.write(f"device/{name}", engine.copies.download(p))

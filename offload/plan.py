@@ -315,6 +315,10 @@ def expected_bytes(plan: Plan, model: ModelSizes) -> dict[Tier, int]:
     d, g = plan.dtype_bytes, torch.empty((), dtype=plan.grad_dtype).element_size()
     per_param = plan.partition is Partition.PER_PARAM
     layout = model.layout(plan.sub_group_size, world_size=plan.world_size, per_param=per_param, align=plan.align)
+    # stage 3 on several ranks: this rank's pieces of the frozen parameters, cut like the trainable ones
+    frozen = FlatLayout([[torch.empty(n, device="meta") for n in model.frozen_params]], plan.sub_group_size,
+                        world_size=plan.world_size, per_param=True, align=plan.align) \
+        if per_param and model.frozen_params else None
     flat = sum(layout.group_numel)
     owned = layout.owned_numel(0)
     max_sg = layout.max_sub_group_numel
@@ -357,12 +361,12 @@ def expected_bytes(plan: Plan, model: ModelSizes) -> dict[Tier, int]:
         out[Tier.HOST] += buffers * slot
         out[Tier.NVME] += state + spare_writes(state, slot, buffers) * slot
     if plan.param_tier is Tier.HOST:
-        out[Tier.HOST] += d * (owned if per_param else flat)
+        out[Tier.HOST] += d * (owned if per_param else flat) + (d * frozen.owned_numel(0) if frozen else 0)
     elif plan.param_tier is Tier.NVME:
         out[Tier.HOST] += UPDATE_BUFFERS * d * max_sg  # the optimizer's staging of updated parameters
         if per_param:
-            out[Tier.HOST] += d * max(layout.piece, default=0)
-            parts = [seg.numel for sg in layout.sub_groups for seg in sg.segments]
+            out[Tier.HOST] += d * max(layout.piece + (frozen.piece if frozen else []), default=0)
+            parts = [seg.numel for lay in (layout, frozen) if lay for sg in lay.sub_groups for seg in sg.segments]
             out[Tier.NVME] += d * (sum(parts) + max(parts, default=0))
         else:
             out[Tier.HOST] += d * persistent  # host copies (homes are written through the optimizer's staging of

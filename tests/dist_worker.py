@@ -8,7 +8,8 @@ and ``runs``, each trained in turn: ``name``, ``config`` (the engine's), ``steps
 (gradients through the CUDA path's device buckets, on the CPU: offload.plan.STAGE_ON_CPU), ``model`` ("bag": the
 50k-row embedding model of the sparse-gradient runs), ``sparse_module`` (its nn.Embedding(sparse=True)),
 ``seed_by_rank`` (each rank builds the model from its own seed, with a frozen parameter ``frozen`` and a buffer
-``mask``, as nanoGPT seeds by rank) and ``differ`` (a model that differs across ranks: "shape", rank r's
+``mask``, as nanoGPT seeds by rank), ``frozen_base`` (the embedding, tied to the head, and the first block
+frozen, as under adapters) and ``differ`` (a model that differs across ranks: "shape", rank r's
 vocabulary is 96 + r; "count", rank 1 has one more buffer).
 
 Each rank trains on its 1/N slice of a global batch of 6 sequences (so any N in 1, 2, 3 sees the same global
@@ -47,6 +48,9 @@ def run(spec: dict, r: dict, rank: int, world: int, out: Path) -> None:
     else:
         data, loss_fn = batches(r["steps"] * r["gas"], bsz=GLOBAL_BATCH), lm_loss
         model = make(seed=rank if r.get("seed_by_rank") else 0, vocab=96 + rank if r.get("differ") == "shape" else 96)
+    if r.get("frozen_base"):
+        for p in [model.tok.weight, *model.blocks[0].parameters()]:
+            p.requires_grad_(False)
     if r.get("differ") == "count" and rank == 1:
         model.register_buffer("extra", torch.zeros(2))
     if r.get("seed_by_rank"):  # and a frozen parameter and a buffer, made from this rank's seed too

@@ -22,7 +22,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import offload
-from offload.plan import UPDATE_BUFFERS
+from offload.config import OffloadConfig
+from offload.memory import Tier
+from offload.plan import UPDATE_BUFFERS, ModelSizes, expected_bytes, resolve
 from models import bag_batches, bag_loss, batches, lazy_adamw_reference, lm_loss, make, make_bag, train_steps
 
 # Module fixtures start 18 runs of 2 and 3 rank processes inside the first test that uses them.
@@ -116,11 +118,19 @@ def config(stage: int, device: str, nvme: Path, persist: int = 0, param: str = "
     return cfg
 
 
-def reference(steps: int, gas: int = 1, clip: float = 0.0) -> dict[str, torch.Tensor]:
-    """torch's AdamW, one process, the whole global batch of 6."""
+def frozen_base(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with its embedding (tied to the head) and first block frozen, as dist_worker's ``frozen_base``."""
+    for p in [model.tok.weight, *model.blocks[0].parameters()]:
+        p.requires_grad_(False)
+    return model
+
+
+def reference(steps: int, gas: int = 1, clip: float = 0.0, frozen: bool = False) -> dict[str, torch.Tensor]:
+    """torch's AdamW, one process, the whole global batch of 6 (``frozen``: on the frozen base)."""
     data = batches(steps * gas, bsz=6)
-    model = make()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, betas=(0.9, 0.99), eps=1e-8)
+    model = frozen_base(make()) if frozen else make()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=WD,
+                            betas=(0.9, 0.99), eps=1e-8)
     for s in range(steps):
         opt.zero_grad()
         for x, y in data[s * gas : (s + 1) * gas]:
@@ -208,13 +218,16 @@ def launch(tmp: Path, world: int, runs: list[dict], init: str = "self", timeout:
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    """2 ranks: every run of RUNS, and 6-step runs that checkpoint after 3 steps: stage 2 on NVMe, and stage 3
-    with the parameters' pieces on NVMe."""
+    """2 ranks: every run of RUNS, and 6-step runs that checkpoint after 3 steps: stage 2 on NVMe, stage 3 with
+    the parameters' pieces on NVMe, and stage 3 with a frozen base, pieces on the host or NVMe."""
     tmp = tmp_path_factory.mktemp("two")
     runs = spec_runs(tmp) + [{"name": "straight", "steps": 6, "gas": 1, "save": str(tmp / "ckpt"), "save_after": 3,
                               "config": config(2, "nvme", tmp / "nvme")},
                              {"name": "straight-pnvme", "steps": 6, "gas": 1, "save": str(tmp / "ckpt-pnvme"),
                               "save_after": 3, "config": config(3, "cpu", tmp / "nvme", param="nvme")}]
+    runs += [{"name": f"frozen-{param}", "steps": 6, "gas": 1, "frozen_base": True, "save_after": 3,
+              "save": str(tmp / f"ckpt-frozen-{param}"), "config": config(3, "cpu", tmp / "nvme", param=param)}
+             for param in ("cpu", "nvme")]
     return launch(tmp, 2, runs), tmp / "ckpt"
 
 
@@ -444,6 +457,41 @@ def test_checkpoint_of_nvme_pieces_from_two_ranks_resumes_on_three_and_one(two_r
     straight = torch.load(out / "straight-pnvme.pt", weights_only=True)
     assert_close(torch.load(three_ranks / "resumed-pnvme.pt", weights_only=True), straight)
     with offload.initialize(make(seed=9), config(3, "cpu", tmp_path / "nvme", param="nvme")) as engine:
+        assert engine.load_checkpoint(ckpt) == "step3"
+        for x, y in batches(6, bsz=6)[3:]:
+            engine.backward(lm_loss(engine(x), y))
+            engine.step()
+        assert_close(engine.consolidated_state_dict(), straight)
+
+
+@pytest.mark.parametrize("param", ["cpu", "nvme"])
+def test_a_frozen_base_is_partitioned_across_ranks(two_ranks, tmp_path, param):
+    """Stage 3 on 2 ranks with the embedding and first block frozen: the run matches torch's AdamW on the frozen
+    base in one process; each rank holds its pieces of the frozen parameters (half of them), not all of them; the
+    checkpoint the 2 ranks wrote (rank 0 writes the frozen parameters whole, gathered from the pieces) resumes in
+    one process to the same end. The estimate of the per-rank peaks holds within 10%."""
+    out, ckpt = two_ranks[0], two_ranks[1].parent / f"ckpt-frozen-{param}"
+    straight = torch.load(out / f"frozen-{param}.pt", weights_only=True)
+    assert_close(straight, reference(6, frozen=True))
+    sizes = [p.numel() for p in make().parameters()]  # trainable and frozen: stage 3 cuts both into pieces
+    model = frozen_base(make())
+    held = ModelSizes.of([p for p in model.parameters() if p.requires_grad],
+                         [p for p in model.parameters() if not p.requires_grad], list(model.buffers()))
+    cfg = OffloadConfig.load(config(3, "cpu", tmp_path / "nvme", param=param))
+    for r in range(2):
+        info = json.loads((out / f"frozen-{param}.rank{r}.json").read_text())
+        est = expected_bytes(resolve(cfg, held, device=torch.device("cpu"), world_size=2, rank=r,
+                                     local_world_size=2), held)
+        for tier in (Tier.HOST, Tier.NVME):  # `offload estimate` holds: it counts the frozen pieces too
+            assert abs(info["report"][tier.value]["peak"] - est[tier]) <= 0.1 * est[tier], (r, tier)
+        mine = sum(max(0, min(piece_of(n, 2), n - r * piece_of(n, 2))) for n in sizes)
+        host, nvme = info["report"]["host"], info["report"]["nvme"]["current"]
+        if param == "nvme":  # the pieces, and one spare extent of at most a sub-group
+            assert 4 * mine <= nvme <= 4 * (mine + 4096), (r, nvme, mine)
+        else:  # the pieces, the optimizer state (12 B per trainable element) and the gradients (4 B)
+            pieces = host["current"] - host["optimizer_state"] * 16 // 12
+            assert 4 * mine <= pieces <= 4 * (mine + 1024), (r, pieces, mine)
+    with offload.initialize(frozen_base(make(seed=9)), config(3, "cpu", tmp_path / "nvme", param=param)) as engine:
         assert engine.load_checkpoint(ckpt) == "step3"
         for x, y in batches(6, bsz=6)[3:]:
             engine.backward(lm_loss(engine(x), y))

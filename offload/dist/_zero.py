@@ -63,27 +63,36 @@ class _PieceRead:
 
 
 class ParamShards:
-    """Stage 3 on several ranks: this rank's piece of every trainable parameter, kept in one of two places.
+    """Stage 3 on several ranks: this rank's piece of every parameter, kept in one of two places. Parameters are
+    numbered as the engine's parameter offload numbers them: the trainable ones (``layout``), then the frozen ones
+    (``frozen``, a per-parameter layout of their own that no optimizer walks): a frozen base is partitioned like the
+    rest, so each rank holds 1/N of it and reads 1/N of it per fetch, instead of all of it.
 
-    * HOST (``flats``): one low-precision buffer per group covering only the owned range, which the optimizer
-      updates in place.
+    * HOST (``flats``, and ``frozen_flat``): one low-precision buffer per group covering only the owned range, which
+      the optimizer updates in place (the frozen one never changes).
     * NVMe (``nvme_path``, this rank's own directory): one swap key per part of a piece that lies in one optimizer
-      sub-group, so a sub-group's update writes its parts straight from the optimizer's staging buffer (no
-      read-modify-write of pieces cut by sub-group boundaries). Host RAM holds a staging piece per fetch in flight
-      (a pool, counted on the HOST tier); the keys are counted on this rank's NVME tier. A fetch starts reading the
-      piece and returns; its all-gather is issued once the read is done, in fetch order (the same on every rank),
-      at the latest before any other collective (see :meth:`fetch`), so the reads overlap compute.
+      sub-group (frozen: one sub-group of ``frozen``), so a sub-group's update writes its parts straight from the
+      optimizer's staging buffer (no read-modify-write of pieces cut by sub-group boundaries). Host RAM holds a
+      staging piece per fetch in flight (a pool, counted on the HOST tier); the keys are counted on this rank's
+      NVME tier. A fetch starts reading the piece and returns; its all-gather is issued once the read is done, in
+      fetch order (the same on every rank), at the latest before any other collective (see :meth:`fetch`), so the
+      reads overlap compute.
     """
 
-    def __init__(self, comm: Comm, layout: FlatLayout, copies: CopyStreams, *,
-                 flats: list[torch.Tensor] | None = None, store: TieredStore | None = None,
-                 dtype: torch.dtype | None = None, nvme_path: str | None = None,
+    def __init__(self, comm: Comm, layout: FlatLayout, copies: CopyStreams, *, frozen: FlatLayout | None = None,
+                 flats: list[torch.Tensor] | None = None, frozen_flat: torch.Tensor | None = None,
+                 store: TieredStore | None = None, dtype: torch.dtype | None = None, nvme_path: str | None = None,
                  aio: AioConfig | None = None, staging_cap: int = 0) -> None:
         """``staging_cap``: elements of staging pieces kept for reuse (NVMe), at least the pieces of a window of
         fetches in flight; more are freed when given back."""
         assert layout.per_param and (flats is None) != (nvme_path is None)
+        assert frozen is None or (frozen.per_param and (flats is None or frozen_flat is not None))
         self.comm, self.layout, self.copies, self.store = comm, layout, copies, store
         self.device = copies.device
+        # every parameter, trainable then frozen: its layout and its index there
+        self._at = [(lay, j) for lay in (layout, frozen) if lay is not None for j in range(len(lay.params))]
+        self.params = [lay.params[j] for lay, j in self._at]
+        self.piece = [lay.piece[j] for lay, j in self._at]
         self.pieces: list[torch.Tensor] = []
         self._swap: SwapEngine | None = None
         self._queue: list[_PieceRead] = []  # NVMe fetches whose all-gather waits for their reads, in fetch order
@@ -95,19 +104,20 @@ class ParamShards:
         self._nvme_bytes = 0
         if flats is not None:
             self.dtype = flats[0].dtype
-            for i in range(len(layout.params)):
-                lo = layout.param_offset[i]
-                self.pieces.append(flats[layout.param_group[i]][lo : lo + layout.piece[i]])
+            for lay, j in self._at:
+                flat = flats[lay.param_group[j]] if lay is layout else frozen_flat
+                self.pieces.append(flat[lay.param_offset[j] : lay.param_offset[j] + lay.piece[j]])
             return
         assert store is not None and dtype is not None
         self.dtype = dtype
         r = comm.rank
         # (start in this rank's piece, element count) of each key, in piece order: they cover the piece's real
         # elements; the rest of the piece is padding (zeros)
-        self._parts: list[list[tuple[int, int]]] = [[] for _ in layout.params]
-        for sg in layout.sub_groups:
-            for seg in sg.segments:
-                self._parts[seg.param].append((seg.param_start - r * layout.piece[seg.param], seg.numel))
+        self._parts: list[list[tuple[int, int]]] = [[] for _ in self._at]
+        for lay, first in ((layout, 0), (frozen, len(layout.params))):
+            for sg in lay.sub_groups if lay is not None else ():
+                for seg in sg.segments:
+                    self._parts[first + seg.param].append((seg.param_start - r * lay.piece[seg.param], seg.numel))
         size = torch.empty((), dtype=dtype).element_size()
         held = [n for parts in self._parts for _, n in parts]
         root = Path(nvme_path)  # type: ignore[arg-type]
@@ -124,7 +134,7 @@ class ParamShards:
         comm.before_collective = self.issue_all
 
     def covers(self, i: int) -> bool:
-        return i < len(self.layout.params)
+        return i < len(self.params)
 
     @staticmethod
     def _key(i: int, start: int) -> str:
@@ -132,7 +142,7 @@ class ParamShards:
 
     def write(self, i: int, value: torch.Tensor) -> None:
         """Keeps this rank's piece of a full new value of parameter ``i`` (no communication)."""
-        r, piece = self.comm.rank, self.layout.piece[i]
+        r, piece = self.comm.rank, self.piece[i]
         flat = value.reshape(-1)
         mine = flat[r * piece : (r + 1) * piece]
         if mine.device.type != "cpu":
@@ -171,7 +181,7 @@ class ParamShards:
         latest when this or a later fetch is waited on or any other collective starts (``Comm.before_collective``):
         so the reads overlap the compute before the parameter is needed, and every rank issues the gathers in the
         order it fetched, which is the same everywhere."""
-        piece, r = self.layout.piece[i], self.comm.rank
+        piece, r = self.piece[i], self.comm.rank
         with self.copies.copy_stream():  # memory no kernel of the compute stream may still be using: the copy
             out = torch.empty(piece * self.comm.world_size, dtype=self.dtype, device=self.device)  # waits for none
         inp = out[r * piece : (r + 1) * piece]  # the all-gather takes this rank's chunk of out in place
@@ -249,7 +259,7 @@ class ParamShards:
 
     def read(self, i: int) -> torch.Tensor:
         """Parameter ``i``'s full value as a new host tensor in its shape (a collective)."""
-        p = self.layout.params[i]
+        p = self.params[i]
         dst = torch.empty(p.numel(), dtype=self.dtype, device=self.device)
         self.fetch(i, dst).wait()
         return self.copies.download(dst).view(p.shape)

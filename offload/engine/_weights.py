@@ -147,24 +147,31 @@ class Weights:
         check_window([p.numel() for p in layout.params + frozen], plan.persistence_threshold, plan.max_live,
                      plan.dtype, self.store.accounts[Tier.DEVICE].budget)  # before any parameter moves
         homes: list[torch.Tensor | None] = [None] * (len(layout.params) + len(frozen))
-        if plan.partition is Partition.PER_PARAM:
-            if plan.param_tier is Tier.NVME:  # pieces in this rank's NVMe folder
-                cap = plan.prefetch_bucket // plan.world_size + max(layout.piece, default=0)
-                self.shards = ParamShards(comm, layout, self.copies, store=self.store, dtype=plan.dtype,
-                                          nvme_path=nvme_path, aio=aio,  # staging kept: the pieces in flight
-                                          staging_cap=cap)
+        if plan.partition is Partition.PER_PARAM:  # frozen parameters are partitioned too, in a layout of their own
+            pieces = FlatLayout([frozen], plan.sub_group_size, world_size=plan.world_size, rank=plan.rank,
+                                per_param=True, align=plan.align) if frozen else None
+            if plan.param_tier is Tier.NVME:  # pieces in this rank's NVMe folder, staging kept for those in flight
+                largest = max(layout.piece + (pieces.piece if pieces else []), default=0)
+                self.shards = ParamShards(comm, layout, self.copies, frozen=pieces, store=self.store,
+                                          dtype=plan.dtype, nvme_path=nvme_path, aio=aio,
+                                          staging_cap=plan.prefetch_bucket // plan.world_size + largest)
                 optimizer.attach_device([], on_updated=self.shards.write_updated, dtype=plan.dtype,
                                         update_buffers=UPDATE_BUFFERS)
             else:  # each home holds this rank's piece of every parameter
+                fix = "raise offload.host_memory_budget or use more ranks"
                 flats = [self._allocate_host(layout.owned_numel(g), f"this rank's share of the parameters of param "
-                                             f"group {g}", "raise offload.host_memory_budget or use more ranks")
-                         for g in range(len(layout.group_numel))]
-                self.shards = ParamShards(comm, layout, self.copies, flats=flats)
+                                             f"group {g}", fix) for g in range(len(layout.group_numel))]
+                frozen_flat = self._allocate_host(pieces.owned_numel(0), "this rank's share of the frozen "
+                                                  "parameters", fix) if pieces else None
+                self.shards = ParamShards(comm, layout, self.copies, frozen=pieces, flats=flats,
+                                          frozen_flat=frozen_flat)
                 optimizer.attach_device(flats, owned_only=True)
             with torch.no_grad():
                 for i, p in enumerate(layout.params):
                     optimizer.fill_masters(i + 1)
                     self.shards.write(i, p.detach())
+                for k, p in enumerate(frozen):  # the module's tensor is freed as parameter offload takes it over
+                    self.shards.write(len(layout.params) + k, p.detach())
         elif plan.param_tier is Tier.HOST:
             flats = [self._allocate_host(n, f"the host home of param group {g}", _FIX_HOST)
                      for g, n in enumerate(layout.group_numel)]

@@ -108,6 +108,7 @@ class _Param:
     parts: tuple[tuple[int, int], ...] = ()  # NVMe home: (start, numel) of each key, covering the parameter
     stale: bool = False  # AVAILABLE, but the home holds a newer value (copied again at the next fetch)
     sharded: bool = False  # stage 3 on several ranks: the home is this rank's piece; a fetch all-gathers
+    trains: bool = True  # requires_grad at construction: only these take the optimizer's updates
 
 
 @dataclass
@@ -199,7 +200,7 @@ class ParameterOffload:
         self._private: list[torch.Tensor] = []  # host copies this object allocated (and frees at close)
         self._parts = parts or []
         try:
-            # NVMe keys of this object's own: the pieces of sharded parameters are ParamShards' (frozen ones are not)
+            # NVMe keys of this object's own: the pieces of sharded parameters (frozen ones too) are ParamShards'
             homed = [i for i, p in enumerate(params) if p.numel() > persistence_threshold
                      and not (shards is not None and shards.covers(i))]
             chunk = scratch.numel() if scratch is not None else max((p.numel() for p in params), default=1)
@@ -255,7 +256,8 @@ class ParameterOffload:
                 if before_home is not None:
                     before_home(i)
                 persistent = p.numel() <= persistence_threshold
-                rec = _Param(i, p, p.shape, p.numel(), home, persistent, parts=tuple(self._parts[i]))
+                rec = _Param(i, p, p.shape, p.numel(), home, persistent, parts=tuple(self._parts[i]),
+                             trains=p.requires_grad)
                 rec.sharded = self.shards is not None and self.shards.covers(i)
                 if rec.sharded:
                     pass  # the engine filled this rank's piece; every rank starts from the same full values
@@ -736,7 +738,7 @@ class ParameterOffload:
         self._mark = dict(self.counters)
         self._reset_users()
         for rec in self.params:
-            if rec.index in landed:
+            if rec.index in landed or (rec.persistent and not rec.trains):  # a frozen one's value is unchanged
                 continue
             if rec.persistent:
                 rec.stale = True
