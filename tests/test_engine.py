@@ -394,6 +394,45 @@ def test_a_copy_of_the_model_is_a_plain_model(tmp_path, placement):
         assert torch.equal(other(data[0][0].to(DEVICE)), expected)
 
 
+@pytest.mark.parametrize("placement", ["opt-host", "params-nvme"])
+def test_a_non_finite_loss_is_refused_before_its_backward(tmp_path, placement):
+    """A NaN loss mid-window (bf16/fp32) raises before its backward: the window's earlier gradients stay, and a
+    loop that skips the batch ends bit for bit where the same loop without that batch ends."""
+    data = batches(4)
+    cfg = placement_config(tmp_path / "a", placement, gradient_accumulation_steps=2)
+    with offload.initialize(make(), cfg) as engine:
+        train_steps(engine, data)
+        want = engine.consolidated_state_dict()
+    with offload.initialize(make(), placement_config(tmp_path / "b", placement, gradient_accumulation_steps=2)) \
+            as engine:
+        for i, (x, y) in enumerate(data):
+            engine.backward(lm_loss(engine(x), y))
+            engine.step()
+            if i == 0:  # a batch whose every label is ignored: the mean of no terms, 0/0
+                loss = torch.nn.functional.cross_entropy(engine(x).flatten(0, 1), torch.full_like(y, -100).flatten()
+                                                         .to(engine.device))
+                with pytest.raises(FloatingPointError, match="the loss is nan .* nothing changed .* skip this batch"):
+                    engine.backward(loss)
+                assert engine.phase.value == "accumulating"
+        got = engine.consolidated_state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_parameter_read_outside_its_forward_is_named_instead_of_training_nan(tmp_path):
+    """Stage 3: the head's weight read by the loss outside any module's forward is the NaN placeholder; the
+    engine refuses the loss naming the cause (before, NaN went into every master weight)."""
+    model = make()
+    with offload.initialize(model, placement_config(tmp_path, "params-host", live=8192, bucket=4096)) as engine:
+        before = engine.consolidated_state_dict()
+        x, y = batches(1)[0]
+        h = model.ln(model.tok(x.to(engine.device)) + model.pos[: x.shape[1]])
+        loss = lm_loss(torch.nn.functional.linear(h, model.head.weight), y)
+        with pytest.raises(FloatingPointError, match="outside the forward of the module .*register_external_parameter"):
+            engine.backward(loss)
+        after = engine.consolidated_state_dict()
+    assert all(torch.equal(after[k], before[k]) for k in before)
+
+
 def test_an_update_that_fails_during_backward_surfaces_at_the_next_read(tmp_path, monkeypatch):
     """An update run during backward fails and nothing waits for it before ``read_parameter``: that call raises
     the error and the engine is FAILED, so ``step()`` cannot go on with a sub-group left out."""

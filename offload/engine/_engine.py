@@ -293,6 +293,7 @@ class Engine:
         self._expect("engine.backward(loss)", Phase.IDLE, Phase.ACCUMULATING)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("engine.backward expects a scalar loss tensor")
+        self._check_finite(loss)
         self.weights.check_trainable()
         self._settle()  # parameters no forward hook reached, and the gradient slots the updates read
         gas = self.gradient_accumulation_steps
@@ -326,6 +327,22 @@ class Engine:
                 self.phase = Phase.IDLE
         self.phase = Phase.ACCUMULATING
         self.micro_steps += 1
+
+    def _check_finite(self, loss: torch.Tensor) -> None:
+        """bf16/fp32: a non-finite loss would make every gradient NaN and Adam would write NaN into the masters and
+        moments; refused before its backward runs, so nothing changes (fp16 leaves it to the loss scaler, which
+        skips the step). One wait for the forward to finish, which the backward waits for anyway."""
+        if self.config.fp16.enabled or bool(torch.isfinite(loss.detach()).item()):
+            return
+        cause = (" With parameters offloaded, a parameter read outside the forward of the module that owns it "
+                 "holds NaN there (released, it is a placeholder): read it inside the forward of a module, declared "
+                 "with engine.register_external_parameter(module, param) when that module does not own it.") \
+            if self.weights.params is not None else ""
+        raise FloatingPointError(
+            f"the loss is {loss.item()} at micro-batch {self.micro_steps} (step {self.global_steps}): its backward "
+            "would train NaN into the optimizer state, so it was not run and nothing changed (earlier micro-batches "
+            "of the window keep their gradients: catch the error to skip this batch). Check the data (a batch whose "
+            "labels are all ignored gives 0/0) and the learning rate." + cause)
 
     def _on_grad(self, i: int, p: torch.Tensor) -> None:
         """Parameter ``i``'s gradient is final: to its owner's host buffer (through a reduce bucket with stages
