@@ -9,7 +9,8 @@ and ``runs``, each trained in turn: ``name``, ``config`` (the engine's), ``steps
 50k-row embedding model of the sparse-gradient runs), ``sparse_module`` (its nn.Embedding(sparse=True)),
 ``seed_by_rank`` (each rank builds the model from its own seed, with a frozen parameter ``frozen`` and a buffer
 ``mask``, as nanoGPT seeds by rank), ``frozen_base`` (the embedding, tied to the head, and the first block
-frozen, as under adapters) and ``differ`` (a model that differs across ranks: "shape", rank r's
+frozen, as under adapters), ``edit`` (rank 0 alone re-initialises two parameters in an ``engine.gathered()``
+block before training: test_params.edit) and ``differ`` (a model that differs across ranks: "shape", rank r's
 vocabulary is 96 + r; "count", rank 1 has one more buffer).
 
 Each rank trains on its 1/N slice of a global batch of 6 sequences (so any N in 1, 2, 3 sees the same global
@@ -36,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import offload  # noqa: E402
 import offload.plan  # noqa: E402
 from models import bag_batches, bag_loss, batches, lm_loss, make, make_bag  # noqa: E402
+from test_params import edit  # noqa: E402
 
 GLOBAL_BATCH = 6
 GRAD_BUCKET = offload.plan.GRAD_BUCKET
@@ -61,6 +63,10 @@ def run(spec: dict, r: dict, rank: int, world: int, out: Path) -> None:
     offload.plan.GRAD_BUCKET = 1000 if r.get("staged") else GRAD_BUCKET
     engine = offload.initialize(model, r["config"])
     try:
+        if r.get("edit"):
+            with engine.gathered([model.blocks[1].fc.weight, model.pos]):
+                if rank == 0:
+                    edit(model)
         if r.get("load"):
             engine.load_checkpoint(r["load"])
         start = engine.global_steps

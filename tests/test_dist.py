@@ -26,6 +26,7 @@ from offload.config import OffloadConfig
 from offload.memory import Tier
 from offload.plan import UPDATE_BUFFERS, ModelSizes, expected_bytes, resolve
 from models import bag_batches, bag_loss, batches, lazy_adamw_reference, lm_loss, make, make_bag, train_steps
+from test_params import edit
 
 # Module fixtures start 18 runs of 2 and 3 rank processes inside the first test that uses them.
 pytestmark = pytest.mark.timeout(900)
@@ -125,10 +126,14 @@ def frozen_base(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def reference(steps: int, gas: int = 1, clip: float = 0.0, frozen: bool = False) -> dict[str, torch.Tensor]:
-    """torch's AdamW, one process, the whole global batch of 6 (``frozen``: on the frozen base)."""
+def reference(steps: int, gas: int = 1, clip: float = 0.0, frozen: bool = False,
+              edited: bool = False) -> dict[str, torch.Tensor]:
+    """torch's AdamW, one process, the whole global batch of 6 (``frozen``: on the frozen base; ``edited``: from
+    the model test_params.edit re-initialised)."""
     data = batches(steps * gas, bsz=6)
     model = frozen_base(make()) if frozen else make()
+    if edited:
+        edit(model)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=WD,
                             betas=(0.9, 0.99), eps=1e-8)
     for s in range(steps):
@@ -228,6 +233,8 @@ def two_ranks(tmp_path_factory):
     runs += [{"name": f"frozen-{param}", "steps": 6, "gas": 1, "frozen_base": True, "save_after": 3,
               "save": str(tmp / f"ckpt-frozen-{param}"), "config": config(3, "cpu", tmp / "nvme", param=param)}
              for param in ("cpu", "nvme")]
+    runs += [{"name": f"edit-s{stage}", "steps": STEPS, "gas": 1, "edit": True,
+              "config": config(stage, "cpu", tmp / "nvme", param="nvme")} for stage in (2, 3)]
     return launch(tmp, 2, runs), tmp / "ckpt"
 
 
@@ -497,6 +504,15 @@ def test_a_frozen_base_is_partitioned_across_ranks(two_ranks, tmp_path, param):
             engine.backward(lm_loss(engine(x), y))
             engine.step()
         assert_close(engine.consolidated_state_dict(), straight)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_change_one_rank_makes_in_a_gathered_block_reaches_every_rank(two_ranks, stage):
+    """Rank 0 alone re-initialises two parameters inside ``engine.gathered()`` (stage 3: each rank holds pieces on
+    NVMe; stage 2: each holds a copy): every rank trains from rank 0's values, as torch's AdamW does from the
+    edited model in one process."""
+    got = torch.load(two_ranks[0] / f"edit-s{stage}.pt", weights_only=True)
+    assert_close(got, reference(STEPS, edited=True))
 
 
 def piece_of(n: int, world: int) -> int:

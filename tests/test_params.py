@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import offload
-from models import DEVICE, batches, lm_loss, make, on_device, reference_model
+from models import DEVICE, TinyGPT, batches, lm_loss, make, on_device, placement_config, reference_model
 from offload.params import ParamState
 
 LR = 3e-3
@@ -369,3 +369,148 @@ def test_gpt2_from_transformers_config(tmp_path):
         # 1e-4: the key third of c_attn.bias has an analytically zero gradient, so Adam turns its rounding
         # noise into lr-sized steps that no two correct implementations share element by element
         assert_same(model, ref, losses, ref_losses, tol=1e-4)
+
+
+class HiddenGPT(TinyGPT):
+    """TinyGPT whose forward stops at the hidden states: the loss applies the output embedding (tied to the input
+    one) itself, as memory-saving chunked cross-entropy losses do, so it reads that weight outside any forward."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos[: idx.shape[1]]
+        for blk in self.blocks:
+            x = blk(x)
+        return self.ln(x)
+
+
+def hidden_gpt() -> HiddenGPT:
+    torch.manual_seed(0)
+    return HiddenGPT()
+
+
+def chunked_loss(model: HiddenGPT, h: torch.Tensor, y: torch.Tensor, chunk: int = 4) -> torch.Tensor:
+    w = model.head.weight
+    parts = [F.cross_entropy(F.linear(h[:, i : i + chunk], w).flatten(0, 1), y[:, i : i + chunk].flatten().to(h.device),
+                             reduction="sum") for i in range(0, h.shape[1], chunk)]
+    return sum(parts) / y.numel()
+
+
+@pytest.mark.parametrize("home, inside", [("cpu", True), ("nvme", True), ("nvme", False)])
+def test_a_loss_that_reads_a_weight_outside_the_forward_inside_gathered(tmp_path, home, inside):
+    """The head's weight, read by the loss between forward and backward: inside ``engine.gathered(weight)`` the
+    run trains as the un-offloaded model does, with backward inside the block or after it (what the block saved is
+    fetched again); without the block, the read is the NaN placeholder and backward refuses the loss."""
+    data = batches(4)
+    ref = hidden_gpt().to(DEVICE)
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.01)
+    ref_losses = []
+    for x, y in data:
+        opt.zero_grad()
+        loss = chunked_loss(ref, ref(x.to(DEVICE)), y)
+        loss.backward()
+        opt.step()
+        ref_losses.append(loss.item())
+    model = hidden_gpt()
+    with offload.initialize(model, config(tmp_path, home, live=8192, bucket=4096)) as engine:
+        head = model.head.weight
+        x, y = data[0]
+        with pytest.raises(FloatingPointError, match="outside the forward"):
+            engine.backward(chunked_loss(model, engine(x), y))
+        losses = []
+        for x, y in data:
+            h = engine(x)
+            with engine.gathered(head):
+                loss = chunked_loss(model, h, y)
+                if inside:
+                    engine.backward(loss)
+                    with pytest.raises(RuntimeError, match="inside an engine.gathered"):
+                        engine.step()
+            if not inside:
+                engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        state = engine.consolidated_state_dict()
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    for k, v in ref.state_dict().items():
+        err = ((state[k].double() - v.detach().cpu().double()).abs() / v.detach().cpu().double().abs().clamp(min=1))
+        assert err.max().item() <= 1e-5, k
+
+
+def test_gathered_keeps_every_parameter_on_the_device_for_a_generation_loop(tmp_path):
+    """``engine.gathered()`` (every parameter) around forwards under no_grad: no fetch waits inside the block,
+    the outputs are the model's, and after it the window holds again."""
+    data = batches(3)
+    ref = reference_model()
+    model = make()
+    with offload.initialize(model, config(tmp_path, "nvme", live=8192, bucket=4096)) as engine:
+        with torch.no_grad():
+            engine(data[0][0])  # the traces
+            with engine.gathered():
+                assert all(torch.isfinite(p).all() for p in model.parameters())  # whole, on the device
+                before = dict(engine.stats()["params"])
+                for x, _ in data:
+                    assert torch.equal(engine(x), ref(x.to(DEVICE)))
+                inside = engine.stats()["params"]
+            assert inside["waited"] == before["waited"] and inside["in_flight"] == before["in_flight"]
+            assert inside["resident"] > before["resident"]
+            engine(data[0][0])
+        assert engine.weights.params.live_numel <= 8192
+        with pytest.raises(ValueError, match="entry 0 of params is not a parameter"):
+            with engine.gathered([torch.nn.Parameter(torch.zeros(2))]):
+                pass
+
+
+def test_what_a_gathered_block_saved_is_fetched_again_after_its_buffer_was_reused(tmp_path):
+    """A block uses the first layer's weight outside its forward; a forward after the block, with a window of one
+    layer, hands that weight's device buffer to the next layers; backward still gets the weight itself."""
+    def layers() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Linear(64, 64, bias=False) for _ in range(3)])
+
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
+    ref = layers().to(DEVICE)
+    (ref(x.to(DEVICE)).square().mean() + ref[0].weight.pow(3).mean()).backward()
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.01)
+    opt.step()
+    model = layers()
+    with offload.initialize(model, config(tmp_path, "nvme", live=6000, bucket=4096, persist=0)) as engine:
+        with engine.gathered(model[0].weight):
+            extra = model[0].weight.pow(3).mean()  # its backward reads the weight
+        loss = engine(x).square().mean() + extra  # fetches every layer through a one-layer window
+        engine.backward(loss)
+        engine.step()
+        state = engine.consolidated_state_dict()
+    for k, v in ref.state_dict().items():
+        assert torch.allclose(state[k], v.detach().cpu(), rtol=1e-5, atol=1e-7), k
+
+
+def edit(model: nn.Module) -> None:
+    """A re-initialisation after the model was built: one weight in place through ``.data`` (which torch's
+    version counters do not see), the position table replaced whole."""
+    torch.manual_seed(5)
+    model.blocks[1].fc.weight.data.normal_(0.0, 0.02)
+    model.pos.data = torch.full_like(model.pos, 0.25)
+
+
+@pytest.mark.parametrize("placement", ["opt-host", "params-host", "params-nvme"])
+def test_changes_made_in_a_gathered_block_are_kept(tmp_path, placement):
+    """What the block writes becomes the parameters' fp32 masters and homes (stage 3) or device copies (stage 2):
+    training then goes on as torch's AdamW from the edited model; the rest keep their masters bit for bit."""
+    data = batches(3)
+    ref = make()
+    edit(ref)
+    ref, ref_losses = reference(ref, data, gpt_loss)
+    model = make()
+    cfg = placement_config(tmp_path, placement, lr=LR, live=8192, bucket=4096)
+    with offload.initialize(model, cfg) as engine:
+        before = engine.consolidated_state_dict()
+        with engine.gathered([model.blocks[1].fc.weight, model.pos, model.ln.weight]):
+            edit(model)
+        after = engine.consolidated_state_dict()
+        assert torch.equal(after["pos"], torch.full_like(after["pos"], 0.25))
+        assert all(torch.equal(after[k], before[k]) for k in before if k not in ("pos", "blocks.1.fc.weight"))
+        losses = run(engine, data, gpt_loss)
+        with pytest.raises(ValueError, match="'pos' was given a tensor of shape \\(3,\\)"):
+            with engine.gathered(model.pos):
+                model.pos.data = torch.zeros(3, device=engine.device)
+        assert model.pos.shape == (16, 32)
+    assert_same(model, ref, losses, ref_losses)

@@ -39,13 +39,14 @@ copies or nothing.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import math
 import weakref
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 
@@ -64,6 +65,7 @@ from ..optim._schedule import WarmupSchedule, build_scheduler
 from ..optim.offloaded import OffloadedAdam
 from ..plan import ModelSizes, Partition, Plan, resolve
 from ._gate import UpdateGate
+from ._gathered import Gathered
 from ._grads import GradientStream
 from ._model_state import ModelStateHooks
 from ._weights import Weights
@@ -124,6 +126,7 @@ class Engine:
         self._seen_micro: set[int] = set()  # parameters with a gradient in this micro-batch
         self._last_micro = True
         self._boundary: bool | None = None  # set_gradient_accumulation_boundary's override
+        self._held = 0  # engine.gathered() blocks open
         self.lr_scheduler: WarmupSchedule | None = None
         self.store: TieredStore | None = None
         self.copies: CopyStreams | None = None
@@ -335,8 +338,9 @@ class Engine:
         if self.config.fp16.enabled or bool(torch.isfinite(loss.detach()).item()):
             return
         cause = (" With parameters offloaded, a parameter read outside the forward of the module that owns it "
-                 "holds NaN there (released, it is a placeholder): read it inside the forward of a module, declared "
-                 "with engine.register_external_parameter(module, param) when that module does not own it.") \
+                 "holds NaN there (released, it is a placeholder): run that code inside `with "
+                 "engine.gathered(param):`, or inside the forward of a module, declared with "
+                 "engine.register_external_parameter(module, param) when that module does not own it.") \
             if self.weights.params is not None else ""
         raise FloatingPointError(
             f"the loss is {loss.item()} at micro-batch {self.micro_steps} (step {self.global_steps}): its backward "
@@ -384,6 +388,9 @@ class Engine:
         """At an accumulation boundary: overflow check, clipping, the optimizer step; a no-op between micro-batches.
         Gradients are consumed (the next backward starts from zero)."""
         self._expect_trainable("engine.step()")
+        if self._held:
+            raise RuntimeError("engine.step() inside an engine.gathered() block: the update would change the "
+                               "parameters the block holds; step after the block")
         if self.phase is Phase.IDLE:
             raise RuntimeError("engine.step() called before engine.backward(loss)" if self.micro_steps == 0 else
                                "engine.step() called twice without an engine.backward(loss) in between")
@@ -507,6 +514,32 @@ class Engine:
         self.weights.register_external(module, param)
         if self._gate is not None:
             self._gate.register_external(module, param)
+
+    @contextlib.contextmanager
+    def gathered(self, params: torch.nn.Parameter | Iterable[torch.nn.Parameter] | None = None) -> Iterator[None]:
+        """For the block, ``params`` (default: all the model's) are whole on the device, for code that uses them
+        outside the forwards of their modules: a loss that multiplies by the output embedding itself, a generation
+        loop, an initialisation or a norm you log. What autograd saves of them in the block is fetched again by
+        backward, inside the block or after it. What the block writes into them is kept: their new values become
+        their fp32 masters and homes at its end. ``engine.step()`` belongs after the block. With several ranks a
+        collective (every rank passes the same parameters), and rank 0's changes are kept. DeepSpeed's
+        ``zero.GatheredParameters``; see ``engine/_gathered.py``."""
+        self._expect("engine.gathered()", Phase.IDLE, Phase.ACCUMULATING)
+        given = [params] if isinstance(params, torch.Tensor) else list(self.module.parameters() if params is None
+                                                                        else params)
+        owned = {id(p) for p in self.module.parameters()}
+        strays = [i for i, p in enumerate(given) if id(p) not in owned]
+        if strays:
+            raise ValueError(f"engine.gathered: entry {strays[0]} of params is not a parameter of the engine's model")
+        self._finish_updates()  # the values the block reads are the newest
+        block = Gathered(self, list({id(p): p for p in given}.values()))
+        block.enter()
+        self._held += 1
+        try:
+            yield
+        finally:
+            self._held -= 1
+            block.exit()
 
     def read_parameter(self, p: torch.nn.Parameter) -> torch.Tensor:
         """A parameter's current low-precision value as a host tensor, wherever it lives."""

@@ -109,6 +109,7 @@ class _Param:
     stale: bool = False  # AVAILABLE, but the home holds a newer value (copied again at the next fetch)
     sharded: bool = False  # stage 3 on several ranks: the home is this rank's piece; a fetch all-gathers
     trains: bool = True  # requires_grad at construction: only these take the optimizer's updates
+    held: int = 0  # hold() calls not yet undone: kept on the device, never released, outside the traces
 
 
 @dataclass
@@ -308,7 +309,7 @@ class ParameterOffload:
 
         @functools.wraps(original)
         def forward(*args: Any, **kwargs: Any) -> Any:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            with self.saved_tensors():
                 return original(*args, **kwargs)
 
         self.module.forward = forward
@@ -339,7 +340,7 @@ class ParameterOffload:
         recomputing = self._phase == "backward"  # activation checkpointing re-runs forward inside backward,
         for rec in own:  # saving the parameters themselves: keep them until their gradient is in (grad_done)
             rec.users -= 1
-            if rec.users == 0 and not recomputing and not rec.persistent:
+            if rec.users == 0 and not recomputing and not rec.persistent and not rec.held:
                 self._evictable[rec.index] = rec  # kept while the window has room: backward may want it soon
                 self._evictable.move_to_end(rec.index)
 
@@ -374,25 +375,59 @@ class ParameterOffload:
     def fetch(self, rec: _Param) -> None:
         """Makes ``rec`` AVAILABLE on the device (waiting if needed), then prefetches along the trace."""
         self._follow_trace(rec)
+        self.counters["fetches"] += 1
+        self.counters[self._ready(rec)] += 1
+        self._prefetch()
+
+    def _ready(self, rec: _Param) -> str:
+        """Makes ``rec`` AVAILABLE, waiting if needed; says how it was found: resident, in_flight or waited."""
         self._evictable.pop(rec.index, None)  # in use again
         if rec.state is ParamState.LANDING:  # needed before the update it waits for: read the home instead
             self._cancel_landing(rec)
-        self.counters["fetches"] += 1
         if rec.state is ParamState.AVAILABLE:
             if rec.stale:
                 self._refresh(rec)
-            self.counters["resident"] += 1
-        elif rec.state is ParamState.FETCHING:
-            self.counters["in_flight"] += 1
+            return "resident"
+        if rec.state is ParamState.FETCHING:
             try:
                 self._finish(rec)
             except OSError:  # a prefetch started while the disk was failing (a step that failed before this
                 self.counters["refetched"] += 1  # one, retried): read the home once more, and raise if that fails
                 self._demand(rec)
-        else:
-            self.counters["waited"] += 1
-            self._demand(rec)
-        self._prefetch()
+            return "in_flight"
+        self._demand(rec)
+        return "waited"
+
+    def hold(self, params: list[torch.nn.Parameter]) -> list[_Param]:
+        """Makes ``params`` AVAILABLE and keeps them so until :meth:`unhold`, for code that uses them outside their
+        modules' forwards; not part of the traces (a window full of held parameters fetches beyond itself, within
+        the device budget). A collective for sharded ones: every rank holds the same parameters in the same order."""
+        recs: list[_Param] = []
+        try:
+            for p in params:
+                rec = self._by_param[id(p)]
+                rec.held += 1
+                recs.append(rec)
+                self._ready(rec)
+        except BaseException:
+            self.unhold(recs)
+            raise
+        return recs
+
+    def unhold(self, recs: list[_Param]) -> None:
+        """Undoes :meth:`hold`: a parameter no one holds any more is evictable again, and the window is brought back
+        within its bound, least recently used first."""
+        for rec in recs:
+            rec.held -= 1
+            if rec.held == 0 and rec.users == 0 and not rec.persistent and rec.state is ParamState.AVAILABLE:
+                self._evictable[rec.index] = rec
+                self._evictable.move_to_end(rec.index)
+        self._evict(0)
+
+    def saved_tensors(self) -> Any:
+        """A context in which what autograd saves of a parameter is a reference, fetched again by backward (the
+        model's forward runs in it; so does :meth:`Engine.gathered`'s block)."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _demand(self, rec: _Param) -> None:
         """RELEASED -> AVAILABLE, waiting."""
@@ -408,7 +443,7 @@ class ParameterOffload:
         if rec.state is ParamState.LANDING:
             self._cancel_landing(rec)
             return
-        if rec.persistent or rec.users > 0 or rec.state is ParamState.RELEASED:
+        if rec.persistent or rec.users > 0 or rec.held or rec.state is ParamState.RELEASED:
             return
         if rec.state is ParamState.FETCHING:
             self._finish(rec)
@@ -630,8 +665,8 @@ class ParameterOffload:
         if self._evict(numel):
             return
         for rec in self.params:
-            if rec is not keep and rec.users == 0 and not rec.persistent and rec.state is not ParamState.RELEASED \
-                    and rec.index not in self._frozen_in_backward:
+            if rec is not keep and rec.users == 0 and not rec.held and not rec.persistent \
+                    and rec.state is not ParamState.RELEASED and rec.index not in self._frozen_in_backward:
                 self.release(rec, reuse=self._phase == "forward")
                 if self.live_numel + numel <= self.max_live:
                     return
@@ -723,7 +758,7 @@ class ParameterOffload:
     def grad_done(self, param: torch.nn.Parameter) -> None:
         """A trainable parameter's gradient is accumulated: backward will not use it again."""
         rec = self._by_param.get(id(param))
-        if rec is None or rec.users > 0:
+        if rec is None or rec.users > 0 or rec.held:  # held: stays as it is until the block ends
             return
         if rec.index in self._to_land and rec.state is ParamState.AVAILABLE:
             self._begin_landing(rec)

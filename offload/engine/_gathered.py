@@ -1,0 +1,131 @@
+"""``engine.gathered(params)``: parameters whole on the device for a block of the user's code (DeepSpeed's
+``zero.GatheredParameters``), and the changes the block makes to them kept.
+
+With parameter offload a parameter is a NaN placeholder outside the forwards of its module, so code that uses one
+elsewhere (a loss that multiplies by the output embedding itself, a generation loop, an initialisation after
+``initialize``) needs it fetched and kept. :class:`Gathered` owns one block's worth of that:
+
+* on entry, the parameters are held on the device (:meth:`~offload.params.ParameterOffload.hold`: never released
+  or evicted until the block ends; a collective with several ranks in stage 3), and the block runs under the same
+  saved-tensor hooks as the model's forward, so what autograd saves of them is a reference that backward fetches
+  again, inside the block or after it;
+* each parameter's bits get a fingerprint (a position-weighted sum, on its device: one read of it), taken again at
+  the end. A parameter whose fingerprint or tensor changed was written by the block (``p.data.normal_()`` leaves no
+  trace in torch's version counters, so they cannot tell); its new value becomes its fp32 master and its home
+  through ``engine.load_state_dict``, as DeepSpeed keeps the low-precision value of its ``modifier_rank`` (but not
+  the master). With several ranks: a parameter changed on any rank takes rank 0's value on every rank.
+
+Without parameter offload the parameters are always on the device; the fingerprints still find the changes, which
+would otherwise last only until the next step rewrote them from the unchanged masters.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..params import ParamState
+
+if TYPE_CHECKING:
+    from ._engine import Engine
+
+_CHUNK = 1 << 22  # elements per fingerprint kernel: bounds its int64 temporaries (32 MiB each)
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """An int64 on ``t``'s device that changes with any edit of ``t``'s bits short of a collision: the sum of each
+    element's bits times its position (so a permutation shows too), wrapping at 2^64."""
+    bits = t.detach().reshape(-1).view(_BITS[t.element_size()])
+    total = torch.zeros((), dtype=torch.int64, device=t.device)
+    weights = torch.arange(1, min(_CHUNK, bits.numel()) + 1, dtype=torch.int64, device=t.device)
+    for start in range(0, bits.numel(), _CHUNK):
+        chunk = bits[start : start + _CHUNK].to(torch.int64)
+        total += (chunk * weights[: chunk.numel()]).sum() + start * chunk.sum()
+    return total
+
+
+class Gathered:
+    """One ``engine.gathered()`` block: :meth:`enter` before it, :meth:`exit` after it (also after an exception in
+    it: what the block changed until then is kept, as in a plain model)."""
+
+    def __init__(self, engine: "Engine", params: list[torch.nn.Parameter]) -> None:
+        self.engine, self.params = engine, params
+        self._held: list[Any] = []
+        self._hooks: Any = None
+        self._tensors: list[torch.Tensor] = []  # each parameter's tensor at entry, and where its bits were
+        self._ptrs: list[int] = []
+        self._marks: torch.Tensor | None = None
+
+    def enter(self) -> None:
+        offload = self.engine.weights.params
+        if offload is not None:
+            self._held = offload.hold(self.params)
+            self._hooks = offload.saved_tensors()
+            self._hooks.__enter__()
+        try:
+            self._tensors = [p.data for p in self.params]
+            self._ptrs = [p.data_ptr() for p in self.params]
+            self._marks = self._fingerprints(self.params)
+        except BaseException:
+            self._release()
+            raise
+
+    def exit(self) -> None:
+        try:
+            assert all(rec.state is ParamState.AVAILABLE for rec in self._held), "a held parameter left the device"
+            self._keep_changes()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        if self._hooks is not None:
+            self._hooks.__exit__(None, None, None)
+            self._hooks = None
+        offload = self.engine.weights.params
+        if offload is not None:
+            offload.unhold(self._held)
+        self._held = []
+
+    @staticmethod
+    def _fingerprints(tensors: list[torch.Tensor]) -> torch.Tensor:
+        return torch.stack([fingerprint(t) for t in tensors]) if tensors else torch.zeros(0, dtype=torch.int64)
+
+    def _keep_changes(self) -> None:
+        engine = self.engine
+        values: list[torch.Tensor | None] = [None] * len(self.params)  # tensors put in place of the engine's
+        misfit = ""
+        for i, (p, t, ptr) in enumerate(zip(self.params, self._tensors, self._ptrs)):
+            if p.data_ptr() == ptr:
+                continue
+            if p.shape == t.shape:  # `p.data = ...` in the block: its values go into the engine's own tensor
+                values[i] = p.data
+            else:
+                misfit = misfit or (f"engine.gathered: parameter {self._names()[id(p)]!r} was given a tensor of shape "
+                                    f"{tuple(p.shape)} in the block, not its {tuple(t.shape)}; shapes are fixed at "
+                                    "initialize (it keeps its value from before the block)")
+            p.data = t
+        marks = self._fingerprints([p if v is None else v for p, v in zip(self.params, values)])
+        changed = (marks != self._marks).to(torch.int64)
+        if engine.world_size > 1:  # changed on any rank: rank 0's value on every rank
+            engine.comm.all_reduce(changed, op=torch.distributed.ReduceOp.MAX)
+        kept = {}
+        names = None
+        for p, value, c in zip(self.params, values, changed.tolist()):
+            if not c:
+                continue
+            value = (p.detach() if value is None else value.detach().to(p.device, p.dtype)).contiguous()
+            engine.comm.broadcast(value, 0)
+            names = names or self._names()
+            kept[names[id(p)]] = value
+        if kept:
+            engine.load_state_dict(kept, strict=False)
+        if misfit:
+            raise ValueError(misfit)
+
+    def _names(self) -> dict[int, str]:
+        names: dict[int, str] = {}
+        for n, p in self.engine.module.named_parameters():
+            names.setdefault(id(p), n)
+        return names
