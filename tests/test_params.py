@@ -7,6 +7,8 @@ from __future__ import annotations
 import copy
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -514,3 +516,27 @@ def test_changes_made_in_a_gathered_block_are_kept(tmp_path, placement):
                 model.pos.data = torch.zeros(3, device=engine.device)
         assert model.pos.shape == (16, 32)
     assert_same(model, ref, losses, ref_losses)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 5000), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       edit=st.sampled_from(["one bit", "swap", "none"]), data=st.data())
+def test_fingerprints_see_every_kind_of_edit(n, dtype, edit, data):
+    """Both fingerprints (the C checksum for host tensors, the position-weighted sum a GPU computes, run here on
+    the CPU) change with a flipped bit anywhere or two unequal elements swapped, and stay with no edit."""
+    from offload.engine._gathered import _weighted_sum, fingerprints
+
+    t = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(dtype)
+    before = (fingerprints([t])[0], int(_weighted_sum(t)))
+    bits = t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+    if edit == "one bit":
+        i, b = data.draw(st.integers(0, n - 1)), data.draw(st.integers(0, 8 * t.element_size() - 2))
+        bits[i] ^= 1 << b
+    elif edit == "swap":
+        if n < 2 or bool((t == t[0]).all()):
+            return
+        i = data.draw(st.integers(0, n - 1))
+        j = data.draw(st.integers(0, n - 1).filter(lambda k: bool(bits[k] != bits[i])))
+        bits[i], bits[j] = bits[j].clone(), bits[i].clone()
+    after = (fingerprints([t])[0], int(_weighted_sum(t)))
+    assert (after[0] != before[0], after[1] != before[1]) == ((edit != "none"),) * 2

@@ -9,11 +9,12 @@ elsewhere (a loss that multiplies by the output embedding itself, a generation l
   or evicted until the block ends; a collective with several ranks in stage 3), and the block runs under the same
   saved-tensor hooks as the model's forward, so what autograd saves of them is a reference that backward fetches
   again, inside the block or after it;
-* each parameter's bits get a fingerprint (a position-weighted sum, on its device: one read of it), taken again at
-  the end. A parameter whose fingerprint or tensor changed was written by the block (``p.data.normal_()`` leaves no
-  trace in torch's version counters, so they cannot tell); its new value becomes its fp32 master and its home
-  through ``engine.load_state_dict``, as DeepSpeed keeps the low-precision value of its ``modifier_rank`` (but not
-  the master). With several ranks: a parameter changed on any rank takes rank 0's value on every rank.
+* each parameter's bits get a fingerprint (the swap engine's C checksum on the host, a position-weighted sum on a
+  GPU: one read of it), taken again at the end. A parameter whose fingerprint or tensor changed was written by the
+  block (``p.data.normal_()`` leaves no trace in torch's version counters, so they cannot tell); its new value
+  becomes its fp32 master and its home through ``engine.load_state_dict``, where DeepSpeed keeps the
+  low-precision value of its ``modifier_rank`` (but not the master). With several ranks: a parameter changed on
+  any rank takes rank 0's value on every rank.
 
 Without parameter offload the parameters are always on the device; the fingerprints still find the changes, which
 would otherwise last only until the next step rewrote them from the unchanged masters.
@@ -25,18 +26,29 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from nvme_swapper import tensor_checksum
+
 from ..params import ParamState
 
 if TYPE_CHECKING:
     from ._engine import Engine
 
-_CHUNK = 1 << 22  # elements per fingerprint kernel: bounds its int64 temporaries (32 MiB each)
+_CHUNK = 1 << 22  # elements per fingerprint kernel on a GPU: bounds its int64 temporaries (32 MiB each)
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def fingerprint(t: torch.Tensor) -> torch.Tensor:
-    """An int64 on ``t``'s device that changes with any edit of ``t``'s bits short of a collision: the sum of each
-    element's bits times its position (so a permutation shows too), wrapping at 2^64."""
+def fingerprints(tensors: list[torch.Tensor]) -> list[int]:
+    """Per tensor, a number that changes with any edit of its bits short of a collision. Host tensors: the swap
+    engine's block checksum (C, 10-30 GB/s); device tensors: the sum of each element's bits times its position (so
+    a permutation shows too), wrapping at 2^64, computed on the device and read back once for all of them."""
+    out: list[int | None] = [tensor_checksum(t.detach().contiguous()) if t.device.type == "cpu" else None
+                             for t in tensors]
+    on_device = [_weighted_sum(t) for t, v in zip(tensors, out) if v is None]
+    sums = iter(torch.stack(on_device).tolist() if on_device else [])
+    return [next(sums) if v is None else v for v in out]
+
+
+def _weighted_sum(t: torch.Tensor) -> torch.Tensor:
     bits = t.detach().reshape(-1).view(_BITS[t.element_size()])
     total = torch.zeros((), dtype=torch.int64, device=t.device)
     weights = torch.arange(1, min(_CHUNK, bits.numel()) + 1, dtype=torch.int64, device=t.device)
@@ -56,7 +68,7 @@ class Gathered:
         self._hooks: Any = None
         self._tensors: list[torch.Tensor] = []  # each parameter's tensor at entry, and where its bits were
         self._ptrs: list[int] = []
-        self._marks: torch.Tensor | None = None
+        self._marks: list[int] = []
 
     def enter(self) -> None:
         offload = self.engine.weights.params
@@ -67,7 +79,7 @@ class Gathered:
         try:
             self._tensors = [p.data for p in self.params]
             self._ptrs = [p.data_ptr() for p in self.params]
-            self._marks = self._fingerprints(self.params)
+            self._marks = fingerprints(self.params)
         except BaseException:
             self._release()
             raise
@@ -88,10 +100,6 @@ class Gathered:
             offload.unhold(self._held)
         self._held = []
 
-    @staticmethod
-    def _fingerprints(tensors: list[torch.Tensor]) -> torch.Tensor:
-        return torch.stack([fingerprint(t) for t in tensors]) if tensors else torch.zeros(0, dtype=torch.int64)
-
     def _keep_changes(self) -> None:
         engine = self.engine
         values: list[torch.Tensor | None] = [None] * len(self.params)  # tensors put in place of the engine's
@@ -106,13 +114,15 @@ class Gathered:
                                     f"{tuple(p.shape)} in the block, not its {tuple(t.shape)}; shapes are fixed at "
                                     "initialize (it keeps its value from before the block)")
             p.data = t
-        marks = self._fingerprints([p if v is None else v for p, v in zip(self.params, values)])
-        changed = (marks != self._marks).to(torch.int64)
-        if engine.world_size > 1:  # changed on any rank: rank 0's value on every rank
-            engine.comm.all_reduce(changed, op=torch.distributed.ReduceOp.MAX)
+        marks = fingerprints([p if v is None else v for p, v in zip(self.params, values)])
+        changed = [int(a != b) for a, b in zip(marks, self._marks)]
+        if engine.world_size > 1 and changed:  # changed on any rank: rank 0's value on every rank
+            flags = torch.tensor(changed, dtype=torch.int64, device=engine.comm.pg.device)
+            engine.comm.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+            changed = flags.tolist()
         kept = {}
         names = None
-        for p, value, c in zip(self.params, values, changed.tolist()):
+        for p, value, c in zip(self.params, values, changed):
             if not c:
                 continue
             value = (p.detach() if value is None else value.detach().to(p.device, p.dtype)).contiguous()
