@@ -8,13 +8,18 @@ reads alone, in the same run.
 
 Target: offload <= 1.2 x max(plain, reads). Rounds interleave the three; medians.
 
+``--decode N`` adds a generation loop (N greedy tokens from an 8-token prompt, one forward of the whole sequence
+per token, under no_grad) run two ways: through the window, which fetches the model from NVMe once per token, and
+inside ``engine.gathered()``, which fetches it once (a forward-only use: DPO references, RL rollouts).
+
     python bench/param_offload.py [--layers 8] [--width 1024] [--tokens 64] [--live 6e7] [--bucket 6e7] [--rounds 5]
-                                  [--nvme-dir DIR]
+                                  [--decode 0] [--nvme-dir DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import shutil
@@ -44,11 +49,12 @@ def main() -> None:
     ap.add_argument("--bucket", type=float, default=None,
                     help="stage3_prefetch_bucket_size: elements in flight (default: --live, the whole window)")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--decode", type=int, default=0, help="tokens of the generation loop (0: none)")
     ap.add_argument("--nvme-dir", default=None)
     ap.add_argument("--out", default="results/param_offload.json")
     args = ap.parse_args()
 
-    cfg = GPTConfig(vocab_size=args.vocab, context=max(args.tokens, 64), layers=args.layers,
+    cfg = GPTConfig(vocab_size=args.vocab, context=max(args.tokens, 8 + args.decode, 64), layers=args.layers,
                     heads=max(1, args.width // 64), width=args.width)
     nvme = Path(tempfile.mkdtemp(prefix="bench-params-", dir=args.nvme_dir or Path.cwd()))
     torch.manual_seed(0)
@@ -83,7 +89,8 @@ def main() -> None:
 
         def reads() -> None:
             for _ in range(2):
-                handles = [po._swap.read(po._key(r), b) for r, b in zip(managed, bufs)]
+                handles = [po._swap.read(po._key(r, start), b[start : start + n])
+                           for r, b in zip(managed, bufs) for start, n in r.parts]
                 for h in handles:
                     h.wait()
 
@@ -101,6 +108,22 @@ def main() -> None:
                 if name == "offload":
                     engine.step()  # untimed: new parameters go back to their NVMe homes, as in training
         pstats = po.stats()
+        decode = {"window": [], "gathered": []}
+
+        def generate(gathered: bool) -> torch.Tensor:
+            ids = x[:, :8]
+            with torch.no_grad(), engine.gathered() if gathered else contextlib.nullcontext():
+                for _ in range(args.decode):
+                    ids = torch.cat([ids, engine(ids)[:, -1].argmax(-1, keepdim=True).to(ids.device)], 1)
+            return ids
+
+        for r in progress(range(args.rounds if args.decode else 0), "decode rounds"):
+            made = {}
+            for name in random.Random(r).sample(list(decode), 2):
+                t = time.perf_counter()
+                made[name] = generate(name == "gathered")
+                decode[name].append(time.perf_counter() - t)
+            assert torch.equal(made["window"], made["gathered"]), "the two generation loops disagree"
         engine.close()
     finally:
         shutil.rmtree(nvme, ignore_errors=True)
@@ -117,10 +140,18 @@ def main() -> None:
     print(f"  offload / max(plain, reads) = {med['offload'] / bound:.3f}  (target <= 1.2)")
     print(f"  prefetch: {pstats['hit_rate']:.3f} of fetches resident or in flight, "
           f"{pstats['trace_invalidations']} trace invalidations")
+    decoded = {k: statistics.median(v) for k, v in decode.items() if v}
+    if decoded:
+        print(f"\n{args.decode} greedy tokens, no_grad ({args.rounds} rounds, medians)")
+        print(f"{'generation':12s} {'seconds':>8s}")
+        for k, v in decoded.items():
+            print(f"{k:12s} {v:8.3f}")
+        print(f"  window / gathered = {decoded['window'] / decoded['gathered']:.2f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"config": cfg.__dict__, "param_bytes": param_bytes, "samples": samples,
-                               "medians": med, "ratio": med["offload"] / bound, "prefetch": pstats}, indent=2))
+                               "medians": med, "ratio": med["offload"] / bound, "prefetch": pstats,
+                               "decode": {"tokens": args.decode, "samples": decode, "medians": decoded}}, indent=2))
     print(f"\nwrote {out}")
 
 
