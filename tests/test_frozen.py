@@ -193,12 +193,33 @@ def sequence_logp(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return logp.gather(-1, y.to(logits.device).unsqueeze(-1)).squeeze(-1).sum(-1)
 
 
-def dpo_loss(policy, reference, chosen, rejected, beta: float = 0.1) -> torch.Tensor:
-    (xc, yc), (xr, yr) = chosen, rejected
+def dpo_loss(policy, reference, pair, beta: float = 0.1) -> torch.Tensor:
+    (xc, yc), (xr, yr) = pair
     with torch.no_grad():
         ref_margin = sequence_logp(reference(xc), yc) - sequence_logp(reference(xr), yr)
     margin = sequence_logp(policy(xc), yc) - sequence_logp(policy(xr), yr)
     return -torch.nn.functional.logsigmoid(beta * (margin - ref_margin.to(margin.device))).mean()
+
+
+def beside(trained, other, data, loss, engine=None) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """``trained`` trains on ``loss(trained, other, item)`` for each item of ``data`` while ``other`` runs forwards
+    only: under ``engine`` (the one holding ``trained``), else under torch's AdamW on the plain models (the inputs
+    moved to DEVICE). Returns the losses and the trained model's state."""
+    opt = None if engine else torch.optim.AdamW(trained.parameters(), lr=LR, weight_decay=0.01)
+    losses = []
+    for item in data:
+        if engine:
+            value = loss(engine, other, item)
+            engine.backward(value)
+            engine.step()
+        else:
+            opt.zero_grad()
+            value = loss(trained, other, on_device(item))
+            value.backward()
+            opt.step()
+        losses.append(value.item())
+    state = engine.consolidated_state_dict() if engine else trained.state_dict()
+    return losses, state
 
 
 @pytest.mark.parametrize("placements", [("params-host", "params-nvme"), ("opt-host", "all-nvme")])
@@ -207,27 +228,13 @@ def test_dpo_with_the_reference_model_offloaded_too(tmp_path, placements):
     weights, frozen) runs forwards only; the policy's losses and weights are those of the same loop with both models
     plain and torch's AdamW."""
     pairs = list(zip(batches(STEPS, seed=1), batches(STEPS, seed=2)))
-    policy, reference = make(0).to(DEVICE), all_frozen().to(DEVICE)
-    opt = torch.optim.AdamW(policy.parameters(), lr=LR, weight_decay=0.01)
-    want = []
-    for chosen, rejected in pairs:
-        opt.zero_grad()
-        loss = dpo_loss(policy, reference, on_device(chosen), on_device(rejected))
-        loss.backward()
-        opt.step()
-        want.append(loss.item())
+    want, want_state = beside(make(0).to(DEVICE), all_frozen().to(DEVICE), pairs, dpo_loss)
     train, frozen = placements
     with offload.initialize(make(0), config(tmp_path / "policy", train)) as engine, \
             offload.initialize(all_frozen(), config(tmp_path / "reference", frozen)) as ref_engine:
-        got = []
-        for chosen, rejected in pairs:
-            loss = dpo_loss(engine, ref_engine, chosen, rejected)
-            engine.backward(loss)
-            engine.step()
-            got.append(loss.item())
-        state = engine.consolidated_state_dict()
+        got, state = beside(engine.module, ref_engine, pairs, dpo_loss, engine)
     assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
-    for k, v in policy.state_dict().items():
+    for k, v in want_state.items():
         close_enough(state[k], v, rel=1e-5)
 
 
@@ -237,30 +244,20 @@ def mlp(seed: int, frozen: bool = False) -> nn.Module:
     return model.requires_grad_(not frozen)
 
 
+def chained(first, second, x) -> torch.Tensor:
+    return second(first(x)).square().mean()
+
+
 @pytest.mark.parametrize("placement", ["opt-host", "params-nvme"])
 def test_gradients_flow_through_a_forward_only_engine(tmp_path, placement):
     """A trained model feeding a frozen one under its own engine (a frozen decoder or critic): the trained engine's
     backward runs through the frozen engine's modules, whose released parameters are fetched again for it."""
     xs = [torch.randn(8, 64, generator=torch.Generator().manual_seed(i)) for i in range(STEPS)]
-    first, second = mlp(0).to(DEVICE), mlp(1, frozen=True).to(DEVICE)
-    opt = torch.optim.AdamW(first.parameters(), lr=LR, weight_decay=0.01)
-    want = []
-    for x in xs:
-        opt.zero_grad()
-        loss = second(first(x.to(DEVICE))).square().mean()
-        loss.backward()
-        opt.step()
-        want.append(loss.item())
+    want, want_state = beside(mlp(0).to(DEVICE), mlp(1, frozen=True).to(DEVICE), xs, chained)
     window = {"live": 8192, "bucket": 4160}  # a third of each model
     with offload.initialize(mlp(0), placement_config(tmp_path / "a", "params-host", **window)) as engine, \
             offload.initialize(mlp(1, frozen=True), placement_config(tmp_path / "b", placement, **window)) as frozen:
-        got = []
-        for x in xs:
-            loss = frozen(engine(x)).square().mean()
-            engine.backward(loss)
-            engine.step()
-            got.append(loss.item())
-        state = engine.consolidated_state_dict()
+        got, state = beside(engine.module, frozen, xs, chained, engine)
     assert got == pytest.approx(want, rel=1e-5, abs=1e-7)
-    for k, v in first.state_dict().items():
+    for k, v in want_state.items():
         close_enough(state[k], v, rel=1e-5)
