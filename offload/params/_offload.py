@@ -24,8 +24,8 @@ When parameters are needed:
   too), or the read sees NaN;
 * backward: the model's forward runs under a saved-tensors hook that saves a *reference* (parameter, view
   geometry) instead of a parameter's device tensor, so backward fetches it again on demand at unpack time; a
-  trainable parameter is released once its gradient has been accumulated (its last use in this backward), frozen
-  ones when backward ends.
+  trainable parameter is released once its gradient has been accumulated (its last use in this backward), a frozen
+  one is evictable as soon as it is unpacked (no gradient tells its last use).
 
 Copies to the device go through the engine's :class:`~offload.memory.CopyStreams`: with CUDA, a host home is copied
 on the host-to-device stream and the compute stream waits for that copy on the GPU only when it uses the parameter;
@@ -365,8 +365,14 @@ class ParameterOffload:
         rec, offset, shape, stride = packed
         self._phase = "backward"
         self.fetch(rec)
+        # A frozen parameter: no gradient says when backward is done with it, so it is evictable at once, least
+        # recently used first (a later use fetches it again), and its buffer is never handed to another fetch
+        # (autograd may still read it). Kept until backward ended, a frozen base filled the device beyond the window.
         if not rec.param.requires_grad:
             self._frozen_in_backward.add(rec.index)
+            if not rec.persistent and not rec.held:
+                self._evictable[rec.index] = rec
+                self._evictable.move_to_end(rec.index)
         assert rec.device is not None
         return rec.device.as_strided(shape, stride, offset)
 
@@ -657,7 +663,8 @@ class ParameterOffload:
     def _evict(self, numel: int) -> bool:
         """Releases evictable parameters, least recently used first, until ``numel`` more fit the window."""
         while self.live_numel + numel > self.max_live and self._evictable:
-            self.release(next(iter(self._evictable.values())))
+            rec = next(iter(self._evictable.values()))
+            self.release(rec, reuse=rec.index not in self._frozen_in_backward)
         return self.live_numel + numel <= self.max_live
 
     def _make_room(self, numel: int, keep: _Param) -> None:
@@ -723,6 +730,7 @@ class ParameterOffload:
         A landing no update completed (a skipped step) ends here."""
         self._reset_users()
         self._to_land = set()
+        self._frozen_in_backward.clear()  # a backward this object did not run (another engine's) ends here too
         for rec in self.params:
             if rec.state is ParamState.LANDING:
                 self._cancel_landing(rec)
