@@ -266,22 +266,37 @@ def _write_shard(engine: "Engine", tmp: Path, frozen: bool) -> dict[str, dict[st
     for name, entry in index.items():
         entry["start"] = starts.get(name, 0)
     tensors, index_name = _shard_names(rank)
-    f = _TensorFile(tmp / tensors, index, write=True)
+    # A local failure (a full disk, a failed read) is kept for save()'s vote, not raised at once: stage 3's frozen
+    # parameters are gathered from every rank's piece below, and a rank that left early would hang the others.
+    error: OSError | ValueError | None = None
+    f: _TensorFile | None = None
     try:
-        for sg in layout.sub_groups:
-            for name, view, offset in _pieces(sg, opt.read_state(sg), names):
-                f.write(name, view, offset - index[name]["start"])
-            opt.done_state(sg, dirty=False)
+        try:
+            f = _TensorFile(tmp / tensors, index, write=True)
+            for sg in layout.sub_groups:
+                for name, view, offset in _pieces(sg, opt.read_state(sg), names):
+                    f.write(name, view, offset - index[name]["start"])
+                opt.done_state(sg, dirty=False)
+        except (OSError, ValueError) as exc:
+            error = exc
         for name, t in others.items():
-            if rank == 0:
-                f.write(name, _host_value(engine, t))
-            elif layout.per_param and isinstance(t, torch.nn.Parameter):
-                _host_value(engine, t)  # stage 3: a frozen parameter's pieces are gathered, every rank joins
-        if pending:
+            gathered = layout.per_param and isinstance(t, torch.nn.Parameter)  # a collective: every rank, always
+            if not gathered and (rank != 0 or error is not None):
+                continue
+            value = _host_value(engine, t)
+            if rank == 0 and error is None:
+                try:
+                    f.write(name, value)
+                except (OSError, ValueError) as exc:
+                    error = exc
+        if pending and error is None:
             for name, p in zip(names, layout.params):
                 f.write(f"device/{name}", engine.copies.download(p))
     finally:
-        f.close(sync=True)
+        if f is not None:
+            f.close(sync=error is None)
+    if error is not None:
+        raise error
     _write_file(tmp / index_name, json.dumps(index).encode())
     return index
 

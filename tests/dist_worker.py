@@ -10,7 +10,10 @@ and ``runs``, each trained in turn: ``name``, ``config`` (the engine's), ``steps
 ``seed_by_rank`` (each rank builds the model from its own seed, with a frozen parameter ``frozen`` and a buffer
 ``mask``, as nanoGPT seeds by rank), ``frozen_base`` (the embedding, tied to the head, and the first block
 frozen, as under adapters), ``edit`` (rank 0 alone re-initialises two parameters in an ``engine.gathered()``
-block before training: test_params.edit) and ``differ`` (a model that differs across ranks: "shape", rank r's
+block before training: test_params.edit), ``nan_at`` (before that step, rank 1 alone gets a batch whose labels
+are all ignored, a NaN loss: every rank's backward must refuse it, and the loop skips it), ``fail_save`` (rank 0's
+checkpoint writes of frozen parameters fail with ENOSPC: the save must raise on every rank, the error's type
+recorded as ``save_error``) and ``differ`` (a model that differs across ranks: "shape", rank r's
 vocabulary is 96 + r; "count", rank 1 has one more buffer).
 
 Each rank trains on its 1/N slice of a global batch of 6 sequences (so any N in 1, 2, 3 sees the same global
@@ -22,6 +25,7 @@ parameter pieces on NVMe, the start's sync from rank 0, the values of ``frozen``
 from __future__ import annotations
 
 import datetime
+import errno
 import json
 import os
 import sys
@@ -62,6 +66,18 @@ def run(spec: dict, r: dict, rank: int, world: int, out: Path) -> None:
     offload.plan.STAGE_ON_CPU = bool(r.get("staged"))
     offload.plan.GRAD_BUCKET = 1000 if r.get("staged") else GRAD_BUCKET
     engine = offload.initialize(model, r["config"])
+    save_error = None
+    if r.get("fail_save") and rank == 0:
+        from offload import _checkpoint
+
+        write = _checkpoint._TensorFile.write
+
+        def failing(self, name, *args):
+            if name.startswith("frozen/"):
+                raise OSError(errno.ENOSPC, "No space left on device (injected)")
+            return write(self, name, *args)
+
+        _checkpoint._TensorFile.write = failing
     try:
         if r.get("edit"):
             with engine.gathered([model.blocks[1].fc.weight, model.pos]):
@@ -71,6 +87,17 @@ def run(spec: dict, r: dict, rank: int, world: int, out: Path) -> None:
             engine.load_checkpoint(r["load"])
         start = engine.global_steps
         for step in range(start, r["steps"]):
+            if r.get("nan_at") == step:
+                x, y = data[0]
+                labels = torch.full_like(y, -100) if rank == 1 else y
+                try:
+                    engine.backward(torch.nn.functional.cross_entropy(
+                        engine(x[rank * per : (rank + 1) * per]).flatten(0, 1),
+                        labels[rank * per : (rank + 1) * per].flatten().to(engine.device)))
+                except FloatingPointError as exc:
+                    print(f"rank {rank} skipped: {str(exc)[:60]}", flush=True)
+                else:
+                    raise AssertionError(f"rank {rank}: the NaN loss of rank 1 was not refused here")
             for m in range(r["gas"]):
                 x, y = data[step * r["gas"] + m]
                 loss = loss_fn(engine(x[rank * per : (rank + 1) * per]), y[rank * per : (rank + 1) * per])
@@ -83,7 +110,12 @@ def run(spec: dict, r: dict, rank: int, world: int, out: Path) -> None:
                     time.sleep(3600)
                 engine.step()
             if r.get("save") and step + 1 == r["save_after"]:
-                engine.save_checkpoint(r["save"])
+                try:
+                    engine.save_checkpoint(r["save"])
+                except (OSError, RuntimeError) as exc:
+                    if not r.get("fail_save"):
+                        raise
+                    save_error = f"{type(exc).__name__}: {exc}"
         state = engine.consolidated_state_dict()
         extras = {k: state.pop(k).tolist() for k in ("frozen", "mask") if k in state}
         if rank == 0:
@@ -93,7 +125,7 @@ def run(spec: dict, r: dict, rank: int, world: int, out: Path) -> None:
             "report": engine.memory_report(), "comm": stats["comm"], "steps": engine.global_steps,
             "pieces_nvme": stats["params"]["pieces_nvme"] if stats["params"] else None, "reduce": stats["reduce"],
             "numel": sum(p.numel() for p in engine.layout.params), "flat_numel": sum(engine.layout.group_numel),
-            "start_sync": stats["start_sync"], "extras": extras}))
+            "start_sync": stats["start_sync"], "extras": extras, "save_error": save_error}))
     finally:
         engine.close()
 

@@ -235,6 +235,10 @@ def two_ranks(tmp_path_factory):
              for param in ("cpu", "nvme")]
     runs += [{"name": f"edit-s{stage}", "steps": STEPS, "gas": 1, "edit": True,
               "config": config(stage, "cpu", tmp / "nvme", param="nvme")} for stage in (2, 3)]
+    runs += [{"name": f"nan-s{stage}", "steps": STEPS, "gas": 1, "nan_at": 1,
+              "config": config(stage, "cpu", tmp / "nvme")} for stage in (2, 3)]
+    runs += [{"name": "frozen-failsave", "steps": 2, "gas": 1, "frozen_base": True, "save_after": 1,
+              "fail_save": True, "save": str(tmp / "ckpt-failsave"), "config": config(3, "cpu", tmp / "nvme")}]
     return launch(tmp, 2, runs), tmp / "ckpt"
 
 
@@ -504,6 +508,26 @@ def test_a_frozen_base_is_partitioned_across_ranks(two_ranks, tmp_path, param):
             engine.backward(lm_loss(engine(x), y))
             engine.step()
         assert_close(engine.consolidated_state_dict(), straight)
+
+
+def test_a_checkpoint_that_fails_on_one_rank_while_gathering_frozen_pieces_fails_on_all(two_ranks):
+    """Stage 3 with a frozen base: rank 0's disk fills up while it writes the frozen parameters that every rank
+    gathers for it. Every rank's save raises (rank 0 its ENOSPC, rank 1 that another rank failed), none hangs in a
+    gather the other left, nothing is committed, and training goes on."""
+    out, tmp = two_ranks[0], two_ranks[1].parent
+    info = [json.loads((out / f"frozen-failsave.rank{r}.json").read_text()) for r in range(2)]
+    assert info[0]["save_error"].startswith("OSError") and "No space left" in info[0]["save_error"]
+    assert info[1]["save_error"].startswith("RuntimeError") and "other rank(s) failed" in info[1]["save_error"]
+    assert all(i["steps"] == 2 for i in info)
+    assert not (tmp / "ckpt-failsave" / "latest").exists()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_nan_loss_on_one_rank_is_refused_on_every_rank(two_ranks, stage):
+    """Rank 1 alone gets a NaN loss (all labels ignored) before step 1: every rank's backward raises (a rank left
+    in backward's collectives alone would hang), the loop skips the batch, and the run ends where it would have
+    ended without it."""
+    assert_close(torch.load(two_ranks[0] / f"nan-s{stage}.pt", weights_only=True), reference(STEPS))
 
 
 @pytest.mark.parametrize("stage", [2, 3])
