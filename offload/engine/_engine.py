@@ -334,18 +334,27 @@ class Engine:
     def _check_finite(self, loss: torch.Tensor) -> None:
         """bf16/fp32: a non-finite loss would make every gradient NaN and Adam would write NaN into the masters and
         moments; refused before its backward runs, so nothing changes (fp16 leaves it to the loss scaler, which
-        skips the step). One wait for the forward to finish, which the backward waits for anyway."""
-        if self.config.fp16.enabled or bool(torch.isfinite(loss.detach()).item()):
+        skips the step). With several ranks every rank refuses together (a MIN over ranks), so none is left in a
+        backward's collectives alone. Costs one host wait for the forward's result before backward is launched."""
+        if self.config.fp16.enabled:
             return
+        finite = torch.isfinite(loss.detach()).reshape(1).to(self.comm.pg.device, torch.int32)
+        if self.world_size > 1:
+            self.comm.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
+        if bool(finite.item()):
+            return
+        value = loss.item()
+        where = f"the loss is {value}" if not math.isfinite(value) else \
+            "the loss is finite here but not on another rank"
         cause = (" With parameters offloaded, a parameter read outside the forward of the module that owns it "
                  "holds NaN there (released, it is a placeholder): run that code inside `with "
                  "engine.gathered(param):`, or inside the forward of a module, declared with "
                  "engine.register_external_parameter(module, param) when that module does not own it.") \
             if self.weights.params is not None else ""
         raise FloatingPointError(
-            f"the loss is {loss.item()} at micro-batch {self.micro_steps} (step {self.global_steps}): its backward "
-            "would train NaN into the optimizer state, so it was not run and nothing changed (earlier micro-batches "
-            "of the window keep their gradients: catch the error to skip this batch). Check the data (a batch whose "
+            f"{where} at micro-batch {self.micro_steps} (step {self.global_steps}): its backward would train NaN into "
+            "the optimizer state, so it was not run and nothing changed (earlier micro-batches of the window keep "
+            "their gradients: catch the error to skip this batch, on every rank). Check the data (a batch whose "
             "labels are all ignored gives 0/0) and the learning rate." + cause)
 
     def _on_grad(self, i: int, p: torch.Tensor) -> None:
@@ -484,6 +493,13 @@ class Engine:
             raise
         self.copies.use_uploads()  # on a GPU their new values may still be on the way to the device
 
+    def _parameters_current(self) -> None:
+        """Every value the engine has computed is in the parameters: the updates queued or running, and a delayed
+        update's (``engine.gathered`` and code that reads parameters between steps)."""
+        self._finish_updates()
+        if self._plan.delayed:
+            self.apply_delayed_update()
+
     def apply_delayed_update(self) -> None:
         """Delayed update: waits for the update in flight and puts its parameters on the device now (``step``
         does this itself; call it to see the newest parameters before the next step)."""
@@ -531,7 +547,7 @@ class Engine:
         strays = [i for i, p in enumerate(given) if id(p) not in owned]
         if strays:
             raise ValueError(f"engine.gathered: entry {strays[0]} of params is not a parameter of the engine's model")
-        self._finish_updates()  # the values the block reads are the newest
+        self._parameters_current()  # the values the block reads are the newest
         block = Gathered(self, list({id(p): p for p in given}.values()))
         block.enter()
         self._held += 1
