@@ -4,6 +4,7 @@ device; the un-offloaded reference runs there too (tests/models.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -540,3 +541,27 @@ def test_fingerprints_see_every_kind_of_edit(n, dtype, edit, data):
         bits[i], bits[j] = bits[j].clone(), bits[i].clone()
     after = (fingerprints([t])[0], int(_weighted_sum(t)))
     assert (after[0] != before[0], after[1] != before[1]) == ((edit != "none"),) * 2
+
+
+@pytest.mark.parametrize("placement", ["opt-host", "params-host", "params-nvme"])
+def test_the_engines_own_writes_in_a_gathered_block_are_not_taken_for_edits(tmp_path, placement):
+    """bf16 parameters over fp32 masters: a load inside the block (the usual GatheredParameters pattern) keeps the
+    loaded fp32 values exactly, and a backward inside it whose updates run during backward (stage 2) leaves the
+    masters those of the same run without the block; before, both came back rounded to bf16."""
+    data = batches(3)
+    runs = {}
+    for block in (False, True):
+        cfg = placement_config(tmp_path / str(block), placement, lr=LR, live=8192, bucket=4096,
+                               bf16={"enabled": True})
+        with offload.initialize(make(), cfg) as engine:
+            for x, y in data:
+                with engine.gathered() if block else contextlib.nullcontext():
+                    engine.backward(lm_loss(engine(x), y))
+                engine.step()
+            runs[block] = engine.consolidated_state_dict()
+            loaded = {k: v + 1e-4 for k, v in runs[block].items() if k.startswith("blocks.1.")}  # not bf16 values
+            with engine.gathered():
+                engine.load_state_dict(loaded, strict=False)
+            after = engine.consolidated_state_dict()
+        assert all(torch.equal(after[k], v) for k, v in loaded.items())
+    assert all(torch.equal(runs[True][k], runs[False][k]) for k in runs[False])

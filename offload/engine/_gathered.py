@@ -101,38 +101,56 @@ class Gathered:
         self._held = []
 
     def _keep_changes(self) -> None:
+        """A parameter whose bits moved is a candidate; the engine's own writes in the block (a load, the updates a
+        backward runs) leave it equal to its master rounded to the training dtype, so only one that differs from
+        that was edited. Candidates are agreed over ranks (the masters are read collectively), edits are rank 0's."""
         engine = self.engine
-        values: list[torch.Tensor | None] = [None] * len(self.params)  # tensors put in place of the engine's
+        engine._parameters_current()  # the engine's own writes are all in before the bits are compared
+        values: list[torch.Tensor] = [p.detach() for p in self.params]  # what each parameter holds at the end
         misfit = ""
         for i, (p, t, ptr) in enumerate(zip(self.params, self._tensors, self._ptrs)):
             if p.data_ptr() == ptr:
                 continue
             if p.shape == t.shape:  # `p.data = ...` in the block: its values go into the engine's own tensor
-                values[i] = p.data
+                values[i] = p.data.detach().to(t.device, t.dtype)
             else:
                 misfit = misfit or (f"engine.gathered: parameter {self._names()[id(p)]!r} was given a tensor of shape "
                                     f"{tuple(p.shape)} in the block, not its {tuple(t.shape)}; shapes are fixed at "
-                                    "initialize (it keeps its value from before the block)")
+                                    "initialize (the tensor it had is kept)")
+                values[i] = t.detach()
             p.data = t
-        marks = fingerprints([p if v is None else v for p, v in zip(self.params, values)])
-        changed = [int(a != b) for a, b in zip(marks, self._marks)]
-        if engine.world_size > 1 and changed:  # changed on any rank: rank 0's value on every rank
-            flags = torch.tensor(changed, dtype=torch.int64, device=engine.comm.pg.device)
-            engine.comm.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
-            changed = flags.tolist()
+        moved = [int(a != b) for a, b in zip(fingerprints(values), self._marks)]
+        if engine.world_size > 1 and moved:
+            moved = self._agree(moved, all_ranks=True)
+        names = self._names()
+        candidates = [i for i, m in enumerate(moved) if m]
+        masters = engine.consolidated_state_dict([names[id(self.params[i])] for i in candidates]) if candidates else {}
+        here = [int(not torch.equal(values[i].cpu(), masters[names[id(self.params[i])]].to(values[i].dtype)))
+                for i in candidates]
+        edited = self._agree(here, all_ranks=False) if engine.world_size > 1 and here else here
         kept = {}
-        names = None
-        for p, value, c in zip(self.params, values, changed):
-            if not c:
-                continue
-            value = (p.detach() if value is None else value.detach().to(p.device, p.dtype)).contiguous()
-            engine.comm.broadcast(value, 0)
-            names = names or self._names()
-            kept[names[id(p)]] = value
+        for i, e, mine in zip(candidates, edited, here):
+            p, name = self.params[i], names[id(self.params[i])]
+            if e:
+                value = values[i].contiguous()
+                engine.comm.broadcast(value, 0)
+                kept[name] = value
+            elif mine:  # edited on this rank but not on rank 0: back to the master here
+                engine.write_parameter(p, masters[name])
         if kept:
             engine.load_state_dict(kept, strict=False)
         if misfit:
             raise ValueError(misfit)
+
+    def _agree(self, flags: list[int], *, all_ranks: bool) -> list[int]:
+        """``flags`` made the same on every rank: set where any rank set it, or as rank 0 set it."""
+        comm = self.engine.comm
+        t = torch.tensor(flags, dtype=torch.int64, device=comm.pg.device)
+        if all_ranks:
+            comm.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        else:
+            comm.broadcast(t, 0)
+        return t.tolist()
 
     def _names(self) -> dict[int, str]:
         names: dict[int, str] = {}
