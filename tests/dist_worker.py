@@ -80,9 +80,9 @@ def run(spec: dict, r: dict, rank: int, world: int, out: Path) -> None:
         _checkpoint._TensorFile.write = failing
     try:
         if r.get("edit"):
-            with engine.gathered([model.blocks[1].fc.weight, model.pos]):
-                if rank == 0:
-                    edit(model)
+            with engine.gathered([model.blocks[1].fc.weight, model.pos, model.blocks[0].fc.weight]):
+                if rank == 0 or r.get("frozen_base"):  # a frozen base: every rank edits it, each differently
+                    edit(model, rank)
         if r.get("load"):
             engine.load_checkpoint(r["load"])
         start = engine.global_steps

@@ -233,8 +233,9 @@ def two_ranks(tmp_path_factory):
     runs += [{"name": f"frozen-{param}", "steps": 6, "gas": 1, "frozen_base": True, "save_after": 3,
               "save": str(tmp / f"ckpt-frozen-{param}"), "config": config(3, "cpu", tmp / "nvme", param=param)}
              for param in ("cpu", "nvme")]
-    runs += [{"name": f"edit-s{stage}", "steps": STEPS, "gas": 1, "edit": True,
-              "config": config(stage, "cpu", tmp / "nvme", param="nvme")} for stage in (2, 3)]
+    runs += [{"name": f"edit-s{stage}{'-frozen' if frozen else ''}", "steps": STEPS, "gas": 1, "edit": True,
+              "frozen_base": frozen, "config": config(stage, "cpu", tmp / "nvme", param="nvme")}
+             for stage in (2, 3) for frozen in (False, True)]
     runs += [{"name": f"nan-s{stage}", "steps": STEPS, "gas": 1, "nan_at": 1,
               "config": config(stage, "cpu", tmp / "nvme")} for stage in (2, 3)]
     runs += [{"name": "frozen-failsave", "steps": 2, "gas": 1, "frozen_base": True, "save_after": 1,
@@ -531,12 +532,13 @@ def test_a_nan_loss_on_one_rank_is_refused_on_every_rank(two_ranks, stage):
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_a_change_one_rank_makes_in_a_gathered_block_reaches_every_rank(two_ranks, stage):
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen-base"])
+def test_a_change_one_rank_makes_in_a_gathered_block_reaches_every_rank(two_ranks, stage, frozen):
     """Rank 0 alone re-initialises two parameters inside ``engine.gathered()`` (stage 3: each rank holds pieces on
-    NVMe; stage 2: each holds a copy): every rank trains from rank 0's values, as torch's AdamW does from the
-    edited model in one process."""
-    got = torch.load(two_ranks[0] / f"edit-s{stage}.pt", weights_only=True)
-    assert_close(got, reference(STEPS, edited=True))
+    NVMe; stage 2: each holds a copy); with a frozen base every rank also draws a frozen weight from its own seed.
+    Every rank trains from rank 0's values, as torch's AdamW does from the edited model in one process."""
+    got = torch.load(two_ranks[0] / f"edit-s{stage}{'-frozen' if frozen else ''}.pt", weights_only=True)
+    assert_close(got, reference(STEPS, frozen=frozen, edited=True))
 
 
 def piece_of(n: int, world: int) -> int:

@@ -1128,6 +1128,23 @@ def test_delayed_update_resumes_bit_identically_mid_pipeline(tmp_path):
         assert torch.equal(p, q)
 
 
+def test_a_load_with_a_delayed_update_pending_is_not_overwritten_by_it(tmp_path):
+    """With the delayed update a step leaves its new values pending for the device; a load after it keeps the
+    loaded values on the device and in the masters (the pending update was applied over them at the next step)."""
+    model = make()
+    cfg = config(tmp_path, "cpu", zero_optimization={"offload_optimizer": {"device": "cpu", "delayed_update": True}})
+    with offload.initialize(model, cfg) as engine:
+        train(engine, batches(2))
+        assert engine.training_state().pending_update
+        loaded = {k: torch.full_like(v, 0.125) for k, v in make(seed=3).state_dict().items()}
+        engine.load_state_dict(loaded)
+        engine.apply_delayed_update()
+        for (name, p) in model.named_parameters():
+            assert torch.equal(p.detach().cpu(), loaded[name]), name
+        state = engine.consolidated_state_dict()
+    assert all(torch.equal(state[k], loaded[k]) for k in loaded)
+
+
 @pytest.mark.parametrize("buffers", [1, 2])
 def test_few_staging_buffers_still_correct(tmp_path, buffers):
     data = batches(4)

@@ -486,12 +486,17 @@ def test_what_a_gathered_block_saved_is_fetched_again_after_its_buffer_was_reuse
         assert torch.allclose(state[k], v.detach().cpu(), rtol=1e-5, atol=1e-7), k
 
 
-def edit(model: nn.Module) -> None:
+def edit(model: nn.Module, rank: int = 0) -> None:
     """A re-initialisation after the model was built: one weight in place through ``.data`` (which torch's
-    version counters do not see), the position table replaced whole."""
+    version counters do not see), the position table replaced whole, and, when the first block's fc weight is
+    frozen, that weight drawn from a seed of ``rank``'s own (several ranks: rank 0's must win)."""
     torch.manual_seed(5)
     model.blocks[1].fc.weight.data.normal_(0.0, 0.02)
     model.pos.data = torch.full_like(model.pos, 0.25)
+    frozen = model.blocks[0].fc.weight
+    if not frozen.requires_grad:
+        torch.manual_seed(100 + rank)
+        frozen.data.normal_(0.0, 0.02)
 
 
 @pytest.mark.parametrize("placement", ["opt-host", "params-host", "params-nvme"])

@@ -638,7 +638,7 @@ class Engine:
         tensor by tensor into the fp32 master weights and each parameter's home; Adam's moments and the counters
         stay. Returns what did not match (``missing``, ``unexpected``); ``strict`` makes either an error."""
         self._expect("engine.load_state_dict()", Phase.IDLE, Phase.ACCUMULATING)
-        self._settle()
+        self._parameters_current()  # a pending delayed update would overwrite the loaded values at the next step
         from .._load import load_state_dict
 
         return load_state_dict(self, source, strict=strict)

@@ -125,7 +125,9 @@ class Gathered:
         names = self._names()
         candidates = [i for i, m in enumerate(moved) if m]
         masters = engine.consolidated_state_dict([names[id(self.params[i])] for i in candidates]) if candidates else {}
-        here = [int(not torch.equal(values[i].cpu(), masters[names[id(self.params[i])]].to(values[i].dtype)))
+        trains = {id(p) for p in engine.layout.params}  # a frozen one has no master, and the engine writes it in
+        here = [int(id(self.params[i]) not in trains  # a block only by a load, whose value a re-write keeps
+                    or not torch.equal(values[i].cpu(), masters[names[id(self.params[i])]].to(values[i].dtype)))
                 for i in candidates]
         edited = self._agree(here, all_ranks=False) if engine.world_size > 1 and here else here
         kept = {}
