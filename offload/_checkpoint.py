@@ -20,7 +20,8 @@ layout (N ranks save, M ranks load).
 What this module reads of an engine is its state contract: ``module``, ``layout``, ``optimizer`` (``read_state``,
 ``stage_state``, ``done_state``, ``param_groups``), ``comm``, ``rank``, ``world_size``, ``dtype``,
 ``training_state()`` / ``load_training_state()`` (counters, loss scaler, hyperparameters, a pending delayed
-update), ``read_parameter`` / ``write_parameter``, ``weights.write_pending`` and ``copies.download``; it writes
+update), ``read_parameter`` / ``write_parameter``, ``weights.write_pending`` / ``weights.finish_fetches`` and
+``copies.download``; it writes
 nothing else. With several ranks, ``root`` must be one filesystem that every rank sees (a
 shared mount on multi-node runs): each rank writes its own shard, and a loading rank reads whichever shards hold
 its range.
@@ -266,24 +267,30 @@ def _write_shard(engine: "Engine", tmp: Path, frozen: bool) -> dict[str, dict[st
     for name, entry in index.items():
         entry["start"] = starts.get(name, 0)
     tensors, index_name = _shard_names(rank)
-    # A local failure (a full disk, a failed read) is kept for save()'s vote, not raised at once: stage 3's frozen
-    # parameters are gathered from every rank's piece below, and a rank that left early would hang the others.
+    # A local failure (a full disk, a failed read of the optimizer state) is kept for save()'s vote, not raised at
+    # once: stage 3's frozen parameters are gathered from every rank's piece below, and a rank that left early would
+    # hang the others. A failed read of a piece itself is raised: its gather did not run, so the ranks are out of
+    # step, and the others fail at comm_timeout naming this rank.
     error: OSError | ValueError | None = None
     f: _TensorFile | None = None
     try:
         try:
+            engine.weights.finish_fetches()  # no prefetch reads or gathers beside the checkpoint's
             f = _TensorFile(tmp / tensors, index, write=True)
             for sg in layout.sub_groups:
-                for name, view, offset in _pieces(sg, opt.read_state(sg), names):
-                    f.write(name, view, offset - index[name]["start"])
-                opt.done_state(sg, dirty=False)
+                block = opt.read_state(sg)
+                try:
+                    for name, view, offset in _pieces(sg, block, names):
+                        f.write(name, view, offset - index[name]["start"])
+                finally:
+                    opt.done_state(sg, dirty=False)
         except (OSError, ValueError) as exc:
             error = exc
         for name, t in others.items():
             gathered = layout.per_param and isinstance(t, torch.nn.Parameter)  # a collective: every rank, always
             if not gathered and (rank != 0 or error is not None):
                 continue
-            value = _host_value(engine, t)
+            value = _host_value(engine, t)  # a failed read raises here: its gather did not run (see below)
             if rank == 0 and error is None:
                 try:
                     f.write(name, value)

@@ -306,6 +306,11 @@ class Weights:
     def _name(self, param: torch.nn.Parameter) -> str:
         return next((n for n, p in self.module.named_parameters() if p is param), "?")
 
+    def finish_fetches(self) -> None:
+        """Parameter offload: waits for the fetches in flight (a checkpoint reads the homes after them)."""
+        if self.params is not None:
+            self.params.finish_fetches()
+
     def register_external(self, module: torch.nn.Module, param: torch.nn.Parameter) -> None:
         if self.params is not None:
             self.params.register_external(module, param)

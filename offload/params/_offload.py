@@ -398,11 +398,20 @@ class ParameterOffload:
             try:
                 self._finish(rec)
             except OSError:  # a prefetch started while the disk was failing (a step that failed before this
-                self.counters["refetched"] += 1  # one, retried): read the home once more, and raise if that fails
+                if rec.sharded:  # one, retried): read the home once more, and raise if that fails. Not a piece:
+                    raise  # its gather is a collective, and this rank alone would issue it again
+                self.counters["refetched"] += 1
                 self._demand(rec)
             return "in_flight"
         self._demand(rec)
         return "waited"
+
+    def finish_fetches(self) -> None:
+        """Waits for every fetch in flight (in index order, the same on every rank): before a checkpoint reads the
+        homes, so that no prefetch's read or gather runs beside it."""
+        for rec in self.params:
+            if rec.state is ParamState.FETCHING:
+                self._finish(rec)
 
     def hold(self, params: list[torch.nn.Parameter]) -> list[_Param]:
         """Makes ``params`` AVAILABLE and keeps them so until :meth:`unhold`, for code that uses them outside their
