@@ -10,11 +10,14 @@ elsewhere (a loss that multiplies by the output embedding itself, a generation l
   saved-tensor hooks as the model's forward, so what autograd saves of them is a reference that backward fetches
   again, inside the block or after it;
 * each parameter's bits get a fingerprint (the swap engine's C checksum on the host, a position-weighted sum on a
-  GPU: one read of it), taken again at the end. A parameter whose fingerprint or tensor changed was written by the
-  block (``p.data.normal_()`` leaves no trace in torch's version counters, so they cannot tell); its new value
-  becomes its fp32 master and its home through ``engine.load_state_dict``, where DeepSpeed keeps the
-  low-precision value of its ``modifier_rank`` (but not the master). With several ranks: a parameter changed on
-  any rank takes rank 0's value on every rank.
+  GPU: one read of it), taken again at the end once the engine's own writes are in (updates run by a backward in
+  the block, a delayed update). A parameter whose fingerprint or tensor changed is a candidate
+  (``p.data.normal_()`` leaves no trace in torch's version counters, so they cannot tell); a candidate that differs
+  from its master rounded to the training dtype was edited by the block (the engine's own writes, a load or an
+  update, leave it equal), as is a frozen one (it has no master). Edits become fp32 masters and homes through
+  ``engine.load_state_dict``, where DeepSpeed keeps the low-precision value of its ``modifier_rank`` but not the
+  master. With several ranks: candidates are agreed over ranks, rank 0's edits reach every rank, and an edit on
+  another rank alone is undone there.
 
 Without parameter offload the parameters are always on the device; the fingerprints still find the changes, which
 would otherwise last only until the next step rewrote them from the unchanged masters.
@@ -125,8 +128,10 @@ class Gathered:
         names = self._names()
         candidates = [i for i, m in enumerate(moved) if m]
         masters = engine.consolidated_state_dict([names[id(self.params[i])] for i in candidates]) if candidates else {}
-        trains = {id(p) for p in engine.layout.params}  # a frozen one has no master, and the engine writes it in
-        here = [int(id(self.params[i]) not in trains  # a block only by a load, whose value a re-write keeps
+        # a frozen candidate counts as edited: it has no master to tell (the engine writes one in a block only by
+        # a load, whose value writing it again keeps)
+        trains = {id(p) for p in engine.layout.params}
+        here = [int(id(self.params[i]) not in trains
                     or not torch.equal(values[i].cpu(), masters[names[id(self.params[i])]].to(values[i].dtype)))
                 for i in candidates]
         edited = self._agree(here, all_ranks=False) if engine.world_size > 1 and here else here
