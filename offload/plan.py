@@ -167,6 +167,14 @@ class Plan:
     def dtype_bytes(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
 
+    def frozen_pieces(self, frozen: list[torch.Tensor]) -> FlatLayout | None:
+        """Stage 3 on several ranks: the per-parameter layout that cuts the frozen parameters into each rank's
+        pieces, as the trainable ones are cut (``ParamShards``); None otherwise (or with nothing frozen)."""
+        if self.partition is not Partition.PER_PARAM or not frozen:
+            return None
+        return FlatLayout([frozen], self.sub_group_size, world_size=self.world_size, rank=self.rank, per_param=True,
+                          align=self.align)
+
     def describe(self) -> str:
         """What was chosen and why, one line per decision."""
         budgets = ", ".join(f"{t.value} {fmt_bytes(b)}" for t, b in self.budgets.items())
@@ -315,10 +323,7 @@ def expected_bytes(plan: Plan, model: ModelSizes) -> dict[Tier, int]:
     d, g = plan.dtype_bytes, torch.empty((), dtype=plan.grad_dtype).element_size()
     per_param = plan.partition is Partition.PER_PARAM
     layout = model.layout(plan.sub_group_size, world_size=plan.world_size, per_param=per_param, align=plan.align)
-    # stage 3 on several ranks: this rank's pieces of the frozen parameters, cut like the trainable ones
-    frozen = FlatLayout([[torch.empty(n, device="meta") for n in model.frozen_params]], plan.sub_group_size,
-                        world_size=plan.world_size, per_param=True, align=plan.align) \
-        if per_param and model.frozen_params else None
+    frozen = plan.frozen_pieces([torch.empty(n, device="meta") for n in model.frozen_params])
     flat = sum(layout.group_numel)
     owned = layout.owned_numel(0)
     max_sg = layout.max_sub_group_numel

@@ -148,8 +148,7 @@ class Weights:
                      plan.dtype, self.store.accounts[Tier.DEVICE].budget)  # before any parameter moves
         homes: list[torch.Tensor | None] = [None] * (len(layout.params) + len(frozen))
         if plan.partition is Partition.PER_PARAM:  # frozen parameters are partitioned too, in a layout of their own
-            pieces = FlatLayout([frozen], plan.sub_group_size, world_size=plan.world_size, rank=plan.rank,
-                                per_param=True, align=plan.align) if frozen else None
+            pieces = plan.frozen_pieces(frozen)
             if plan.param_tier is Tier.NVME:  # pieces in this rank's NVMe folder, staging kept for those in flight
                 largest = max(layout.piece + (pieces.piece if pieces else []), default=0)
                 self.shards = ParamShards(comm, layout, self.copies, frozen=pieces, store=self.store,
