@@ -403,15 +403,7 @@ def test_a_loss_that_reads_a_weight_outside_the_forward_inside_gathered(tmp_path
     run trains as the un-offloaded model does, with backward inside the block or after it (what the block saved is
     fetched again); without the block, the read is the NaN placeholder and backward refuses the loss."""
     data = batches(4)
-    ref = hidden_gpt().to(DEVICE)
-    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.01)
-    ref_losses = []
-    for x, y in data:
-        opt.zero_grad()
-        loss = chunked_loss(ref, ref(x.to(DEVICE)), y)
-        loss.backward()
-        opt.step()
-        ref_losses.append(loss.item())
+    ref, ref_losses = reference(hidden_gpt(), data, lambda m, batch: chunked_loss(m, m(batch[0]), batch[1]))
     model = hidden_gpt()
     with offload.initialize(model, config(tmp_path, home, live=8192, bucket=4096)) as engine:
         head = model.head.weight

@@ -31,6 +31,7 @@ import torch
 
 from nvme_swapper import tensor_checksum
 
+from .._load import _aliases
 from ..params import ParamState
 
 if TYPE_CHECKING:
@@ -160,7 +161,5 @@ class Gathered:
         return t.tolist()
 
     def _names(self) -> dict[int, str]:
-        names: dict[int, str] = {}
-        for n, p in self.engine.module.named_parameters():
-            names.setdefault(id(p), n)
-        return names
+        """Each parameter's first state_dict key: what consolidated_state_dict and load_state_dict take."""
+        return {i: keys[0] for i, keys in _aliases(self.engine.module).items()}
