@@ -28,7 +28,8 @@ its range.
 
 The tag directory is first written as ``root/.tmp-<tag>-<pid of rank 0>``, every shard fsynced, then (rank 0, once
 all ranks report success) meta.json written, the directory renamed into place and fsynced; only then is
-``latest`` rewritten (temp file, fsync, rename). Loading never unpickles: it parses JSON and copies bytes into
+``latest`` rewritten (temp file, fsync, rename). A save that fails on any rank removes the temporary directory; one
+killed midway leaves it until the next save of that tag, which removes those of processes no longer alive. Loading never unpickles: it parses JSON and copies bytes into
 tensors of the dtypes the index names. Directories are 0700, files 0600. Format v1 (one ``tensors.bin`` indexed
 in meta.json) still loads.
 """
@@ -181,6 +182,17 @@ def _state_dict_entries(engine: "Engine", names: list[str], frozen: bool) -> dic
     return {key: entry[id(t)] for key, t in engine.module.state_dict(keep_vars=True).items() if id(t) in entry}
 
 
+def _alive(pid: str) -> bool:
+    """Whether the process that owns a temporary checkpoint directory still runs (on this machine)."""
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (ValueError, PermissionError):
+        return True  # not a pid we wrote, or another user's process: leave it
+    return True
+
+
 def _shard_names(rank: int) -> tuple[str, str]:
     return ("tensors.bin" if rank == 0 else f"tensors.{rank}.bin"), f"index.{rank}.json"
 
@@ -199,7 +211,9 @@ def save(engine: "Engine", root: Path, tag: str, frozen: bool = True) -> Path:
     pid = int(comm.sum_float(float(os.getpid()) if rank == 0 else 0.0))
     tmp = root / f".tmp-{tag}-{pid}"
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+        for stale in root.glob(f".tmp-{tag}-*"):
+            if stale == tmp or not _alive(stale.name.rsplit("-", 1)[1]):
+                shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir(mode=0o700)
     comm.barrier()
     error: BaseException | None = None
@@ -208,6 +222,8 @@ def save(engine: "Engine", root: Path, tag: str, frozen: bool = True) -> Path:
     except (OSError, ValueError) as exc:
         error = exc
     failed = int(comm.sum_float(1.0 if error is not None else 0.0))
+    if failed and rank == 0:  # every rank has closed its shard: give the space back (a full disk stays usable)
+        shutil.rmtree(tmp, ignore_errors=True)
     if error is not None:
         raise error
     if failed:

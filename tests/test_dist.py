@@ -514,13 +514,14 @@ def test_a_frozen_base_is_partitioned_across_ranks(two_ranks, tmp_path, param):
 def test_a_checkpoint_that_fails_on_one_rank_while_gathering_frozen_pieces_fails_on_all(two_ranks):
     """Stage 3 with a frozen base: rank 0's disk fills up while it writes the frozen parameters that every rank
     gathers for it. Every rank's save raises (rank 0 its ENOSPC, rank 1 that another rank failed), none hangs in a
-    gather the other left, nothing is committed, and training goes on."""
+    gather the other left, nothing is committed (the partial directory is removed), and training goes on."""
     out, tmp = two_ranks[0], two_ranks[1].parent
     info = [json.loads((out / f"frozen-failsave.rank{r}.json").read_text()) for r in range(2)]
     assert info[0]["save_error"].startswith("OSError") and "No space left" in info[0]["save_error"]
     assert info[1]["save_error"].startswith("RuntimeError") and "other rank(s) failed" in info[1]["save_error"]
     assert all(i["steps"] == 2 for i in info)
     assert not (tmp / "ckpt-failsave" / "latest").exists()
+    assert list((tmp / "ckpt-failsave").iterdir()) == []
 
 
 @pytest.mark.parametrize("stage", [2, 3])

@@ -4,6 +4,7 @@ machine's device (CUDA when present), and the references run there too (tests/mo
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -845,6 +846,41 @@ def test_checkpoint_errors(tmp_path):
     with offload.initialize(make(d=48), config(tmp_path, "cpu")) as other:
         with pytest.raises(ValueError, match="does not match the model"):
             other.load_checkpoint(engine_dir)
+
+
+def test_a_save_that_fills_the_disk_gives_the_space_back(small_ext4):
+    """A checkpoint that does not fit (a real ENOSPC from a 16 MiB filesystem) raises it, leaves the previous
+    checkpoint the latest and loadable, and removes its partial directory: the disk has as much room as before."""
+    root = small_ext4 / "ckpt"
+    with offload.initialize(make(d=192), config(small_ext4, "cpu")) as engine:
+        train(engine, batches(1))
+        engine.save_checkpoint(root, tag="a")
+        expected = engine.consolidated_state_dict()
+        free = os.statvfs(small_ext4).f_bavail
+        train(engine, batches(1, seed=5))
+        with pytest.raises(OSError) as info:
+            engine.save_checkpoint(root, tag="b")
+        assert info.value.errno == errno.ENOSPC, info.value
+        assert sorted(p.name for p in root.iterdir()) == ["a", "latest"]
+        assert os.statvfs(small_ext4).f_bavail == free
+    with offload.initialize(make(d=192), config(small_ext4, "cpu")) as engine:
+        assert engine.load_checkpoint(root) == "a"
+        loaded = engine.consolidated_state_dict()
+    for k in expected:
+        assert torch.equal(loaded[k], expected[k]), k
+
+
+def test_a_killed_save_is_cleared_by_the_next_save_of_its_tag(tmp_path):
+    """The temporary directory of a save whose process died is removed by the next save of that tag; one of a live
+    process (here, this one under another tag's name) is left alone."""
+    root = tmp_path / "ckpt"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (root / f".tmp-b-{int(dead.stdout)}").mkdir(parents=True)
+    (root / f".tmp-b-{int(dead.stdout)}" / "tensors.bin").write_bytes(b"x" * 4096)
+    (root / f".tmp-b-{os.getppid()}").mkdir()
+    with offload.initialize(make(), config(tmp_path, "cpu")) as engine:
+        engine.save_checkpoint(root, tag="b")
+    assert sorted(p.name for p in root.iterdir()) == [f".tmp-b-{os.getppid()}", "b", "latest"]
 
 
 def test_a_load_that_fails_after_it_began_writing_leaves_the_engine_failed(tmp_path, monkeypatch):
