@@ -13,7 +13,10 @@ frozen, as under adapters), ``edit`` (rank 0 alone re-initialises two parameters
 block before training: test_params.edit), ``nan_at`` (before that step, rank 1 alone gets a batch whose labels
 are all ignored, a NaN loss: every rank's backward must refuse it, and the loop skips it), ``fail_save`` (rank 0's
 checkpoint writes of frozen parameters fail with ENOSPC: the save must raise on every rank, the error's type
-recorded as ``save_error``) and ``differ`` (a model that differs across ranks: "shape", rank r's
+recorded as ``save_error``), ``reference`` (a forward-only engine of ``make(seed=1)``, all of it frozen, made
+beside the trained one under the same config; the trained one is closed first, then the reference runs forwards
+and rank r writes ``<name>.reference.rank<r>.pt``, its outputs on its slice of the first two batches, and
+``<name>.groups.rank<r>.json``, whether torch.distributed was still initialized after each close) and ``differ`` (a model that differs across ranks: "shape", rank r's
 vocabulary is 96 + r; "count", rank 1 has one more buffer).
 
 Each rank trains on its 1/N slice of a global batch of 6 sequences (so any N in 1, 2, 3 sees the same global
@@ -66,6 +69,7 @@ def run(spec: dict, r: dict, rank: int, world: int, out: Path) -> None:
     offload.plan.STAGE_ON_CPU = bool(r.get("staged"))
     offload.plan.GRAD_BUCKET = 1000 if r.get("staged") else GRAD_BUCKET
     engine = offload.initialize(model, r["config"])
+    ref = offload.initialize(make(seed=1).requires_grad_(False), r["config"]) if r.get("reference") else None
     save_error = None
     if r.get("fail_save") and rank == 0:
         from offload import _checkpoint
@@ -126,8 +130,19 @@ def run(spec: dict, r: dict, rank: int, world: int, out: Path) -> None:
             "pieces_nvme": stats["params"]["pieces_nvme"] if stats["params"] else None, "reduce": stats["reduce"],
             "numel": sum(p.numel() for p in engine.layout.params), "flat_numel": sum(engine.layout.group_numel),
             "start_sync": stats["start_sync"], "extras": extras, "save_error": save_error}))
+        if ref is not None:  # the engine that created the default group is closed: the reference's group lives on
+            engine.close()
+            with torch.no_grad():
+                outs = [ref(x[rank * per : (rank + 1) * per]).cpu() for x, _ in data[:2]]
+            torch.save(outs, out / f"{r['name']}.reference.rank{rank}.pt")
+            alive = dist.is_initialized()
+            ref.close()
+            (out / f"{r['name']}.groups.rank{rank}.json").write_text(json.dumps(
+                {"after_first_close": alive, "after_last_close": dist.is_initialized()}))
     finally:
         engine.close()
+        if ref is not None:
+            ref.close()
 
 
 def main() -> None:

@@ -608,6 +608,29 @@ def test_torchrun_runs_an_unchanged_training_script(tmp_path):
     assert not list((tmp_path / "nvme").iterdir())  # per-rank folders and swap files removed
 
 
+def test_a_reference_engine_outlives_the_engine_that_created_the_group(tmp_path):
+    """The engine initializes torch.distributed itself; a forward-only reference engine (stage 3: its frozen
+    parameters are partitioned, so each forward gathers them) joins that group. The trained engine is closed
+    first, as a loop that ends training before its evaluation does: the default group lives on until the
+    reference closes too (destroying it shuts down every group, which NCCL aborts), and the reference's forwards
+    equal the plain model's on both ranks."""
+    run = {"name": "beside", "steps": 2, "gas": 1, "reference": True, "config": config(3, "cpu", tmp_path / "n")}
+    out = tmp_path / "out"
+    out.mkdir()
+    with Ranks(tmp_path, 2, {"out": str(out), "init": "engine", "runs": [run]}) as ranks:
+        codes = ranks.wait(180)
+        assert codes == [0, 0], "\n".join(f"--- rank {r} ({c}):\n{ranks.output(r)[-3000:]}"
+                                          for r, c in enumerate(codes))
+    plain = make(seed=1)
+    for r in range(2):
+        groups = json.loads((out / f"beside.groups.rank{r}.json").read_text())
+        assert groups == {"after_first_close": True, "after_last_close": False}, groups
+        got = torch.load(out / f"beside.reference.rank{r}.pt", weights_only=True)
+        for (x, _), y in zip(batches(2, bsz=6), got):
+            with torch.no_grad():
+                torch.testing.assert_close(y, plain(x[3 * r : 3 * (r + 1)]), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("how", ["exit", "hang"])
 def test_a_dead_or_hung_rank_fails_the_others_naming_it(tmp_path, how):
     """Rank 1 of 3 stops after its backward of step 2 (the engine initializes torch.distributed itself here):

@@ -11,7 +11,8 @@ process's local rank), made current (CUDA), and where the backend follows from i
 * not initialized, and torchrun's variables (``WORLD_SIZE`` > 1, ``RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) in the
   environment: CREATED. The engine rendezvouses through ``env://`` (the TCP store at MASTER_ADDR:MASTER_PORT, which
   is all a multi-node run needs: no shared files), initializes the backend with the timeout, and destroys the
-  group at ``close``;
+  group once it and every engine that joined it meanwhile are closed (a reference model's engine beside the
+  policy's: destroying the default group destroys their subgroups too);
 * otherwise: SINGLE, world size 1, no group at all. The engine runs the same code; collectives become copies or
   nothing (:mod:`._comm`).
 """
@@ -32,6 +33,7 @@ from .._device import resolve_device
 
 _store: Any = None  # the rendezvous store of torchrun's environment, kept for the process's life
 _created = itertools.count()  # groups this process created, in the same order on every rank
+_world_users = 0  # open engines on the default group this process created (0: none created, or destroyed)
 
 
 class Origin(Enum):
@@ -63,15 +65,21 @@ class ProcessGroup:
     def distributed(self) -> bool:
         return self.world_size > 1
 
+    on_our_world: bool = field(default=False, repr=False)  # counted in ``_world_users``
+
     def close(self) -> None:
-        """Destroys what this object created: our subgroup (JOINED) or the whole group (CREATED)."""
+        """Destroys what this object created: our subgroup (JOINED), and the whole group when the last engine on
+        a default group we created closes."""
+        global _world_users
         if self._closed:
             return
         self._closed = True
-        if self.origin is Origin.CREATED and dist.is_initialized():
-            dist.destroy_process_group()
-        elif self.origin is Origin.JOINED and self.group is not None and dist.is_initialized():
+        if self.origin is Origin.JOINED and self.group is not None and dist.is_initialized():
             dist.destroy_process_group(self.group)
+        if self.on_our_world:
+            _world_users -= 1
+            if _world_users == 0 and dist.is_initialized():
+                dist.destroy_process_group()
         self.group = self.store = None
 
 
@@ -104,6 +112,7 @@ def _device_for(spec: str, local_rank: int, local_world_size: int) -> tuple[torc
 def join(timeout: float, device_spec: str = "auto") -> ProcessGroup:
     """The ranks to train with and this rank's device (see the module docstring). ``timeout``: seconds any
     collective may wait; ``device_spec``: the ``offload.device`` value."""
+    global _store, _world_users
     delta = datetime.timedelta(seconds=timeout)
     if dist.is_available() and dist.is_initialized():
         world, rank = dist.get_world_size(), dist.get_rank()
@@ -124,8 +133,10 @@ def join(timeout: float, device_spec: str = "auto") -> ProcessGroup:
             store = dist.distributed_c10d._get_default_store()
         except (AttributeError, RuntimeError, ValueError):
             pass
-        return ProcessGroup(Origin.JOINED, device, rank, world, local_rank, local_world, timeout, backend, group,
-                            store)
+        joined = ProcessGroup(Origin.JOINED, device, rank, world, local_rank, local_world, timeout, backend, group,
+                              store, on_our_world=_world_users > 0)
+        _world_users += joined.on_our_world
+        return joined
     if _env_int("WORLD_SIZE", 1) <= 1:
         device, _ = _device_for(device_spec, _env_int("LOCAL_RANK", 0), 1)
         return ProcessGroup(Origin.SINGLE, device, timeout=timeout)
@@ -137,11 +148,11 @@ def join(timeout: float, device_spec: str = "auto") -> ProcessGroup:
             raise _missing(name)
     local_rank, local_world = _env_int("LOCAL_RANK", 0), _env_int("LOCAL_WORLD_SIZE", world)
     device, backend = _device_for(device_spec, local_rank, local_world)
-    global _store
     if _store is None:  # once per process: rendezvous again on MASTER_PORT would race the old store's server
         _store, rank, world = next(dist.rendezvous("env://", rank, world, timeout=delta))
     # a fresh namespace per group: a later engine must not read the addresses an earlier group published
     store = dist.PrefixStore(f"offload/pg{next(_created)}", _store)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=delta)
+    _world_users = 1
     return ProcessGroup(Origin.CREATED, device, rank, world, local_rank, local_world, timeout, backend,
-                        dist.group.WORLD, store)
+                        dist.group.WORLD, store, on_our_world=True)
