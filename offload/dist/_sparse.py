@@ -64,14 +64,14 @@ def exchange_rows(comm: Comm, layout: FlatLayout, i: int, idx: torch.Tensor, val
         return (lo, hi, (lo - off) // width, -(-(hi - off) // width)) if lo < hi else None
 
     sends_idx, sends_val, counts = [], [], []
-    for r in range(world):
-        ranges = rows_of(r)
-        if ranges is None:
+    ranges = [rows_of(r) for r in range(world)]
+    rows = [row for found in ranges if found is not None for row in found[2:]]  # every rank's [first, last)
+    at = iter(torch.searchsorted(idx, torch.tensor(rows, dtype=idx.dtype, device=idx.device)).tolist())  # one sync
+    for found in ranges:
+        if found is None:
             counts.append(0)
             continue
-        first, last = ranges[2:]
-        a, z = (int(x) for x in torch.searchsorted(idx, torch.tensor([first, last], dtype=idx.dtype,
-                                                                      device=idx.device)))
+        a, z = next(at), next(at)
         sends_idx.append(idx[a:z])
         sends_val.append(vals[a:z])
         counts.append(z - a)

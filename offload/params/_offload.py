@@ -624,6 +624,7 @@ class ParameterOffload:
         thread's stream."""
         if value.device.type != "cpu" or not self.copies.cuda:
             rec.device.copy_(value.reshape(-1))
+            self.copies.hold(rec.device)  # allocated on the copy stream, written here on the calling one
         else:
             copy = self.copies.to_device(rec.device, value.reshape(-1), after=self.copies.mark())
             self.copies.use(copy, rec.device)
