@@ -275,7 +275,13 @@ def test_module_called_twice_and_data_dependent_branch(tmp_path, home):
     assert s["trace_invalidations"] > 0  # the order changed with the branch, and results stayed right
 
 
-def test_eval_no_grad_checkpointing_and_accumulation(tmp_path):
+@pytest.mark.parametrize("live, persist", [(30_000, 100), (5_000, 0)])
+def test_eval_no_grad_checkpointing_and_accumulation(tmp_path, live, persist):
+    """Activation checkpointing, non-reentrant and reentrant, with a window that holds the model and one that
+    holds the largest parameter but not a block (every parameter offloaded): a reentrant recomputation runs inside
+    backward, and what it saves of a parameter must be fetched again when the window evicted it (it read NaN
+    placeholders, trained into the weights)."""
+
     class Checkpointed(nn.Module):
         """Calls the GPT's pieces itself, reading ``gpt.pos`` outside ``gpt.forward``."""
 
@@ -293,7 +299,8 @@ def test_eval_no_grad_checkpointing_and_accumulation(tmp_path):
     data = batches(8)
     model, ref_model = Checkpointed(), Checkpointed()
     ref, ref_losses = reference(ref_model, data, gpt_loss, gas=2)
-    with offload.initialize(model, config(tmp_path, "nvme", gradient_accumulation_steps=2)) as engine:
+    with offload.initialize(model, config(tmp_path, "nvme", live=live, bucket=min(live, 8_000), persist=persist,
+                                          gradient_accumulation_steps=2)) as engine:
         engine.register_external_parameter(model, model.gpt.pos)  # read by the root, owned by model.gpt
         losses = run(engine, data, gpt_loss, gas=2)
         engine.eval()

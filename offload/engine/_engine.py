@@ -313,8 +313,13 @@ class Engine:
             self._heap.begin_backward()
         if self.weights.params is not None:
             self.weights.params.begin_backward(step_follows=self._last_micro)
+        # a reentrant activation checkpoint re-runs forwards inside backward: what they save of a parameter is a
+        # reference too, fetched again if the window evicted the parameter before the inner backward reads it
+        recompute = self.weights.params.saved_tensors() if self.weights.params is not None else \
+            contextlib.nullcontext()
         try:
-            (loss.float() * (self.scaler.scale / divisor)).backward()
+            with recompute:
+                (loss.float() * (self.scaler.scale / divisor)).backward()
             if self._reduce is not None:
                 self._reduce.end_backward()  # the last buckets reach their owners
             self.grads.end_backward()
