@@ -175,6 +175,13 @@ class Plan:
         return FlatLayout([frozen], self.sub_group_size, world_size=self.world_size, rank=self.rank, per_param=True,
                           align=self.align)
 
+    def read_staging(self, sizes: list[int]) -> int:
+        """Elements of the pinned arena that NVMe reads of parameters land in (``sizes``: stage 3's pieces on
+        several ranks, else the parameters homed on NVMe, read through it on the CUDA path): a prefetch bucket's
+        reads in flight plus the largest, at most all of them."""
+        bucket = self.prefetch_bucket // (self.world_size if self.partition is Partition.PER_PARAM else 1)
+        return min(bucket + max(sizes, default=0), sum(sizes))
+
     def describe(self) -> str:
         """What was chosen and why, one line per decision."""
         budgets = ", ".join(f"{t.value} {fmt_bytes(b)}" for t, b in self.budgets.items())
@@ -370,7 +377,7 @@ def expected_bytes(plan: Plan, model: ModelSizes) -> dict[Tier, int]:
     elif plan.param_tier is Tier.NVME:
         out[Tier.HOST] += UPDATE_BUFFERS * d * max_sg  # the optimizer's staging of updated parameters
         if per_param:
-            out[Tier.HOST] += d * max(layout.piece + (frozen.piece if frozen else []), default=0)
+            out[Tier.HOST] += d * plan.read_staging(layout.piece + (frozen.piece if frozen else []))
             parts = [seg.numel for lay in (layout, frozen) if lay for sg in lay.sub_groups for seg in sg.segments]
             out[Tier.NVME] += d * (sum(parts) + max(parts, default=0))
         else:
@@ -382,14 +389,8 @@ def expected_bytes(plan: Plan, model: ModelSizes) -> dict[Tier, int]:
                 if s > plan.persistence_threshold:
                     held += [max_sg] * (s // max_sg) + ([s % max_sg] if s % max_sg else [])
             out[Tier.NVME] += d * (sum(held) + max(held, default=0))  # a key per part, and one spare extent
-            if plan.cuda_path:  # pinned staging of reads, kept by size: the fetches in flight at once
-                frozen_homed = any(s > plan.persistence_threshold for s in model.frozen_params)
-                if not plan.delayed and not frozen_homed and sum(homed) <= min(plan.prefetch_bucket, plan.max_live):
-                    # every homed parameter lands from the update after the first step, whose fetches wait one
-                    # at a time: one buffer per size (frozen ones never land: read each step)
-                    out[Tier.HOST] += d * sum(set(homed))
-                else:
-                    out[Tier.HOST] += d * min(plan.prefetch_bucket + max(homed, default=0), sum(homed))
+            if plan.cuda_path:  # the pinned arena reads land in
+                out[Tier.HOST] += d * plan.read_staging(homed)
     if plan.param_tier is Tier.HOST and not per_param:
         out[Tier.HOST] += d * sum(model.frozen_params)  # frozen parameters' host copies
     return out

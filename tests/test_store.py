@@ -1,4 +1,5 @@
-"""The tiered store: residency transitions, budgets that hold, and a failed write-back that loses nothing."""
+"""The tiered store: residency transitions, budgets that hold, a failed write-back that loses nothing, and the
+staging arena's ring."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ import os
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from nvme_swapper import AioConfig, FileIO
-from offload.memory import BudgetExceeded, BufferPool, Residency, Tier, TierAccount, TieredStore
+from offload.memory import BudgetExceeded, BufferPool, Residency, StagingArena, Tier, TierAccount, TieredStore
 
 
 def make_store(tmp_path, host_budget=None, file_io=None, buffers=2, numel=50_000):
@@ -94,3 +97,34 @@ def test_failed_write_back_keeps_the_bytes(tmp_path):
         assert torch.all(store.acquire("a") == 7.0)
     finally:
         store.close()
+
+
+@settings(max_examples=60, deadline=None)
+@given(cap=st.integers(1, 64), ops=st.lists(st.tuples(st.booleans(), st.integers(0, 64)), max_size=60))
+def test_staging_arena_lends_disjoint_pieces_and_refuses_only_when_full(cap, ops):
+    """Any sequence of takes and gives (oldest first; the newest at once when its use could not start): pieces out
+    never overlap, each lies in the buffer, a take is refused only when no free run of its size lies where the
+    ring may place it, and an empty arena takes any piece that fits its size; all of it comes back at the end."""
+    store = TieredStore(torch.device("cpu"), {Tier.HOST: 4 * cap}, pin_memory=False)
+    arena = StagingArena(store, cap, torch.float32, "staging", "")
+    base = arena.buffer.data_ptr()
+    out: list[tuple[int, int, torch.Tensor]] = []  # [start, end) and the piece, oldest first
+    for take, n in ops:
+        if take and 0 < n <= cap:
+            piece = arena.take(n)
+            if piece is None:
+                assert out, "an empty arena refused a piece that fits"
+                oldest, end = out[0][0], out[-1][1]
+                assert (cap - end < n and oldest < n) if end > oldest else (oldest - end < n), (out, n)
+                continue
+            start = (piece.data_ptr() - base) // 4
+            assert piece.numel() == n and 0 <= start and start + n <= cap
+            assert all(start + n <= a or b <= start for a, b, _ in out), (out, start, n)
+            out.append((start, start + n, piece))
+        elif out:
+            arena.give(out.pop(0 if n % 2 else -1)[2])
+    for _, _, piece in out:
+        arena.give(piece)
+    assert arena.take(cap) is not None
+    arena.close()
+    assert store.memory_report()["host"]["current"] == 0

@@ -24,6 +24,7 @@ loss scale and the clipping coefficient), and all-reduces the squared norm for c
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ import torch
 
 from nvme_swapper import AioConfig, SwapEngine, SwapHandle
 
-from ..memory import AllOf, CopyStreams, Tier, TieredStore, wait_all
+from ..memory import AllOf, CopyStreams, StagingArena, Tier, TieredStore, wait_all
 from ..optim._layout import FlatLayout, SubGroup
 from ._comm import Comm
 
@@ -73,18 +74,19 @@ class ParamShards:
     * NVMe (``nvme_path``, this rank's own directory): one swap key per part of a piece that lies in one optimizer
       sub-group (frozen: one sub-group of ``frozen``), so a sub-group's update writes its parts straight from the
       optimizer's staging buffer (no read-modify-write of pieces cut by sub-group boundaries). Host RAM holds a
-      staging piece per fetch in flight (a pool, counted on the HOST tier); the keys are counted on this rank's
-      NVME tier. A fetch starts reading the piece and returns; its all-gather is issued once the read is done, in
-      fetch order (the same on every rank), at the latest before any other collective (see :meth:`fetch`), so the
-      reads overlap compute.
+      staging piece per fetch in flight, lent by a :class:`~offload.memory.StagingArena` of fixed size (so whether
+      a fetch starts never depends on this rank's host budget: the ranks' collectives stay the same); the keys are
+      counted on this rank's NVME tier. A fetch starts reading the piece and returns; its all-gather is issued
+      once the read is done, in fetch order (the same on every rank), at the latest before any other collective
+      (see :meth:`fetch`), so the reads overlap compute.
     """
 
     def __init__(self, comm: Comm, layout: FlatLayout, copies: CopyStreams, *, frozen: FlatLayout | None = None,
                  flats: list[torch.Tensor] | None = None, frozen_flat: torch.Tensor | None = None,
                  store: TieredStore | None = None, dtype: torch.dtype | None = None, nvme_path: str | None = None,
                  aio: AioConfig | None = None, staging_cap: int = 0) -> None:
-        """``staging_cap``: elements of staging pieces kept for reuse (NVMe), at least the pieces of a window of
-        fetches in flight; more are freed when given back."""
+        """``staging_cap``: elements of the staging arena (NVMe), at least the largest piece: the pieces of a
+        window of fetches in flight; a fetch that finds it full first issues the oldest queued all-gathers."""
         assert layout.per_param and (flats is None) != (nvme_path is None)
         assert frozen is None or (frozen.per_param and (flats is None or frozen_flat is not None))
         self.comm, self.layout, self.copies, self.store = comm, layout, copies, store
@@ -99,8 +101,7 @@ class ParamShards:
         self._issuing = False  # an all-gather of the queue is being started
         # NVMe fetches, those whose read had finished when their all-gather was due, and the seconds waited for reads
         self.read_stats: dict[str, float] = {"fetches": 0, "read_before_needed": 0, "wait_seconds": 0.0}
-        self._staging_free: dict[int, list[torch.Tensor]] = {}  # staging pieces by size, free
-        self._staging_cap, self._staging_kept = staging_cap, 0  # elements: the most kept, those kept now
+        self._arena: StagingArena | None = None  # NVMe: the staging pieces reads land in
         self._nvme_bytes = 0
         if flats is not None:
             self.dtype = flats[0].dtype
@@ -127,6 +128,9 @@ class ParamShards:
                          f"free disk space at {root} or raise offload.nvme_memory_budget")
         self._nvme_bytes = nvme_bytes
         try:
+            self._arena = StagingArena(store, staging_cap, dtype, "the staging pieces of parameters read from NVMe",
+                                       "raise offload.host_memory_budget or lower "
+                                       "zero_optimization.stage3_prefetch_bucket_size")
             self._swap = SwapEngine(root, aio or AioConfig())
         except BaseException:
             self.close()
@@ -188,7 +192,11 @@ class ParamShards:
         if self._swap is None:
             return self._gather(out, inp, self.pieces[i], dst)
         self.issue_ready()
-        staging = self._take_staging(piece)
+        assert self._arena is not None
+        staging = self._arena.take(piece)
+        while staging is None:  # full: the oldest fetches' all-gathers start (in fetch order), giving pieces back
+            self.issue_next()
+            staging = self._arena.take(piece)
         reads = [self._swap.read(self._key(i, start), staging[start : start + n]) for start, n in self._parts[i]]
         staging[sum(n for _, n in self._parts[i]) :].zero_()
         pending = _PieceRead(self, out, inp, dst, staging, reads)
@@ -222,7 +230,8 @@ class ParamShards:
                                             pending.dst)
         finally:
             self._issuing = False
-            self._give_staging(pending.staging)
+            assert self._arena is not None
+            self._arena.give(pending.staging)
 
     def issue_ready(self) -> None:
         """Starts the all-gathers of the oldest queued fetches whose reads are done (never blocks on a read)."""
@@ -238,24 +247,6 @@ class ParamShards:
         and when a fetch is waited on); nothing while one of them is being issued."""
         while self._queue and not self._issuing:
             self.issue_next()
-
-    def _take_staging(self, numel: int) -> torch.Tensor:
-        free = self._staging_free.get(numel)
-        if free:
-            self._staging_kept -= numel
-            return free.pop()
-        assert self.store is not None
-        return self.store.allocate(Tier.HOST, numel, self.dtype, "a staging piece of parameters read from NVMe",
-                                   "raise offload.host_memory_budget or lower "
-                                   "zero_optimization.stage3_prefetch_bucket_size")
-
-    def _give_staging(self, staging: torch.Tensor) -> None:
-        if self._staging_kept + staging.numel() > self._staging_cap:
-            assert self.store is not None
-            self.store.free(Tier.HOST, staging)
-            return
-        self._staging_kept += staging.numel()
-        self._staging_free.setdefault(staging.numel(), []).append(staging)
 
     def read(self, i: int) -> torch.Tensor:
         """Parameter ``i``'s full value as a new host tensor in its shape (a collective)."""
@@ -274,21 +265,15 @@ class ParamShards:
         if self.comm.before_collective == self.issue_all:
             self.comm.before_collective = None
         for pending in self._queue:
-            for h in pending.reads:
-                try:
-                    h.wait()
-                except Exception:  # noqa: BLE001 - closing: the read's error no longer matters
-                    pass
-            self._give_staging(pending.staging)
+            with contextlib.suppress(Exception):  # closing: a read's error no longer matters
+                wait_all(pending.reads)
         self._queue = []
         if self._swap is not None:
             self._swap.close()
             self._swap = None
-        for pieces in self._staging_free.values():
-            for t in pieces:
-                assert self.store is not None
-                self.store.free(Tier.HOST, t)
-        self._staging_free, self._staging_kept = {}, 0
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
         if self._nvme_bytes:
             assert self.store is not None
             self.store.accounts[Tier.NVME].release(self._nvme_bytes)

@@ -149,11 +149,11 @@ class Weights:
         homes: list[torch.Tensor | None] = [None] * (len(layout.params) + len(frozen))
         if plan.partition is Partition.PER_PARAM:  # frozen parameters are partitioned too, in a layout of their own
             pieces = plan.frozen_pieces(frozen)
-            if plan.param_tier is Tier.NVME:  # pieces in this rank's NVMe folder, staging kept for those in flight
-                largest = max(layout.piece + (pieces.piece if pieces else []), default=0)
+            if plan.param_tier is Tier.NVME:  # pieces in this rank's NVMe folder, staging for those in flight
                 self.shards = ParamShards(comm, layout, self.copies, frozen=pieces, store=self.store,
                                           dtype=plan.dtype, nvme_path=nvme_path, aio=aio,
-                                          staging_cap=plan.prefetch_bucket // plan.world_size + largest)
+                                          staging_cap=plan.read_staging(layout.piece + (pieces.piece if pieces
+                                                                                        else [])))
                 optimizer.attach_device([], on_updated=self.shards.write_updated, dtype=plan.dtype,
                                         update_buffers=UPDATE_BUFFERS)
             else:  # each home holds this rank's piece of every parameter
@@ -198,7 +198,9 @@ class Weights:
             persistence_threshold=plan.persistence_threshold, max_live=plan.max_live, bucket=plan.prefetch_bucket,
             nvme_path=nvme_path if plan.param_tier is Tier.NVME else None, aio=aio, shards=self.shards,
             scratch=optimizer.update_staging, parts=self._segments(), land=not plan.delayed,
-            staged=plan.cuda_path,  # NVMe homes: each parameter read into the masters, then written to its home
+            staging=plan.read_staging([p.numel() for p in layout.params + frozen if p.numel() >
+                                       plan.persistence_threshold]) if plan.cuda_path and self.shards is None else 0,
+            # each parameter read into the masters just before it moves to its home
             before_home=lambda i: optimizer.fill_masters(min(i + 1, trainable)))
         optimizer.fill_masters()  # the rest: sub-groups of padding alone
 

@@ -12,11 +12,14 @@ store (HOST allocations are page-locked with CUDA), so the copies are asynchrono
 
 On the CPU the device tier is host memory: the same calls copy at once on the calling thread and every Copy is
 complete, so one code path serves both. :class:`StagingRing` is the pinned host buffers copies go through, reused
-in turn once the copy that last used each is done. Every copy is counted in the store's bytes moved per tier pair.
+in turn once the copy that last used each is done; :class:`StagingArena` is one pinned buffer lent in pieces of any
+size that come back in the order they were taken (reads from NVMe on their way to the device). Every copy is
+counted in the store's bytes moved per tier pair.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 from typing import Any, Iterator, Protocol, Sequence
@@ -212,6 +215,64 @@ class StagingRing:
             for b in self.buffers:
                 self._store.free(Tier.HOST, b)
             self.buffers = []
+
+
+class StagingArena:
+    """One HOST buffer of ``numel`` elements (pinned where the store pins), lent in contiguous pieces of any size
+    that come back in the order they were taken, as a ring; the newest may also come back at once, when what it
+    was taken for could not start. Its size is fixed at construction, so a fetch never asks the host budget for
+    memory mid-step (with several ranks, an allocation refused on one rank alone would make the ranks issue
+    different collectives) and the pages are registered with CUDA once. Thread-safe: a piece may come back on
+    another thread, and ``take(block=True)`` waits for that."""
+
+    def __init__(self, store: Any, numel: int, dtype: torch.dtype, what: str, fix: str) -> None:
+        self._store = store
+        self.buffer = store.allocate(Tier.HOST, numel, dtype, what, fix)
+        self._out: collections.deque[tuple[int, int]] = collections.deque()  # [start, end) lent, oldest first
+        self._cond = threading.Condition()
+
+    def _room(self, numel: int) -> int | None:
+        """Where a piece of ``numel`` elements fits now: after the newest piece, else (wrapping) at the start."""
+        cap = self.buffer.numel()
+        if not self._out:
+            return 0
+        oldest, end = self._out[0][0], self._out[-1][1]
+        if end > oldest:  # not wrapped: free after the newest piece and before the oldest
+            return end if cap - end >= numel else (0 if numel <= oldest else None)
+        return end if oldest - end >= numel else None
+
+    def take(self, numel: int, *, block: bool = False) -> torch.Tensor | None:
+        """A piece of ``numel`` elements; None when it does not fit until older pieces come back (``block``: wait
+        for them instead; the caller must have pieces out that another thread gives back)."""
+        assert numel <= self.buffer.numel(), (numel, self.buffer.numel())
+        if numel == 0:
+            return self.buffer[:0]
+        with self._cond:
+            while (start := self._room(numel)) is None:
+                if not block:
+                    return None
+                self._cond.wait()
+            self._out.append((start, start + numel))
+        return self.buffer[start : start + numel]
+
+    def give(self, piece: torch.Tensor) -> None:
+        """Takes back a piece: the oldest one out, or the newest."""
+        if piece.numel() == 0:
+            return
+        start = (piece.data_ptr() - self.buffer.data_ptr()) // piece.element_size()
+        with self._cond:
+            if self._out[0][0] == start:
+                self._out.popleft()
+            else:
+                assert self._out[-1][0] == start, "a staging piece came back out of order"
+                self._out.pop()
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Frees the buffer (every piece must be back, or its user done with it)."""
+        if self.buffer is not None:
+            self._store.free(Tier.HOST, self.buffer)
+            self.buffer = None
 
 
 class AllOf:

@@ -69,7 +69,7 @@ from nvme_swapper import AioConfig, SwapEngine, aligned_tensor
 from .._cleanup import close_after_failure, run_all
 from .._hooks import Hook
 from .._worker import bind_thread
-from ..memory import DONE, AllOf, BudgetExceeded, Copy, CopyStreams, Tier, TieredStore, wait_all
+from ..memory import DONE, AllOf, BudgetExceeded, Copy, CopyStreams, StagingArena, Tier, TieredStore, wait_all
 
 _NO_COPY = ("copy.deepcopy or torch.save of a model whose parameters are offloaded (offload_param) would copy the "
             "placeholders the modules hold between uses, not the weights: write them with "
@@ -152,7 +152,7 @@ class ParameterOffload:
                  store: TieredStore, copies: CopyStreams, dtype: torch.dtype, *, persistence_threshold: int,
                  max_live: int, bucket: int, nvme_path: str | None = None, aio: AioConfig | None = None,
                  shards: Any = None, scratch: torch.Tensor | None = None,
-                 parts: list[list[tuple[int, int]]] | None = None, land: bool = False, staged: bool = False,
+                 parts: list[list[tuple[int, int]]] | None = None, land: bool = False, staging: int = 0,
                  before_home: Callable[[int], None] | None = None) -> None:
         """``shards`` (a :class:`offload.dist.ParamShards`, several ranks): the homes of the parameters it covers
         are pieces on each rank; fetching one is an all-gather (collective: every rank fetches in the same
@@ -162,11 +162,11 @@ class ParameterOffload:
         optimizer's sub-group segments, so an update writes its own keys); parameters without (frozen ones) are
         cut in ranges of at most ``scratch``'s size. ``land``: updates are written by the optimizer thread during
         the step that follows each backward (not delayed), so the next forward's first parameters may land (see
-        "Landing"). ``staged``: NVMe reads land in pinned staging and the fetch thread copies them to the device
-        (CUDA); otherwise they are read straight into the device buffer (the CPU device tier). ``before_home(i)``:
-        called before parameter ``i`` is read for its home (the engine fills the optimizer's masters from it then,
-        so each parameter's memory goes once it is homed, not after every master is filled)."""
-        self._staged = staged
+        "Landing"). ``staging``: elements of a pinned arena NVMe reads land in before the fetch thread copies
+        them to the device (CUDA); 0: they are read straight into the device buffer (the CPU device tier).
+        ``before_home(i)``: called before parameter ``i`` is read for its home (the engine fills the optimizer's
+        masters from it then, so each parameter's memory goes once it is homed, not after every master is
+        filled)."""
         self.module, self.store, self.copies, self.dtype = module, store, copies, dtype
         self.shards = shards
         self.device = store.device
@@ -175,8 +175,7 @@ class ParameterOffload:
         self.in_flight_numel = 0
         # released device buffers by size, reused by fetches, each with the compute-stream point it was released at
         self._cache: dict[int, list[tuple[torch.Tensor, Any]]] = {}
-        self._staging: dict[int, list[torch.Tensor]] = {}  # pinned buffers NVMe reads land in (CUDA), by size
-        self._staging_lock = threading.Lock()
+        self._arena: StagingArena | None = None  # pinned memory NVMe reads land in (CUDA)
         self._evictable: collections.OrderedDict[int, _Param] = collections.OrderedDict()  # unused, oldest first
         self.cached_numel = 0  # live + cached stays within max_live: the device window's bound
         self.counters = {"resident": 0, "in_flight": 0, "waited": 0, "fetches": 0, "released": 0,
@@ -217,6 +216,10 @@ class ParameterOffload:
                 store.claim_nvme(root, nvme_bytes, f"parameters homed on {root}", f"free disk space at {root}")
                 self._nvme_bytes = nvme_bytes
                 self._swap = SwapEngine(root, aio or AioConfig(), file_io=store.file_io)
+                if staging:
+                    self._arena = StagingArena(store, staging, dtype, "the pinned staging of parameters read from "
+                                               "NVMe", "raise offload.host_memory_budget or lower "
+                                               "zero_optimization.stage3_prefetch_bucket_size")
             self._build(params, homes, persistence_threshold, scratch, before_home)
             self._install()
         except BaseException as exc:
@@ -572,29 +575,47 @@ class ParameterOffload:
                 self.store.free(Tier.DEVICE, bufs.pop()[0])
                 self.cached_numel -= numel
 
-    def _start(self, rec: _Param) -> None:
-        self._materialize(rec)
+    def _start(self, rec: _Param, *, wait_for_room: bool = True) -> bool:
+        """RELEASED -> FETCHING: a device buffer, and the copy or read that fills it started. False, with nothing
+        changed, when NVMe staging has no room and ``wait_for_room`` is off (a prefetch stops there); a demand
+        waits for the fetch thread to give staging back. A failure to start leaves the parameter RELEASED."""
+        staging = None
+        if self._arena is not None and rec.home is None and not rec.sharded:
+            staging = self._arena.take(rec.numel, block=wait_for_room)
+            if staging is None:
+                return False
+        try:
+            self._materialize(rec)
+        except BaseException:
+            if staging is not None:
+                self._arena.give(staging)  # type: ignore[union-attr]
+            raise
         self.in_flight_numel += rec.numel
         if not rec.persistent:
             self.live_numel += rec.numel
-        if rec.sharded:
-            rec.pending = self.shards.fetch(rec.index, rec.device)
-        elif rec.home is None:
-            assert self._swap is not None
-            if not self._staged:  # the device tier is host memory: read straight into the buffer
+        try:
+            if rec.sharded:
+                rec.pending = self.shards.fetch(rec.index, rec.device)
+            elif staging is not None:  # read into pinned staging, copied on by the fetch thread
+                rec.pending = self._copier.submit(self._copy_staged, self._read_parts(rec, staging), staging,
+                                                  rec.device, rec.after)
+            elif rec.home is None:  # the device tier is host memory: read straight into the buffer
                 rec.pending = self._read_parts(rec, rec.device)
-            else:
-                staging = self._take_staging(rec.numel)
-                reads = self._read_parts(rec, staging)
-                rec.pending = self._copier.submit(self._copy_staged, reads, staging, rec.device, rec.after)
-        elif self.copies.cuda:
-            rec.pending = self.copies.to_device(rec.device, rec.home, after=rec.after)
-        else:  # a memcpy: on the fetch thread, beside compute
-            rec.pending = self._copier.submit(self.copies.to_device, rec.device, rec.home, after=None)
+            elif self.copies.cuda:
+                rec.pending = self.copies.to_device(rec.device, rec.home, after=rec.after)
+            else:  # a memcpy: on the fetch thread, beside compute
+                rec.pending = self._copier.submit(self.copies.to_device, rec.device, rec.home, after=None)
+        except BaseException:
+            if staging is not None:
+                self._arena.give(staging)  # type: ignore[union-attr]
+            self.in_flight_numel -= rec.numel
+            self._fetch_failed(rec)
+            raise
         rec.after = None
         rec.state = ParamState.FETCHING
         if rec.home is None and not rec.sharded:
             self.store.count(Tier.NVME, Tier.HOST, rec.numel * rec.param.element_size())
+        return True
 
     def _copy_staged(self, handle: Any, staging: torch.Tensor, dst: torch.Tensor, after: Any) -> Copy:
         """On the fetch thread: once an NVMe read has landed in ``staging``, copy it to the device buffer."""
@@ -604,20 +625,7 @@ class ParameterOffload:
             copy.wait()  # the staging buffer is reused as soon as it is given back
             return copy
         finally:
-            self._give_staging(staging)
-
-    def _take_staging(self, numel: int) -> torch.Tensor:
-        with self._staging_lock:
-            free = self._staging.get(numel)
-            if free:
-                return free.pop()
-        return self.store.allocate(Tier.HOST, numel, self.dtype, "pinned staging of parameters read from NVMe",
-                                   "raise offload.host_memory_budget or lower "
-                                   "zero_optimization.stage3_prefetch_bucket_size")
-
-    def _give_staging(self, staging: torch.Tensor) -> None:
-        with self._staging_lock:
-            self._staging.setdefault(staging.numel(), []).append(staging)
+            self._arena.give(staging)  # type: ignore[union-attr]
 
     def _upload_now(self, rec: _Param, value: torch.Tensor) -> None:
         """Writes ``value`` (host, or already on the device) into ``rec``'s device buffer, ready for the calling
@@ -721,7 +729,8 @@ class ParameterOffload:
             if not room:
                 break
             try:
-                self._start(rec)
+                if not self._start(rec, wait_for_room=False):
+                    break
             except BudgetExceeded:
                 break
             in_flight += rec.numel
@@ -919,10 +928,9 @@ class ParameterOffload:
     def _free(self) -> None:
         """Device cache, staging, the swap engine (its files), NVMe claims and private host copies."""
         self._trim(0)
-        for bufs in self._staging.values():
-            for b in bufs:
-                self.store.free(Tier.HOST, b)
-        self._staging = {}
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
         if self._swap is not None:
             self._swap.close()
             self._swap = None
