@@ -28,10 +28,10 @@ its range.
 
 The tag directory is first written as ``root/.tmp-<tag>-<pid of rank 0>``, every shard fsynced, then (rank 0, once
 all ranks report success) meta.json written, the directory renamed into place and fsynced; only then is
-``latest`` rewritten (temp file, fsync, rename). A save that fails on any rank removes the temporary directory; one
-killed midway leaves it until the next save of that tag, which removes those of processes no longer alive. Loading never unpickles: it parses JSON and copies bytes into
-tensors of the dtypes the index names. Directories are 0700, files 0600. Format v1 (one ``tensors.bin`` indexed
-in meta.json) still loads.
+``latest`` rewritten (temp file, fsync, rename). A save that fails on any rank removes the temporary directory;
+one killed midway leaves it until the next save of that tag, which removes those of processes no longer alive.
+Loading never unpickles: it parses JSON and copies bytes into tensors of the dtypes the index names. Directories
+are 0700, files 0600. Format v1 (one ``tensors.bin`` indexed in meta.json) still loads.
 """
 
 from __future__ import annotations
@@ -344,7 +344,9 @@ class Checkpoint:
             try:
                 tag = (root / "latest").read_text().strip()
             except FileNotFoundError:
-                raise FileNotFoundError(f"no checkpoint in {root}: {root / 'latest'} does not exist") from None
+                hint = f"; {root} is a Trainer checkpoint folder: pass {root / 'offload_state'}" \
+                    if (root / "offload_state" / "latest").exists() else ""
+                raise FileNotFoundError(f"no checkpoint in {root}: {root / 'latest'} does not exist{hint}") from None
         self.tag, self.folder = tag, root / tag
         folder = self.folder
         try:

@@ -16,8 +16,8 @@ checkpoint writes of frozen parameters fail with ENOSPC: the save must raise on 
 recorded as ``save_error``), ``reference`` (a forward-only engine of ``make(seed=1)``, all of it frozen, made
 beside the trained one under the same config; the trained one is closed first, then the reference runs forwards
 and rank r writes ``<name>.reference.rank<r>.pt``, its outputs on its slice of the first two batches, and
-``<name>.groups.rank<r>.json``, whether torch.distributed was still initialized after each close) and ``differ`` (a model that differs across ranks: "shape", rank r's
-vocabulary is 96 + r; "count", rank 1 has one more buffer).
+``<name>.groups.rank<r>.json``, whether torch.distributed was still initialized after each close) and ``differ``
+(a model that differs across ranks: "shape", rank r's vocabulary is 96 + r; "count", rank 1 has one more buffer).
 
 Each rank trains on its 1/N slice of a global batch of 6 sequences (so any N in 1, 2, 3 sees the same global
 batch), writes ``<name>.rank<r>.json`` (memory report, communication counters, the swap counters of stage 3's

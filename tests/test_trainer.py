@@ -24,6 +24,7 @@ pytest.importorskip("accelerate")
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
 
 import offload  # noqa: E402
+from offload._export import save_checkpoint_folder  # noqa: E402
 from offload.integrations.transformers import OffloadTrainer, trainer_config  # noqa: E402
 from models import DEVICE, placement_config  # noqa: E402
 
@@ -106,6 +107,8 @@ def test_resume_from_a_trainer_checkpoint_is_bit_identical(tmp_path):
         run("b", gpt2(), save_strategy="steps", save_steps=2)
         checkpoint = tmp_path / "b" / "checkpoint-2"
         assert (checkpoint / "offload_state" / "latest").exists() and (checkpoint / "model.safetensors").exists()
+        with pytest.raises(FileNotFoundError, match="is a Trainer checkpoint folder: pass .*offload_state"):
+            save_checkpoint_folder(checkpoint, tmp_path / "exported")  # `offload export` of the Trainer's folder
         resumed = run("b", gpt2(seed=7), resume=str(checkpoint), save_strategy="steps", save_steps=2)
         assert logged(resumed, "loss")[2:] == logged(straight, "loss")[2:]
         assert logged(resumed, "grad_norm")[2:] == logged(straight, "grad_norm")[2:]

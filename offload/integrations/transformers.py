@@ -22,7 +22,11 @@ logging, callbacks, checkpoint rotation, RNG state. What changes is who holds th
   by the Trainer. The optimizer must be AdamW (``optim`` one of :data:`ADAMW`) or the config's ``optimizer``.
 * Each micro-batch's loss, normalised as the Trainer normalises it, goes to ``engine.backward``; the Trainer's
   optimizer step is ``engine.step()``, at the boundaries the Trainer decides (a short last window included).
-  Clipping and fp16 loss scaling are the engine's, and the logged ``grad_norm`` is its global norm.
+  Clipping and fp16 loss scaling are the engine's, and the logged ``grad_norm`` is its global norm when
+  ``max_grad_norm`` > 0; with clipping off it is not computed (the updates start during backward, before every
+  gradient is in) and logged as None, where the plain Trainer logs the norm anyway.
+* A parameter with no gradient in a step (a branch or expert the batches did not take) is updated with a zero
+  gradient, as under DeepSpeed: its Adam moments and weight decay still move it, where torch's AdamW skips it.
 * Checkpoints (``save_steps``): the Trainer's folder gets the model as safetensors, the engine's checkpoint
   (fp32 masters, Adam moments, counters) under ``offload_state/`` and the scheduler; ``resume_from_checkpoint``
   restores them and continues bit-identically. A checkpoint folder of a plain Trainer resumes too (its weights;
