@@ -4,6 +4,7 @@ machine's device (CUDA when present), and the references run there too (tests/mo
 
 from __future__ import annotations
 
+import copy
 import errno
 import json
 import math
@@ -512,6 +513,59 @@ def test_parameters_the_loss_does_not_use_get_zero_gradients(tmp_path, beside):
     assert not torch.equal(results[True]["unused.weight"], WithUnused().unused.weight.detach())  # weight decay
     for k in results[True]:
         assert torch.equal(results[True][k], results[False][k]), k
+
+
+class Sometimes(torch.nn.Module):
+    """``extra`` (sub-groups of its own, first in the flat layout) that only micro-batches given ``w`` use, and a
+    small layer ``a`` every micro-batch uses (in the last sub-group, beside the end of ``extra``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra = torch.nn.Linear(64, 64)
+        self.a = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, w: torch.Tensor | None = None) -> torch.Tensor:
+        out = self.a(x).pow(2).mean()
+        return out if w is None else out + self.extra(w).pow(2).mean()
+
+
+def test_an_update_during_backward_waits_for_an_earlier_micro_batchs_adds(tmp_path, monkeypatch):
+    """Staged gradients (the CUDA path, on any machine) accumulating 2 micro-batches: ``extra`` gets a gradient
+    in the first only, and the second sends one bucket (``a``'s, in the last sub-group). At the end of the second
+    backward the updates of ``extra``'s sub-groups are queued first, with nothing of that micro-batch to wait
+    for, while the accumulation thread is still adding the first one's gradient (slowed here): they must wait for
+    it (they read a half-added accumulator). The result equals torch's AdamW."""
+    from offload.engine import _grads
+
+    monkeypatch.setattr(offload.plan, "STAGE_ON_CPU", True)
+    monkeypatch.setattr(offload.plan, "GRAD_BUCKET", 1000)
+    add = _grads._accumulate
+
+    def slow(*args):
+        time.sleep(0.05)
+        add(*args)
+
+    monkeypatch.setattr(_grads, "_accumulate", slow)
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(4, 16, generator=g), torch.randn(3, 64, generator=g) if i % 2 == 0 else None)
+            for i in range(4)]
+    torch.manual_seed(0)
+    model = Sometimes()
+    ref = copy.deepcopy(model).to(DEVICE)
+    cfg = config(tmp_path, "cpu", gradient_accumulation_steps=2, zero_optimization={"sub_group_size": 1024})
+    with offload.initialize(model, cfg) as engine:
+        for x, w in data:
+            engine.backward(engine(x, w))
+            engine.step()
+        assert engine.stats()["sub_groups_overlapped"] > 0
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, betas=(0.9, 0.99), eps=1e-8)
+    for i, (x, w) in enumerate(data):
+        (ref(x.to(DEVICE), None if w is None else w.to(DEVICE)) / 2).backward()
+        if i % 2:
+            opt.step()
+            opt.zero_grad()
+    for p, r in zip(model.parameters(), ref.parameters()):
+        close_enough(p, r, 1e-5)
 
 
 class Crossed(torch.nn.Module):

@@ -250,6 +250,10 @@ class GradientStream:
             copy = self._send(bucket, bucket.start, bucket.staging[: bucket.numel])
             self._free.append((bucket.staging, copy))
             bucket.staging = None
+        elif self._adds is not None and not bucket.handles:
+            # nothing of this micro-batch reached this range, but an earlier one's add may still be running into
+            # it: the update waits for a job queued behind those adds (the thread runs jobs in order)
+            bucket.handles.append(self._adds.submit(_nothing))
         bucket.written = True
         self._sg_pending[bucket.sub_group] -= 1
         if self._sg_pending[bucket.sub_group] == 0:
@@ -281,6 +285,10 @@ class GradientStream:
             if self._landing is not None:
                 self._landing.close()
                 self._landing = None
+
+
+def _nothing() -> None:
+    """A job that marks its place in the accumulation thread's queue."""
 
 
 def _accumulate(dst: torch.Tensor, landing: torch.Tensor, copy: Any, first: bool) -> None:
