@@ -60,12 +60,11 @@ class ProcessGroup:
     group: Any = None
     store: Any = None
     _closed: bool = field(default=False, repr=False)
+    on_our_world: bool = field(default=False, repr=False)  # counted in ``_world_users``
 
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
-
-    on_our_world: bool = field(default=False, repr=False)  # counted in ``_world_users``
 
     def close(self) -> None:
         """Destroys what this object created: our subgroup (JOINED), and the whole group when the last engine on
