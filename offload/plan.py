@@ -25,7 +25,7 @@ from typing import Mapping
 import torch
 
 from .config import OffloadConfig
-from .memory import Tier, default_host_budget, fmt_bytes
+from .memory import Tier, arena_span, default_host_budget, fmt_bytes
 from .memory._heap import available as heap_trim_available
 from .optim._layout import ALIGN, PAGE_ALIGN, FlatLayout
 
@@ -180,7 +180,8 @@ class Plan:
         several ranks, else the parameters homed on NVMe, read through it on the CUDA path): a prefetch bucket's
         reads in flight plus the largest, at most all of them."""
         bucket = self.prefetch_bucket // (self.world_size if self.partition is Partition.PER_PARAM else 1)
-        return min(bucket + max(sizes, default=0), sum(sizes))
+        spans = [arena_span(n, self.dtype_bytes) for n in sizes]  # each piece starts on a page
+        return min(arena_span(bucket, self.dtype_bytes) + max(spans, default=0), sum(spans))
 
     def describe(self) -> str:
         """What was chosen and why, one line per decision."""

@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 import offload
 from models import DEVICE, TinyGPT, batches, lm_loss, make, on_device, placement_config, reference_model
+from offload.memory import arena_span
 from offload.params import ParamState
 
 LR = 3e-3
@@ -118,9 +119,10 @@ def test_nvme_reads_through_pinned_staging_as_on_cuda(tmp_path, monkeypatch, opt
     ref, ref_losses = reference(make(), data, gpt_loss)
     with offload.initialize(model, config(tmp_path, "nvme", optimizer, live=10_000, bucket=4_000)) as engine:
         losses = run(engine, data, gpt_loss)
-        arena = engine.weights.params._arena  # a prefetch bucket's reads and the largest parameter, no more
-        homed = [p.numel() for p in model.parameters() if p.numel() > 100]
-        assert arena.buffer.numel() == min(4_000 + max(homed), sum(homed))
+        arena = engine.weights.params._arena  # a prefetch bucket's reads and the largest parameter, in whole pages
+        homed = [arena_span(p.numel(), 4) for p in model.parameters() if p.numel() > 100]
+        assert arena.buffer.numel() == min(arena_span(4_000, 4) + max(homed), sum(homed))
+        assert engine.stats()["params"]["nvme"]["bytes_bounced"] == 0  # every read lands O_DIRECT in its piece
         assert engine.stats()["params"]["last_step"]["landed"] > 0
     assert_same(model, ref, losses, ref_losses)
 

@@ -100,31 +100,41 @@ def test_failed_write_back_keeps_the_bytes(tmp_path):
 
 
 @settings(max_examples=60, deadline=None)
-@given(cap=st.integers(1, 64), ops=st.lists(st.tuples(st.booleans(), st.integers(0, 64)), max_size=60))
-def test_staging_arena_lends_disjoint_pieces_and_refuses_only_when_full(cap, ops):
+@given(pages=st.integers(1, 16), ops=st.lists(st.tuples(st.booleans(), st.integers(0, 16 * 1024)), max_size=60))
+def test_staging_arena_lends_disjoint_pieces_and_refuses_only_when_full(pages, ops):
     """Any sequence of takes and gives (oldest first; the newest at once when its use could not start): pieces out
-    never overlap, each lies in the buffer, a take is refused only when no free run of its size lies where the
-    ring may place it, and an empty arena takes any piece that fits its size; all of it comes back at the end."""
+    never overlap, each starts on a page (the swap engine's O_DIRECT reads need it) and lies in the buffer, a take
+    is refused only when no free run of its whole pages lies where the ring may place it, and an empty arena takes
+    any piece of its size; all of it comes back at the end."""
+    per = 1024  # float32 elements per page
+    cap = pages * per
     store = TieredStore(torch.device("cpu"), {Tier.HOST: 4 * cap}, pin_memory=False)
     arena = StagingArena(store, cap, torch.float32, "staging", "")
     base = arena.buffer.data_ptr()
-    out: list[tuple[int, int, torch.Tensor]] = []  # [start, end) and the piece, oldest first
+    out: list[tuple[int, int, torch.Tensor]] = []  # [start, end of its pages) and the piece, oldest first
     for take, n in ops:
         if take and 0 < n <= cap:
+            span = -(-n // per) * per
+            fits = arena.fits(n)
             piece = arena.take(n)
+            assert fits == (piece is not None)
             if piece is None:
                 assert out, "an empty arena refused a piece that fits"
                 oldest, end = out[0][0], out[-1][1]
-                assert (cap - end < n and oldest < n) if end > oldest else (oldest - end < n), (out, n)
+                assert (cap - end < span and oldest < span) if end > oldest else (oldest - end < span), (out, n)
                 continue
             start = (piece.data_ptr() - base) // 4
-            assert piece.numel() == n and 0 <= start and start + n <= cap
-            assert all(start + n <= a or b <= start for a, b, _ in out), (out, start, n)
-            out.append((start, start + n, piece))
+            assert piece.numel() == n and piece.data_ptr() % 4096 == 0 and start + span <= cap
+            assert all(start + span <= a or b <= start for a, b, _ in out), (out, start, n)
+            out.append((start, start + span, piece))
         elif out:
             arena.give(out.pop(0 if n % 2 else -1)[2])
     for _, _, piece in out:
         arena.give(piece)
     assert arena.take(cap) is not None
+    with pytest.raises(RuntimeError, match="out of order"):
+        arena.give(arena.buffer[1:])
+    with pytest.raises(RuntimeError, match="exceeds its arena"):
+        arena.take(cap + 1)
     arena.close()
     assert store.memory_report()["host"]["current"] == 0

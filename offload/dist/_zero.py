@@ -25,6 +25,7 @@ loss scale and the clipping coefficient), and all-reduces the squared norm for c
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,7 @@ import torch
 
 from nvme_swapper import AioConfig, SwapEngine, SwapHandle
 
-from ..memory import AllOf, CopyStreams, StagingArena, Tier, TieredStore, wait_all
+from ..memory import AllOf, CopyStreams, StagingArena, Tier, TieredStore, start_all, wait_all
 from ..optim._layout import FlatLayout, SubGroup
 from ._comm import Comm
 
@@ -56,10 +57,13 @@ class _PieceRead:
                  staging: torch.Tensor, reads: list[SwapHandle]) -> None:
         self.shards, self.out, self.inp, self.dst, self.staging, self.reads = shards, out, inp, dst, staging, reads
         self.gathered: _Gathered | None = None
+        self.error: BaseException | None = None  # its reads failed: no all-gather was issued
 
     def wait(self) -> None:
-        while self.gathered is None:  # the gathers before it first, in order; later reads keep running
-            self.shards.issue_next()
+        while self.gathered is None and self.error is None:  # the gathers before it first, in order; later reads
+            self.shards.issue_next()  # keep running
+        if self.error is not None:
+            raise self.error
         self.gathered.wait()
 
 
@@ -197,9 +201,14 @@ class ParamShards:
         while staging is None:  # full: the oldest fetches' all-gathers start (in fetch order), giving pieces back
             self.issue_next()
             staging = self._arena.take(piece)
-        reads = [self._swap.read(self._key(i, start), staging[start : start + n]) for start, n in self._parts[i]]
+        try:
+            reads = start_all(functools.partial(self._swap.read, self._key(i, start), staging[start : start + n])
+                              for start, n in self._parts[i])
+        except BaseException:
+            self._arena.give(staging)  # the newest piece, no read left on it
+            raise
         staging[sum(n for _, n in self._parts[i]) :].zero_()
-        pending = _PieceRead(self, out, inp, dst, staging, reads)
+        pending = _PieceRead(self, out, inp, dst, staging, reads.handles)
         self._queue.append(pending)
         return pending
 
@@ -228,6 +237,9 @@ class ParamShards:
             self.read_stats["wait_seconds"] += time.perf_counter() - t
             pending.gathered = self._gather(pending.out, pending.inp, pending.staging[: pending.inp.numel()],
                                             pending.dst)
+        except BaseException as exc:
+            pending.error = exc
+            raise
         finally:
             self._issuing = False
             assert self._arena is not None

@@ -6,9 +6,9 @@ events and pinned staging (``_copies``), and the C heap's free pages returned du
 from ._pool import BufferPool
 from ._store import Residency, TieredStore, Transfer, default_host_budget, prepare_nvme_path
 from ._tiers import BUDGET_KEYS, BudgetExceeded, Tier, TierAccount, fmt_bytes
-from ._copies import DONE, AllOf, Copy, StagingArena, StagingRing, CopyStreams, wait_all
+from ._copies import DONE, AllOf, Copy, StagingArena, StagingRing, CopyStreams, arena_span, start_all, wait_all
 from ._heap import HeapTrim
 
 __all__ = ["BUDGET_KEYS", "DONE", "AllOf", "BudgetExceeded", "BufferPool", "Copy", "CopyStreams", "HeapTrim",
            "Residency", "StagingArena", "StagingRing", "Tier", "TierAccount", "TieredStore", "Transfer",
-           "default_host_budget", "fmt_bytes", "prepare_nvme_path", "wait_all"]
+           "arena_span", "default_host_budget", "fmt_bytes", "prepare_nvme_path", "start_all", "wait_all"]

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import functools
 import threading
 import time
@@ -69,7 +70,8 @@ from nvme_swapper import AioConfig, SwapEngine, aligned_tensor
 from .._cleanup import close_after_failure, run_all
 from .._hooks import Hook
 from .._worker import bind_thread
-from ..memory import DONE, AllOf, BudgetExceeded, Copy, CopyStreams, StagingArena, Tier, TieredStore, wait_all
+from ..memory import (DONE, AllOf, BudgetExceeded, Copy, CopyStreams, StagingArena, Tier, TieredStore, start_all,
+                      wait_all)
 
 _NO_COPY = ("copy.deepcopy or torch.save of a model whose parameters are offloaded (offload_param) would copy the "
             "placeholders the modules hold between uses, not the weights: write them with "
@@ -294,7 +296,8 @@ class ParameterOffload:
         """Starts reading every part of ``rec``'s NVMe home into its range of ``dst`` (flat, the parameter's
         size)."""
         assert self._swap is not None
-        return AllOf([self._swap.read(self._key(rec, start), dst[start : start + n]) for start, n in rec.parts])
+        return start_all(functools.partial(self._swap.read, self._key(rec, start), dst[start : start + n])
+                         for start, n in rec.parts)
 
     # hooks ------------------------------------------------------------------------------------------------------
 
@@ -597,8 +600,13 @@ class ParameterOffload:
             if rec.sharded:
                 rec.pending = self.shards.fetch(rec.index, rec.device)
             elif staging is not None:  # read into pinned staging, copied on by the fetch thread
-                rec.pending = self._copier.submit(self._copy_staged, self._read_parts(rec, staging), staging,
-                                                  rec.device, rec.after)
+                reads = self._read_parts(rec, staging)
+                try:
+                    rec.pending = self._copier.submit(self._copy_staged, reads, staging, rec.device, rec.after)
+                except BaseException:
+                    with contextlib.suppress(Exception):  # the staging goes back below: no read may be left on it
+                        reads.wait()
+                    raise
             elif rec.home is None:  # the device tier is host memory: read straight into the buffer
                 rec.pending = self._read_parts(rec, rec.device)
             elif self.copies.cuda:
@@ -722,6 +730,8 @@ class ParameterOffload:
                 continue
             if in_flight and in_flight + rec.numel > self.bucket:
                 break
+            if self._arena is not None and rec.home is None and not rec.sharded and not self._arena.fits(rec.numel):
+                break  # no staging room until earlier reads are copied on: evict nothing for it
             # forward may evict (the oldest are needed last, in backward); in backward every evictable parameter
             # is left from forward and needed before anything further along the trace: only freed room is used
             room = self._evict(rec.numel) if self._phase == "forward" else \
