@@ -39,6 +39,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -182,14 +183,14 @@ def _state_dict_entries(engine: "Engine", names: list[str], frozen: bool) -> dic
     return {key: entry[id(t)] for key, t in engine.module.state_dict(keep_vars=True).items() if id(t) in entry}
 
 
-def _alive(pid: str) -> bool:
+def _alive(pid: int) -> bool:
     """Whether the process that owns a temporary checkpoint directory still runs (on this machine)."""
     try:
-        os.kill(int(pid), 0)
+        os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except (ValueError, PermissionError):
-        return True  # not a pid we wrote, or another user's process: leave it
+    except (OSError, OverflowError):
+        return True  # another user's process, or not a pid at all: leave it
     return True
 
 
@@ -211,9 +212,12 @@ def save(engine: "Engine", root: Path, tag: str, frozen: bool = True) -> Path:
     pid = int(comm.sum_float(float(os.getpid()) if rank == 0 else 0.0))
     tmp = root / f".tmp-{tag}-{pid}"
     if rank == 0:
-        for stale in root.glob(f".tmp-{tag}-*"):
-            if stale == tmp or not _alive(stale.name.rsplit("-", 1)[1]):
-                shutil.rmtree(stale, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        stale = re.compile(rf"\.tmp-{re.escape(tag)}-(\d{{1,9}})")
+        for other in root.iterdir():
+            found = stale.fullmatch(other.name)
+            if found and not _alive(int(found.group(1))):
+                shutil.rmtree(other, ignore_errors=True)
         tmp.mkdir(mode=0o700)
     comm.barrier()
     error: BaseException | None = None
@@ -229,36 +233,50 @@ def save(engine: "Engine", root: Path, tag: str, frozen: bool = True) -> Path:
     if failed:
         raise RuntimeError(f"checkpoint {final}: {failed} other rank(s) failed to write their shard (see their "
                            "errors); nothing was committed and the previous checkpoint stays the latest")
+    commit_error: Exception | None = None
     if rank == 0:
-        names = _names(engine)
-        state = engine.training_state()
-        shapes = {f"{k}/{n}": list(p.shape) for n, p in zip(names, engine.layout.params) for k in _KINDS}
-        shapes.update({n: e["shape"] for n, e in index.items() if n.split("/")[0] not in _KINDS})
-        meta = {
-            "format": FORMAT,
-            "world_size": engine.world_size,
-            "shards": [dict(zip(("tensors", "index"), _shard_names(r))) for r in range(engine.world_size)],
-            "global_steps": state.global_steps,
-            "micro_steps": state.micro_steps,
-            "optimizer_steps": state.optimizer_steps,
-            "loss_scaler": state.loss_scaler,
-            "param_groups": state.param_groups,
-            "dtype": state.dtype,
-            "pending_update": state.pending_update,
-            "lr_scheduler": state.lr_scheduler,
-            "shapes": shapes,
-            "state_dict": _state_dict_entries(engine, names, frozen),
-            "frozen_excluded": not frozen,
-        }
-        _write_file(tmp / "meta.json", json.dumps(meta, indent=1).encode())
-        _fsync_dir(tmp)
-        os.rename(tmp, final)
-        _fsync_dir(root)
-        _write_file(root / ".latest.tmp", tag.encode())
-        os.replace(root / ".latest.tmp", root / "latest")
-        _fsync_dir(root)
-    comm.barrier()  # no rank returns before the checkpoint is complete
+        try:
+            _commit(engine, index, frozen, tmp, final)
+        except Exception as exc:  # noqa: BLE001 - raised below, once every rank knows
+            commit_error = exc
+            shutil.rmtree(tmp, ignore_errors=True)  # (gone already if it was renamed into place)
+    if comm.sum_float(1.0 if commit_error is not None else 0.0):  # no rank returns before the checkpoint is complete
+        if commit_error is not None:
+            raise commit_error
+        raise RuntimeError(f"checkpoint {final}: rank 0 failed to commit it (see its error); the previous checkpoint "
+                           "stays the latest")
     return final
+
+
+def _commit(engine: "Engine", index: dict[str, dict[str, Any]], frozen: bool, tmp: Path, final: Path) -> None:
+    """Rank 0, once every shard is written: meta.json, the directory renamed into place, then ``latest``."""
+    root, names = final.parent, _names(engine)
+    state = engine.training_state()
+    shapes = {f"{k}/{n}": list(p.shape) for n, p in zip(names, engine.layout.params) for k in _KINDS}
+    shapes.update({n: e["shape"] for n, e in index.items() if n.split("/")[0] not in _KINDS})
+    meta = {
+        "format": FORMAT,
+        "world_size": engine.world_size,
+        "shards": [dict(zip(("tensors", "index"), _shard_names(r))) for r in range(engine.world_size)],
+        "global_steps": state.global_steps,
+        "micro_steps": state.micro_steps,
+        "optimizer_steps": state.optimizer_steps,
+        "loss_scaler": state.loss_scaler,
+        "param_groups": state.param_groups,
+        "dtype": state.dtype,
+        "pending_update": state.pending_update,
+        "lr_scheduler": state.lr_scheduler,
+        "shapes": shapes,
+        "state_dict": _state_dict_entries(engine, names, frozen),
+        "frozen_excluded": not frozen,
+    }
+    _write_file(tmp / "meta.json", json.dumps(meta, indent=1).encode())
+    _fsync_dir(tmp)
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    _write_file(root / ".latest.tmp", final.name.encode())
+    os.replace(root / ".latest.tmp", root / "latest")
+    _fsync_dir(root)
 
 
 def _write_shard(engine: "Engine", tmp: Path, frozen: bool) -> dict[str, dict[str, Any]]:

@@ -12,8 +12,8 @@ and ``runs``, each trained in turn: ``name``, ``config`` (the engine's), ``steps
 frozen, as under adapters), ``edit`` (rank 0 alone re-initialises two parameters in an ``engine.gathered()``
 block before training: test_params.edit), ``nan_at`` (before that step, rank 1 alone gets a batch whose labels
 are all ignored, a NaN loss: every rank's backward must refuse it, and the loop skips it), ``fail_save`` (rank 0's
-checkpoint writes of frozen parameters fail with ENOSPC: the save must raise on every rank, the error's type
-recorded as ``save_error``), ``reference`` (a forward-only engine of ``make(seed=1)``, all of it frozen, made
+checkpoint writes of frozen parameters fail with ENOSPC, or with "commit" its rename of the written directory
+into place fails with EIO: the save must raise on every rank, the error's type recorded as ``save_error``), ``reference`` (a forward-only engine of ``make(seed=1)``, all of it frozen, made
 beside the trained one under the same config; the trained one is closed first, then the reference runs forwards
 and rank r writes ``<name>.reference.rank<r>.pt``, its outputs on its slice of the first two batches, and
 ``<name>.groups.rank<r>.json``, whether torch.distributed was still initialized after each close) and ``differ``
@@ -71,10 +71,15 @@ def run(spec: dict, r: dict, rank: int, world: int, out: Path) -> None:
     engine = offload.initialize(model, r["config"])
     ref = offload.initialize(make(seed=1).requires_grad_(False), r["config"]) if r.get("reference") else None
     save_error = None
-    if r.get("fail_save") and rank == 0:
-        from offload import _checkpoint
+    from offload import _checkpoint
 
-        write = _checkpoint._TensorFile.write
+    rename, write = os.rename, _checkpoint._TensorFile.write  # put back after the run
+    if r.get("fail_save") == "commit" and rank == 0:
+        def failing_rename(src, dst):
+            raise OSError(errno.EIO, "Input/output error (injected)")
+
+        os.rename = failing_rename
+    elif r.get("fail_save") and rank == 0:
 
         def failing(self, name, *args):
             if name.startswith("frozen/"):
@@ -140,6 +145,7 @@ def run(spec: dict, r: dict, rank: int, world: int, out: Path) -> None:
             (out / f"{r['name']}.groups.rank{rank}.json").write_text(json.dumps(
                 {"after_first_close": alive, "after_last_close": dist.is_initialized()}))
     finally:
+        os.rename, _checkpoint._TensorFile.write = rename, write
         engine.close()
         if ref is not None:
             ref.close()

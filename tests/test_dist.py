@@ -239,7 +239,9 @@ def two_ranks(tmp_path_factory):
     runs += [{"name": f"nan-s{stage}", "steps": STEPS, "gas": 1, "nan_at": 1,
               "config": config(stage, "cpu", tmp / "nvme")} for stage in (2, 3)]
     runs += [{"name": "frozen-failsave", "steps": 2, "gas": 1, "frozen_base": True, "save_after": 1,
-              "fail_save": True, "save": str(tmp / "ckpt-failsave"), "config": config(3, "cpu", tmp / "nvme")}]
+              "fail_save": True, "save": str(tmp / "ckpt-failsave"), "config": config(3, "cpu", tmp / "nvme")},
+             {"name": "commit-failsave", "steps": 2, "gas": 1, "save_after": 1, "fail_save": "commit",
+              "save": str(tmp / "ckpt-commitfail"), "config": config(2, "cpu", tmp / "nvme")}]
     return launch(tmp, 2, runs), tmp / "ckpt"
 
 
@@ -522,6 +524,18 @@ def test_a_checkpoint_that_fails_on_one_rank_while_gathering_frozen_pieces_fails
     assert all(i["steps"] == 2 for i in info)
     assert not (tmp / "ckpt-failsave" / "latest").exists()
     assert list((tmp / "ckpt-failsave").iterdir()) == []
+
+
+def test_a_checkpoint_whose_commit_fails_on_rank_0_fails_on_every_rank(two_ranks):
+    """Every shard is written, then rank 0 fails to rename the directory into place: rank 0 raises its error,
+    rank 1 that rank 0 failed to commit (it waited at a barrier until comm_timeout before), nothing is left behind
+    and training goes on."""
+    out, tmp = two_ranks[0], two_ranks[1].parent
+    info = [json.loads((out / f"commit-failsave.rank{r}.json").read_text()) for r in range(2)]
+    assert info[0]["save_error"].startswith("OSError") and "injected" in info[0]["save_error"], info[0]
+    assert info[1]["save_error"].startswith("RuntimeError") and "rank 0 failed to commit" in info[1]["save_error"]
+    assert all(i["steps"] == 2 for i in info)
+    assert list((tmp / "ckpt-commitfail").iterdir()) == []
 
 
 @pytest.mark.parametrize("stage", [2, 3])

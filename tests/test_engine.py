@@ -925,16 +925,42 @@ def test_a_save_that_fills_the_disk_gives_the_space_back(small_ext4):
 
 
 def test_a_killed_save_is_cleared_by_the_next_save_of_its_tag(tmp_path):
-    """The temporary directory of a save whose process died is removed by the next save of that tag; one of a live
-    process (here, this one under another tag's name) is left alone."""
+    """The temporary directory of a save whose process died is removed by the next save of that tag (a tag with
+    glob characters too); one of a live process (this one's parent), and a dead one of another tag that shares
+    the prefix, are left alone."""
     root = tmp_path / "ckpt"
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    (root / f".tmp-b-{int(dead.stdout)}").mkdir(parents=True)
-    (root / f".tmp-b-{int(dead.stdout)}" / "tensors.bin").write_bytes(b"x" * 4096)
-    (root / f".tmp-b-{os.getppid()}").mkdir()
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout)
+    (root / f".tmp-b[1]-{dead}").mkdir(parents=True)
+    (root / f".tmp-b[1]-{dead}" / "tensors.bin").write_bytes(b"x" * 4096)
+    for kept in (f".tmp-b[1]-{os.getppid()}", f".tmp-b[1]-c-{dead}"):
+        (root / kept).mkdir()
     with offload.initialize(make(), config(tmp_path, "cpu")) as engine:
+        engine.save_checkpoint(root, tag="b[1]")
+    assert sorted(p.name for p in root.iterdir()) == sorted([f".tmp-b[1]-{os.getppid()}", f".tmp-b[1]-c-{dead}",
+                                                             "b[1]", "latest"])
+
+
+def test_a_save_that_fails_to_commit_leaves_no_trace(tmp_path, monkeypatch):
+    """A failure after every shard is written (renaming the directory into place) raises, removes the temporary
+    directory and leaves the previous checkpoint the latest; the engine goes on and saves again."""
+    root = tmp_path / "ckpt"
+    with offload.initialize(make(), config(tmp_path, "cpu")) as engine:
+        train(engine, batches(1))
+        engine.save_checkpoint(root, tag="a")
+        rename = os.rename
+
+        def failing(src, dst):
+            raise OSError(errno.EIO, "Input/output error (injected)")
+
+        monkeypatch.setattr(os, "rename", failing)
+        with pytest.raises(OSError, match="injected"):
+            engine.save_checkpoint(root, tag="b")
+        assert sorted(p.name for p in root.iterdir()) == ["a", "latest"] and (root / "latest").read_text() == "a"
+        monkeypatch.setattr(os, "rename", rename)
+        train(engine, batches(1, seed=5))
         engine.save_checkpoint(root, tag="b")
-    assert sorted(p.name for p in root.iterdir()) == [f".tmp-b-{os.getppid()}", "b", "latest"]
+    assert (root / "latest").read_text() == "b"
 
 
 def test_a_load_that_fails_after_it_began_writing_leaves_the_engine_failed(tmp_path, monkeypatch):
