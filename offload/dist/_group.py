@@ -33,7 +33,8 @@ from .._device import resolve_device
 
 _store: Any = None  # the rendezvous store of torchrun's environment, kept for the process's life
 _created = itertools.count()  # groups this process created, in the same order on every rank
-_world_users = 0  # open engines on the default group this process created (0: none created, or destroyed)
+_ours: Any = None  # the default group this process created, while it lives
+_world_users = 0  # open engines on ``_ours``
 
 
 class Origin(Enum):
@@ -60,7 +61,7 @@ class ProcessGroup:
     group: Any = None
     store: Any = None
     _closed: bool = field(default=False, repr=False)
-    on_our_world: bool = field(default=False, repr=False)  # counted in ``_world_users``
+    world: Any = field(default=None, repr=False)  # the default group of ours it counts in (``_ours``), or None
 
     @property
     def distributed(self) -> bool:
@@ -69,17 +70,21 @@ class ProcessGroup:
     def close(self) -> None:
         """Destroys what this object created: our subgroup (JOINED), and the whole group when the last engine on
         a default group we created closes."""
-        global _world_users
+        global _ours, _world_users
         if self._closed:
             return
         self._closed = True
-        if self.origin is Origin.JOINED and self.group is not None and dist.is_initialized():
-            dist.destroy_process_group(self.group)
-        if self.on_our_world:
-            _world_users -= 1
-            if _world_users == 0 and dist.is_initialized():
-                dist.destroy_process_group()
-        self.group = self.store = None
+        try:
+            if self.origin is Origin.JOINED and self.group is not None and dist.is_initialized():
+                dist.destroy_process_group(self.group)
+        finally:
+            self.group = self.store = None
+            if self.world is not None and self.world is _ours:  # (not one someone destroyed and made again)
+                _world_users -= 1
+                if _world_users == 0:
+                    _ours = None
+                    if dist.is_initialized() and dist.group.WORLD is self.world:
+                        dist.destroy_process_group()
 
 
 def _missing(name: str) -> ValueError:
@@ -111,7 +116,7 @@ def _device_for(spec: str, local_rank: int, local_world_size: int) -> tuple[torc
 def join(timeout: float, device_spec: str = "auto") -> ProcessGroup:
     """The ranks to train with and this rank's device (see the module docstring). ``timeout``: seconds any
     collective may wait; ``device_spec``: the ``offload.device`` value."""
-    global _store, _world_users
+    global _store, _ours, _world_users
     delta = datetime.timedelta(seconds=timeout)
     if dist.is_available() and dist.is_initialized():
         world, rank = dist.get_world_size(), dist.get_rank()
@@ -132,10 +137,10 @@ def join(timeout: float, device_spec: str = "auto") -> ProcessGroup:
             store = dist.distributed_c10d._get_default_store()
         except (AttributeError, RuntimeError, ValueError):
             pass
-        joined = ProcessGroup(Origin.JOINED, device, rank, world, local_rank, local_world, timeout, backend, group,
-                              store, on_our_world=_world_users > 0)
-        _world_users += joined.on_our_world
-        return joined
+        ours = _ours if _ours is not None and dist.group.WORLD is _ours else None
+        _world_users += ours is not None
+        return ProcessGroup(Origin.JOINED, device, rank, world, local_rank, local_world, timeout, backend, group,
+                            store, world=ours)
     if _env_int("WORLD_SIZE", 1) <= 1:
         device, _ = _device_for(device_spec, _env_int("LOCAL_RANK", 0), 1)
         return ProcessGroup(Origin.SINGLE, device, timeout=timeout)
@@ -152,6 +157,6 @@ def join(timeout: float, device_spec: str = "auto") -> ProcessGroup:
     # a fresh namespace per group: a later engine must not read the addresses an earlier group published
     store = dist.PrefixStore(f"offload/pg{next(_created)}", _store)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=delta)
-    _world_users = 1
+    _ours, _world_users = dist.group.WORLD, 1
     return ProcessGroup(Origin.CREATED, device, rank, world, local_rank, local_world, timeout, backend,
-                        dist.group.WORLD, store, on_our_world=True)
+                        dist.group.WORLD, store, world=_ours)

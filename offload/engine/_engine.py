@@ -138,7 +138,12 @@ class Engine:
         self._heap: HeapTrim | None = None  # the CPU device's free heap pages returned during backward
         self._gate: UpdateGate | None = None  # plan.overlap_forward: the step's updates finish beside the forward
         self.start_sync: StartSync | None = None  # the parameters and buffers copied from rank 0 at start
-        self.comm = Comm(join(cfg.offload.comm_timeout, cfg.offload.device))
+        group = join(cfg.offload.comm_timeout, cfg.offload.device)
+        try:
+            self.comm = Comm(group)
+        except BaseException:
+            group.close()
+            raise
         given = {id(p): (p.dtype, p.device) for p in self.module.parameters()}
         try:
             self._build(param_groups, _file_io)
