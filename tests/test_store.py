@@ -138,3 +138,34 @@ def test_staging_arena_lends_disjoint_pieces_and_refuses_only_when_full(pages, o
         arena.take(cap + 1)
     arena.close()
     assert store.memory_report()["host"]["current"] == 0
+
+
+class Reading:
+    """A copy still reading a piece: done once waited for (records the wait)."""
+
+    def __init__(self) -> None:
+        self.waited = False
+
+    def done(self) -> bool:
+        return self.waited
+
+    def wait(self) -> None:
+        self.waited = True
+
+
+def test_a_staging_piece_given_back_busy_is_reused_only_after_its_copy():
+    """A piece that comes back with its copy to the device still reading it (the CUDA path: neither the fetch
+    thread nor training waits for that copy) is not lent again until the copy is done: a take that needs its
+    room is refused, or with ``block`` waits for the copy; closing waits for copies still reading."""
+    store = TieredStore(torch.device("cpu"), {Tier.HOST: 1 << 20}, pin_memory=False)
+    arena = StagingArena(store, 2048, torch.float32, "staging", "")
+    first = arena.take(2048)
+    copy = Reading()
+    arena.give(first, busy=copy)
+    assert not arena.fits(1024) and arena.take(1024) is None and not copy.waited
+    again = arena.take(1024, block=True)
+    assert copy.waited and again.data_ptr() == first.data_ptr()
+    last = Reading()
+    arena.give(again, busy=last)
+    arena.close()
+    assert last.waited and store.memory_report()["host"]["current"] == 0

@@ -34,7 +34,7 @@ import torch
 
 from nvme_swapper import AioConfig, SwapEngine, SwapHandle
 
-from ..memory import AllOf, CopyStreams, StagingArena, Tier, TieredStore, start_all, wait_all
+from ..memory import DONE, AllOf, Copy, CopyStreams, StagingArena, Tier, TieredStore, start_all, wait_all
 from ..optim._layout import FlatLayout, SubGroup
 from ._comm import Comm
 
@@ -194,7 +194,7 @@ class ParamShards:
             out = torch.empty(piece * self.comm.world_size, dtype=self.dtype, device=self.device)  # waits for none
         inp = out[r * piece : (r + 1) * piece]  # the all-gather takes this rank's chunk of out in place
         if self._swap is None:
-            return self._gather(out, inp, self.pieces[i], dst)
+            return self._gather(out, inp, self.pieces[i], dst)[0]
         self.issue_ready()
         assert self._arena is not None
         staging = self._arena.take(piece)
@@ -212,15 +212,17 @@ class ParamShards:
         self._queue.append(pending)
         return pending
 
-    def _gather(self, out: torch.Tensor, inp: torch.Tensor, source: torch.Tensor, dst: torch.Tensor) -> _Gathered:
+    def _gather(self, out: torch.Tensor, inp: torch.Tensor, source: torch.Tensor,
+                dst: torch.Tensor) -> tuple[_Gathered, Copy]:
+        """Starts the all-gather of a piece from ``source`` (host); returns it and the copy still reading
+        ``source``."""
+        copy = DONE
         if self.device.type == "cpu":
             inp.copy_(source)
         else:
             copy = self.copies.to_device(inp, source, after=None)
             self.copies.use(copy, out)  # the collective, issued behind the current stream, sees it
-            if self._swap is not None:
-                copy.wait()  # the staging piece is refilled by a later fetch (the copy waits for nothing else)
-        return _Gathered(self.comm.all_gather(out, inp, async_op=True), out, dst)
+        return _Gathered(self.comm.all_gather(out, inp, async_op=True), out, dst), copy
 
     def _issue(self, pending: "_PieceRead") -> None:
         """The oldest queued fetch: waits for its reads, then starts its all-gather (during which the
@@ -228,6 +230,7 @@ class ParamShards:
         assert self._queue and self._queue[0] is pending and not self._issuing
         self._queue.pop(0)
         self._issuing = True
+        copy = None
         try:
             self.read_stats["fetches"] += 1
             if all(h.done() for h in pending.reads):
@@ -235,15 +238,15 @@ class ParamShards:
             t = time.perf_counter()
             self._wait(pending.reads, Tier.NVME, Tier.HOST)
             self.read_stats["wait_seconds"] += time.perf_counter() - t
-            pending.gathered = self._gather(pending.out, pending.inp, pending.staging[: pending.inp.numel()],
-                                            pending.dst)
+            pending.gathered, copy = self._gather(pending.out, pending.inp, pending.staging[: pending.inp.numel()],
+                                                  pending.dst)
         except BaseException as exc:
             pending.error = exc
             raise
         finally:
             self._issuing = False
             assert self._arena is not None
-            self._arena.give(pending.staging)
+            self._arena.give(pending.staging, busy=copy)  # refilled by a later fetch once the copy has read it
 
     def issue_ready(self) -> None:
         """Starts the all-gathers of the oldest queued fetches whose reads are done (never blocks on a read)."""

@@ -230,15 +230,19 @@ def arena_span(numel: int, element_size: int) -> int:
 class StagingArena:
     """One HOST buffer of ``numel`` elements (pinned where the store pins), lent in contiguous pieces of any size,
     each starting on a page, that come back in the order they were taken, as a ring; the newest may also come
-    back at once, when what it was taken for could not start. Its size is fixed at construction, so a fetch never
-    asks the host budget for memory mid-step (with several ranks, an allocation refused on one rank alone would
-    make the ranks issue different collectives) and the pages are registered with CUDA once. Thread-safe: a piece
-    may come back on another thread, and ``take(block=True)`` waits for that."""
+    back at once, when what it was taken for could not start. A piece may come back ``busy``: a copy still reading
+    it, waited for only when its room is needed again (so the thread that gave it back never waits for the
+    device). Its size is fixed at construction, so a fetch never asks the host budget for memory mid-step (with
+    several ranks, an allocation refused on one rank alone would make the ranks issue different collectives) and
+    the pages are registered with CUDA once. Thread-safe: a piece may come back on another thread, and
+    ``take(block=True)`` waits for that."""
 
     def __init__(self, store: Any, numel: int, dtype: torch.dtype, what: str, fix: str) -> None:
         self._store = store
         self.buffer = store.allocate(Tier.HOST, numel, dtype, what, fix)
-        self._out: collections.deque[tuple[int, int]] = collections.deque()  # [start, end) lent, oldest first
+        # [start, end, busy] of each piece, oldest first; busy: None while lent, then what must finish before the
+        # room is reused (DONE when nothing)
+        self._out: collections.deque[list[Any]] = collections.deque()
         self._cond = threading.Condition()
 
     def _room(self, span: int) -> int | None:
@@ -251,6 +255,11 @@ class StagingArena:
             return end if cap - end >= span else (0 if span <= oldest else None)
         return end if oldest - end >= span else None
 
+    def _reclaim(self) -> None:
+        """Drops the oldest pieces that are back and no longer busy."""
+        while self._out and self._out[0][2] is not None and self._out[0][2].done():
+            self._out.popleft()
+
     def _span(self, numel: int) -> int:
         span = arena_span(numel, self.buffer.element_size())
         if span > self.buffer.numel():
@@ -262,40 +271,58 @@ class StagingArena:
         """Whether a piece of ``numel`` elements could be taken now without waiting."""
         span = self._span(numel)
         with self._cond:
+            self._reclaim()
             return self._room(span) is not None
 
     def take(self, numel: int, *, block: bool = False) -> torch.Tensor | None:
-        """A piece of ``numel`` elements; None when it does not fit until older pieces come back (``block``: wait
-        for them instead; the caller must have pieces out that another thread gives back)."""
+        """A piece of ``numel`` elements; None when it does not fit until older pieces come back or their copies
+        finish (``block``: wait for them instead; the caller must have pieces out that another thread gives
+        back)."""
         if numel == 0:
             return self.buffer[:0]
         span = self._span(numel)
         with self._cond:
-            while (start := self._room(span)) is None:
+            while True:
+                self._reclaim()
+                start = self._room(span)
+                if start is not None:
+                    break
                 if not block:
                     return None
-                self._cond.wait()
-            self._out.append((start, start + span))
+                busy = self._out[0][2]
+                if busy is not None:  # back, its copy still reading it: wait for the copy, not for a thread
+                    busy.wait()
+                else:
+                    self._cond.wait()
+            self._out.append([start, start + span, None])
         return self.buffer[start : start + numel]
 
-    def give(self, piece: torch.Tensor) -> None:
-        """Takes back a piece: the oldest one out, or the newest."""
+    def give(self, piece: torch.Tensor, busy: Waitable | None = None) -> None:
+        """Takes back a piece: the oldest one still lent, or the newest; ``busy``: a copy still reading it."""
         if piece.numel() == 0:
             return
         start = (piece.data_ptr() - self.buffer.data_ptr()) // piece.element_size()
         with self._cond:
-            if self._out and self._out[0][0] == start:
-                self._out.popleft()
-            elif self._out and self._out[-1][0] == start:
-                self._out.pop()
+            lent = next((entry for entry in self._out if entry[2] is None), None)
+            if lent is not None and lent[0] == start:
+                lent[2] = busy if busy is not None else DONE
+            elif self._out and self._out[-1][0] == start and self._out[-1][2] is None:
+                self._out[-1][2] = busy if busy is not None else DONE
             else:
                 raise RuntimeError(f"a staging piece at element {start} came back out of order (pieces out: "
-                                   f"{list(self._out)})")
+                                   f"{[entry[:2] for entry in self._out]})")
+            self._reclaim()
             self._cond.notify_all()
 
     def close(self) -> None:
-        """Frees the buffer (every piece must be back, or its user done with it)."""
-        if self.buffer is not None:
+        """Waits for the copies still reading pieces that came back, then frees the buffer (every piece must be
+        back, or its user done with it)."""
+        if self.buffer is None:
+            return
+        try:
+            wait_all([entry[2] for entry in self._out if entry[2] is not None])
+        finally:
+            self._out.clear()
             self._store.free(Tier.HOST, self.buffer)
             self.buffer = None
 

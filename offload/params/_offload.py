@@ -626,14 +626,16 @@ class ParameterOffload:
         return True
 
     def _copy_staged(self, handle: Any, staging: torch.Tensor, dst: torch.Tensor, after: Any) -> Copy:
-        """On the fetch thread: once an NVMe read has landed in ``staging``, copy it to the device buffer."""
+        """On the fetch thread: once an NVMe read has landed in ``staging``, copy it to the device buffer. Neither
+        this thread nor the one that waits for the fetch waits for the copy: the compute stream does (``use``),
+        and the arena before it lends the staging again."""
+        copy = None
         try:
             handle.wait()
             copy = self.copies.to_device(dst, staging, after=after, src_tier=Tier.HOST)
-            copy.wait()  # the staging buffer is reused as soon as it is given back
             return copy
         finally:
-            self._arena.give(staging)  # type: ignore[union-attr]
+            self._arena.give(staging, busy=copy)  # type: ignore[union-attr]
 
     def _upload_now(self, rec: _Param, value: torch.Tensor) -> None:
         """Writes ``value`` (host, or already on the device) into ``rec``'s device buffer, ready for the calling
