@@ -173,7 +173,10 @@ def _load_model(spec: str) -> torch.nn.Module:
 def estimate_command(args: argparse.Namespace) -> int:
     from .planner import best, config_for, estimate, table
 
-    kw = dict(gpus=args.gpus, sub_group_size=int(args.sub_group_size), buffer_count=args.buffer_count,
+    if args.gpus < 1:
+        raise ValueError(f"--gpus must be at least 1, got {args.gpus}")
+    kw = dict(gpus=args.gpus, sub_group_size=None if args.sub_group_size is None else int(args.sub_group_size),
+              buffer_count=args.buffer_count,
               gradient_clipping=args.gradient_clipping,
               gpu_mem=parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None,
               host_mem=parse_bytes(args.host_mem, "--host-mem") if args.host_mem else None,
@@ -183,7 +186,12 @@ def estimate_command(args: argparse.Namespace) -> int:
         ests = estimate(model=model, **kw)
         n = sum(p.numel() for p in model.parameters())
     else:
-        n = int(float(args.params))
+        try:
+            n = int(float(args.params))
+        except (ValueError, OverflowError):
+            n = 0
+        if n < 1:
+            raise ValueError(f"--params must be a positive number of parameters such as 7e9, got {args.params!r}")
         ests = estimate(n, **kw)
     print(f"{n / 1e9:.3g}B parameters, bf16 with fp32 Adam state, {args.gpus} GPU(s); peak bytes per tier per rank:\n")
     print(table(ests))
@@ -365,8 +373,10 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--gpu-mem", help="memory per GPU, e.g. 24GiB")
     e.add_argument("--host-mem", help="host RAM of the machine, e.g. 256GiB")
     e.add_argument("--nvme-free", help="free NVMe space, e.g. 2TB")
-    e.add_argument("--sub-group-size", type=float, default=1e8)
-    e.add_argument("--buffer-count", type=int, default=4)
+    e.add_argument("--sub-group-size", type=float, default=None, help="the config's sub_group_size (default: "
+                   "derived from the budgets, as initialize derives it)")
+    e.add_argument("--buffer-count", type=int, default=None, help="the config's offload_optimizer.buffer_count "
+                   "(default: derived, as initialize derives it)")
     e.add_argument("--gradient-clipping", type=float, default=0.0, help="the config's gradient_clipping: above 0 "
                    "every gradient is held on the host until the step (else a few sub-groups' worth)")
     t = sub.add_parser("tune", help="measure a directory's disk and write the fastest aio settings as JSON")

@@ -107,6 +107,10 @@ def _typed_section(cls: type[_Section], d: Any, path: str, types: tuple[str, ...
 def _check_type(full: str, value: Any, kind: type | tuple[type, ...], what: str) -> None:
     kinds = kind if isinstance(kind, tuple) else (kind,)
     if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
+        if isinstance(value, str) and value.lower() == "auto":
+            raise ValueError(f"{full} must be {what}, got {value!r}: \"auto\" is filled in from the "
+                             "TrainingArguments by OffloadTrainer (offload.integrations.transformers); with "
+                             "offload.initialize give the value, or leave the key out for its default")
         raise ValueError(f"{full} must be {what}, got {value!r}")
 
 

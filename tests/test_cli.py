@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from offload.cli import main
+from offload.planner import estimate, table
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -36,6 +37,14 @@ def test_estimate_command(tmp_path, capsys):
     assert rc == 0 and "best: optimizer on nvme" in out and '"device": "nvme"' in out
     rc = main(["estimate", "--model", "offload.models:GPT", "--gpu-mem", "1GiB"])
     assert rc == 2  # GPT needs a config: the error is reported, not raised
+    # sizes the flags leave unset are derived as initialize derives them (the CLI charged 1e8-element sub-groups
+    # and 4 staging buffers: 5.6 GiB of host memory for the optimizer on NVMe where the engine takes 0.9 GiB)
+    capsys.readouterr()
+    assert main(["estimate", "--params", "1e9", "--gpu-mem", "8GiB", "--host-mem", "6GiB", "--nvme-free", "1TB"]) == 0
+    assert table(estimate(10**9, gpu_mem=8 << 30, host_mem=6 << 30, nvme_free=10**12)) in capsys.readouterr().out
+    for bad in ("abc", "-5", "0"):
+        assert main(["estimate", "--params", bad]) == 2
+        assert f"--params must be a positive number of parameters such as 7e9, got {bad!r}" in capsys.readouterr().err
 
 
 def test_progress_bars_only_on_a_terminal(monkeypatch, capsys):

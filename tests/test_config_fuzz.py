@@ -258,6 +258,19 @@ def test_non_finite_numbers_are_value_errors(bad, key):
         OffloadConfig.load(bad)
 
 
+@pytest.mark.parametrize("key, cfg", [
+    ("train_batch_size", {"train_batch_size": "auto"}),
+    ("gradient_clipping", {"gradient_clipping": "auto"}),
+    ("optimizer.params.lr", {"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}),
+])
+def test_auto_outside_the_trainer_says_where_it_is_filled_in(key, cfg):
+    """A config written for transformers' Trainer has "auto" values; with offload.initialize they name the key and
+    say that OffloadTrainer fills them in (it said only "must be an integer")."""
+    with pytest.raises(ValueError, match=key.replace(".", r"\.") + r" must be .*got 'auto': \"auto\" is filled in "
+                       r"from the TrainingArguments by OffloadTrainer"):
+        OffloadConfig.load(cfg)
+
+
 @pytest.mark.parametrize("section, message", [
     ({"params": {}}, "scheduler.type is required"),
     ({"type": "OneCycle"}, "scheduler.type must be one of warmuplr, warmupdecaylr"),

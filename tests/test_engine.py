@@ -790,6 +790,16 @@ def test_a_host_budget_just_below_the_peak_leaves_the_model_as_it_was(tmp_path, 
         assert p.data_ptr() == ptr and p.dtype == torch.float32 and torch.equal(p.detach(), value), name
 
 
+def test_a_device_budget_too_small_for_the_gradients_names_the_device_budget():
+    """No offload: the gradients live on the device, so a device budget they do not fit names that budget and
+    offloading the optimizer as the fix (it named the host budget)."""
+    with pytest.raises(offload.BudgetExceeded) as info:
+        offload.initialize(make(), {"offload": {"device_memory_budget": "1KiB"}})
+    msg = str(info.value)
+    assert msg.startswith("device tier:") and "gradients" in msg and "raise offload.device_memory_budget" in msg
+    assert "host_memory_budget" not in msg and "offload_optimizer.device" in msg
+
+
 @pytest.mark.parametrize("home", ["cpu", "nvme"])
 @pytest.mark.parametrize("limit, error, match", [
     ({"offload": {"device_memory_budget": "1KiB"}}, offload.BudgetExceeded, r"device tier: the parameter window"),

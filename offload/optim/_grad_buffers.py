@@ -30,8 +30,10 @@ import torch
 from ..memory import Tier, TieredStore
 from ._layout import FlatLayout
 
-_FIX = ("lower zero_optimization.sub_group_size, offload the optimizer to nvme, or raise "
-        "offload.host_memory_budget")
+_FIX = {Tier.HOST: "lower zero_optimization.sub_group_size, offload the optimizer to nvme, or raise "
+               "offload.host_memory_budget",
+        Tier.DEVICE: "offload the optimizer (zero_optimization.offload_optimizer.device \"cpu\" or \"nvme\"), use "
+                     "more ranks, or raise offload.device_memory_budget"}
 
 
 class GradientBuffers:
@@ -55,7 +57,7 @@ class GradientBuffers:
             else:
                 for _ in range(sets):
                     self._sets.append([store.allocate(tier, layout.owned_numel(g), dtype,
-                                                      f"{dtype} gradients of param group {g}", _FIX, stagger=1)
+                                                      f"{dtype} gradients of param group {g}", _FIX[tier], stagger=1)
                                        for g in range(len(layout.group_numel))])
         except BaseException:
             self.close()
@@ -63,7 +65,8 @@ class GradientBuffers:
 
     def _new_slot(self) -> torch.Tensor:
         return self.store.allocate(self.tier, self.layout.max_sub_group_numel, self.dtype,
-                                   f"a {self.dtype} gradient slot of one sub-group", _FIX, stagger=1)
+                                   f"a {self.dtype} gradient slot of one sub-group", _FIX[self.tier],
+                                   stagger=1)
 
     @property
     def whole(self) -> list[torch.Tensor] | None:
