@@ -25,6 +25,7 @@ from typing import Mapping
 import torch
 
 from .config import OffloadConfig
+from .dist._buckets import cut_buckets, pool_buffers
 from .memory import Tier, arena_span, default_host_budget, fmt_bytes
 from .memory._heap import available as heap_trim_available
 from .optim._layout import ALIGN, PAGE_ALIGN, FlatLayout
@@ -344,11 +345,11 @@ def expected_bytes(plan: Plan, model: ModelSizes) -> dict[Tier, int]:
         out[Tier.DEVICE] += 2 * bucket * d
         if plan.accumulate:
             out[Tier.HOST] += 3 * bucket * d
+    if plan.world_size > 1 and plan.partition is Partition.FLAT:  # stages 1-2: the reduce buckets' device pool
+        count, numel = pool_buffers(cut_buckets(layout, plan.grad_bucket))
+        out[Tier.DEVICE] += count * numel * d
     if plan.param_tier is Tier.DEVICE:
         out[Tier.DEVICE] += d * (flat + model.frozen + largest)
-        if plan.partition is Partition.FLAT:
-            full = 4 if plan.accumulate and plan.stage <= 1 else d
-            out[Tier.DEVICE] += full * flat
         if plan.cuda_path and plan.optimizer_tier is not Tier.DEVICE and not plan.delayed:
             out[Tier.HOST] += 2 * max_sg * d  # pinned staging of updated parameters
         if plan.delayed:

@@ -17,9 +17,11 @@ with zeros for them (such parameters update with a zero gradient, as on one rank
 Buffers (:class:`BucketState` says where each bucket is): a bucket takes a device buffer from a pool when its first
 gradient arrives; a buffer goes back to the pool with the copies still reading it (``deliver`` returns them), which
 the compute stream waits for before it writes there again. Two buffers serve the usual order (one filling while the
-previous one's reduce runs); a bucket needing one when none is free first completes the oldest reduce in flight,
-and only when none is in flight (the gradients came far out of order) is another allocated, on the DEVICE tier
-(``peak_buffers`` counts them).
+previous one's reduce runs): they are allocated when the engine is built, each the size of the largest bucket that
+needs one (:func:`pool_buffers`, which the estimate counts too), so a device budget they do not fit fails at
+initialize. A bucket needing one when none is free first completes the oldest reduce in flight, and only when none
+is in flight (the gradients came far out of order) is another allocated, on the DEVICE tier (``peak_buffers``
+counts them).
 
 Completing a bucket waits for its reduces and hands this rank's part of each parameter in it to ``deliver(i,
 values, base)`` (the engine's :class:`~offload.engine._grads.GradientStream`, which copies it to the host share, or
@@ -74,6 +76,48 @@ class _Bucket:
     works: list[Any] = field(default_factory=list)  # the reduces in flight
 
 
+def cut_buckets(layout: FlatLayout, bucket: int, sparse: frozenset[int] = frozenset()) -> list[_Bucket]:
+    """Each param group's flat buffer cut, from its end, into runs of consecutive parameters spanning at most
+    ``bucket`` elements; a parameter larger than that, or one in ``sparse``, is a bucket of its own."""
+    bucket = max(bucket, 1)
+    buckets: list[_Bucket] = []
+
+    def add(g: int, start: int, end: int, params: list[int], share: int, sparse: bool = False) -> None:
+        b = _Bucket(g, start, end, params, own=sparse or end - start > bucket, sparse=sparse)
+        for owner in range(start // share, (end - 1) // share + 1):
+            b.sends.append((owner, max(start, owner * share), min(end, (owner + 1) * share)))
+        buckets.append(b)
+
+    for g, total in enumerate(layout.group_numel):
+        share = total // layout.world_size
+        run: list[int] = []
+        end = 0  # where the data of the run's last parameter ends
+        for i in reversed([i for i in range(len(layout.params)) if layout.param_group[i] == g]):
+            off = layout.param_offset[i]
+            if i in sparse:  # a bucket of its own, in its place in the order
+                if run:
+                    add(g, layout.param_offset[run[0]], end, run, share)
+                    run = []
+                add(g, off, off + layout.params[i].numel(), [i], share, sparse=True)
+                continue
+            if run and end - off > bucket:
+                add(g, layout.param_offset[run[0]], end, run, share)
+                run = []
+            if not run:
+                end = off + layout.params[i].numel()
+            run.insert(0, i)
+        if run:
+            add(g, layout.param_offset[run[0]], end, run, share)
+    return buckets
+
+
+def pool_buffers(buckets: list[_Bucket]) -> tuple[int, int]:
+    """The pool the engine starts with: how many device buffers (two, or one per bucket that copies its
+    gradients, if fewer) and their elements each (the largest such bucket)."""
+    pooled = [b.end - b.start for b in buckets if not b.own]
+    return min(2, len(pooled)), max(pooled, default=0)
+
+
 class ReduceBuckets:
     """Owns the buckets and their device buffers of one engine (stages 1-2, world size > 1); see the module
     docstring. Call ``begin_micro_batch``, ``add`` from each gradient hook, ``end_backward``, and ``close``."""
@@ -85,47 +129,25 @@ class ReduceBuckets:
         self.overlap, self._deliver, self._sparse = overlap, deliver, sparse
         self.sparse_sent = {"rows": 0, "dense": 0}  # sparse buckets: sent as rows, or dense (rows cost more)
         self.bucket = max(bucket, 1)
-        self.buckets: list[_Bucket] = []
+        self.buckets = cut_buckets(layout, self.bucket, sparse)
         self._of_param: list[_Bucket | None] = [None] * len(layout.params)
-        self._cut()
+        for b in self.buckets:
+            for i in b.params:
+                self._of_param[i] = b
         self._free: list[tuple[torch.Tensor, list[Copy]]] = []  # pool buffers and the copies still reading them
         self._buffers = 0  # pool buffers allocated
         self.peak_buffers = 0
         self._next = 0  # the next bucket to issue, in ``buckets`` order
         self._in_flight: list[_Bucket] = []
         self.exposed_seconds = 0.0  # waiting for reduces, summed over micro-batches
+        count, self._buffer_numel = pool_buffers(self.buckets)
+        try:
+            for _ in range(count):
+                self._free.append((self._new_buffer(), []))
+        except BaseException:
+            self.close()
+            raise
         self.begin_micro_batch()
-
-    def _cut(self) -> None:
-        layout = self.layout
-        for g, total in enumerate(layout.group_numel):
-            share = total // layout.world_size
-            run: list[int] = []
-            end = 0  # where the data of the run's last parameter ends
-            for i in reversed([i for i in range(len(layout.params)) if layout.param_group[i] == g]):
-                off = layout.param_offset[i]
-                if i in self._sparse:  # a bucket of its own, in its place in the order
-                    if run:
-                        self._add_bucket(g, layout.param_offset[run[0]], end, run, share)
-                        run = []
-                    self._add_bucket(g, off, off + layout.params[i].numel(), [i], share, sparse=True)
-                    continue
-                if run and end - off > self.bucket:
-                    self._add_bucket(g, layout.param_offset[run[0]], end, run, share)
-                    run = []
-                if not run:
-                    end = off + layout.params[i].numel()
-                run.insert(0, i)
-            if run:
-                self._add_bucket(g, layout.param_offset[run[0]], end, run, share)
-
-    def _add_bucket(self, g: int, start: int, end: int, params: list[int], share: int, sparse: bool = False) -> None:
-        b = _Bucket(g, start, end, params, own=sparse or end - start > self.bucket, sparse=sparse)
-        for owner in range(start // share, (end - 1) // share + 1):
-            b.sends.append((owner, max(start, owner * share), min(end, (owner + 1) * share)))
-        for i in params:
-            self._of_param[i] = b
-        self.buckets.append(b)
 
     # a micro-batch ----------------------------------------------------------------------------------------------
 
@@ -243,7 +265,10 @@ class ReduceBuckets:
             for copy in reads:  # the compute stream writes into it only after they have read it
                 self.copies.use(copy)
             return buf
-        buf = self.store.allocate(Tier.DEVICE, self.bucket, self.dtype, "a gradient reduce bucket", _FIX,
+        return self._new_buffer()
+
+    def _new_buffer(self) -> torch.Tensor:
+        buf = self.store.allocate(Tier.DEVICE, self._buffer_numel, self.dtype, "a gradient reduce bucket", _FIX,
                                   prefault=False)
         self._buffers += 1
         self.peak_buffers = max(self.peak_buffers, self._buffers)
@@ -252,7 +277,7 @@ class ReduceBuckets:
     @property
     def buffer_bytes(self) -> int:
         """Device bytes the pool holds (allocated buffers, free or in use)."""
-        return self._buffers * self.bucket * torch.empty((), dtype=self.dtype).element_size()
+        return self._buffers * self._buffer_numel * torch.empty((), dtype=self.dtype).element_size()
 
     def stats(self) -> dict[str, Any]:
         """The buckets (count, elements each), the most pool buffers held at once and their bytes, and the
