@@ -594,6 +594,7 @@ def export(root: Path, out: Path, tag: str | None = None) -> tuple[str, int]:
             state[key] = cache[entry]
     finally:
         ck.close()
+    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     torch.save(state, tmp)
     os.replace(tmp, out)

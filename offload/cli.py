@@ -327,6 +327,8 @@ def export_command(args: argparse.Namespace) -> int:
     index above --max-shard-size) that from_pretrained and offload.load_state_dict read, or one torch file."""
     out = Path(args.out)
     fmt = args.format if args.format != "auto" else "torch" if out.suffix in _TORCH_SUFFIXES else "safetensors"
+    if parse_bytes(args.max_shard_size, "--max-shard-size") <= 0:
+        raise ValueError(f"--max-shard-size must be positive, got {args.max_shard_size!r}")
     if fmt == "torch":
         from ._checkpoint import export
 

@@ -42,6 +42,8 @@ def test_estimate_command(tmp_path, capsys):
     capsys.readouterr()
     assert main(["estimate", "--params", "1e9", "--gpu-mem", "8GiB", "--host-mem", "6GiB", "--nvme-free", "1TB"]) == 0
     assert table(estimate(10**9, gpu_mem=8 << 30, host_mem=6 << 30, nvme_free=10**12)) in capsys.readouterr().out
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--max-shard-size", "10XB"]) == 2
+    assert "--max-shard-size must be a byte count" in capsys.readouterr().err
     for bad in ("abc", "-5", "0"):
         assert main(["estimate", "--params", bad]) == 2
         assert f"--params must be a positive number of parameters such as 7e9, got {bad!r}" in capsys.readouterr().err

@@ -445,7 +445,7 @@ def test_checkpoint_from_two_ranks_resumes_on_three_and_one(two_ranks, three_ran
             engine.backward(lm_loss(engine(x), y))
             engine.step()
         assert_close(engine.consolidated_state_dict(), straight)
-    exported = tmp_path / "model.pt"
+    exported = tmp_path / "new" / "model.pt"  # its folder is made, as a safetensors export makes its own
     done = subprocess.run([sys.executable, "-m", "offload", "export", str(ckpt), str(exported)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
