@@ -199,6 +199,9 @@ class ParamShards:
         assert self._arena is not None
         staging = self._arena.take(piece)
         while staging is None:  # full: the oldest fetches' all-gathers start (in fetch order), giving pieces back
+            if not self._queue:  # every piece is back, some still read by their copies to the device
+                staging = self._arena.take(piece, block=True)
+                break
             self.issue_next()
             staging = self._arena.take(piece)
         try:
@@ -221,8 +224,12 @@ class ParamShards:
             inp.copy_(source)
         else:
             copy = self.copies.to_device(inp, source, after=None)
+        try:
             self.copies.use(copy, out)  # the collective, issued behind the current stream, sees it
-        return _Gathered(self.comm.all_gather(out, inp, async_op=True), out, dst), copy
+            return _Gathered(self.comm.all_gather(out, inp, async_op=True), out, dst), copy
+        except BaseException:
+            copy.wait()  # ``source`` may be lent again once this raises
+            raise
 
     def _issue(self, pending: "_PieceRead") -> None:
         """The oldest queued fetch: waits for its reads, then starts its all-gather (during which the

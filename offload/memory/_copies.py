@@ -281,23 +281,22 @@ class StagingArena:
         if numel == 0:
             return self.buffer[:0]
         span = self._span(numel)
-        with self._cond:
-            while True:
+        while True:
+            with self._cond:
                 self._reclaim()
                 start = self._room(span)
                 if start is not None:
-                    break
+                    self._out.append([start, start + span, None])
+                    return self.buffer[start : start + numel]
                 if not block:
                     return None
                 busy = self._out[0][2]
-                if busy is not None:  # back, its copy still reading it: wait for the copy, not for a thread
-                    busy.wait()
-                else:
+                if busy is None:  # still lent: wait for another thread to give it back
                     self._cond.wait()
-            self._out.append([start, start + span, None])
-        return self.buffer[start : start + numel]
+                    continue
+            busy.wait()  # back, its copy still reading it: wait for the copy (without the lock)
 
-    def give(self, piece: torch.Tensor, busy: Waitable | None = None) -> None:
+    def give(self, piece: torch.Tensor, busy: Copy | None = None) -> None:
         """Takes back a piece: the oldest one still lent, or the newest; ``busy``: a copy still reading it."""
         if piece.numel() == 0:
             return
