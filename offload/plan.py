@@ -25,7 +25,7 @@ from typing import Mapping
 import torch
 
 from .config import OffloadConfig
-from .dist._buckets import cut_buckets, pool_buffers
+from .dist._buckets import pool_buffers
 from .memory import Tier, arena_span, default_host_budget, fmt_bytes
 from .memory._heap import available as heap_trim_available
 from .optim._layout import ALIGN, PAGE_ALIGN, FlatLayout
@@ -346,7 +346,7 @@ def expected_bytes(plan: Plan, model: ModelSizes) -> dict[Tier, int]:
         if plan.accumulate:
             out[Tier.HOST] += 3 * bucket * d
     if plan.world_size > 1 and plan.partition is Partition.FLAT:  # stages 1-2: the reduce buckets' device pool
-        count, numel = pool_buffers(cut_buckets(layout, plan.grad_bucket))
+        count, numel = pool_buffers(flat, max(layout.group_numel, default=0), plan.grad_bucket)
         out[Tier.DEVICE] += count * numel * d
     if plan.param_tier is Tier.DEVICE:
         out[Tier.DEVICE] += d * (flat + model.frozen + largest)

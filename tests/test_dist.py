@@ -480,9 +480,10 @@ def test_checkpoint_of_nvme_pieces_from_two_ranks_resumes_on_three_and_one(two_r
 
 @pytest.mark.parametrize("name", ["s1-host", "s2-nvme", "s1-host-gas2-sync-b300", "s2-nvme-b300"])
 def test_the_estimate_of_the_device_holds_for_stages_1_and_2_on_two_ranks(two_ranks, tmp_path, name):
-    """Stages 1-2 on 2 ranks keep the parameters and a pool of reduce-bucket buffers on the device: the estimate
-    counts that pool as the engine allocates it, at initialize (it charged a whole flat gradient instead, and a
-    budget it accepted failed in the first backward when the lazily allocated buckets did not fit)."""
+    """Stages 1-2 on 2 ranks keep the parameters and a pool of reduce-bucket buffers on the device (two, one when
+    the model is one bucket's worth): the estimate counts that pool as the engine allocates it, at initialize (it
+    charged a whole flat gradient instead, and a budget it accepted failed in the first backward when the lazily
+    allocated buckets did not fit)."""
     _, stage, device, gas, clip = next(r for r in RUNS if r[0] == name)
     cfg = OffloadConfig.load(run_config(tmp_path, name, stage, device, gas, clip))
     model = make()

@@ -17,9 +17,8 @@ with zeros for them (such parameters update with a zero gradient, as on one rank
 Buffers (:class:`BucketState` says where each bucket is): a bucket takes a device buffer from a pool when its first
 gradient arrives; a buffer goes back to the pool with the copies still reading it (``deliver`` returns them), which
 the compute stream waits for before it writes there again. Two buffers serve the usual order (one filling while the
-previous one's reduce runs): they are allocated when the engine is built, each the size of the largest bucket that
-needs one (:func:`pool_buffers`, which the estimate counts too), so a device budget they do not fit fails at
-initialize. A bucket needing one when none is free first completes the oldest reduce in flight, and only when none
+previous one's reduce runs; one when the model is one bucket's worth): they are allocated when the engine is built
+(:func:`pool_buffers`, which the estimate counts too), so a device budget they do not fit fails at initialize. A bucket needing one when none is free first completes the oldest reduce in flight, and only when none
 is in flight (the gradients came far out of order) is another allocated, on the DEVICE tier (``peak_buffers``
 counts them).
 
@@ -111,11 +110,13 @@ def cut_buckets(layout: FlatLayout, bucket: int, sparse: frozenset[int] = frozen
     return buckets
 
 
-def pool_buffers(buckets: list[_Bucket]) -> tuple[int, int]:
-    """The pool the engine starts with: how many device buffers (two, or one per bucket that copies its
-    gradients, if fewer) and their elements each (the largest such bucket)."""
-    pooled = [b.end - b.start for b in buckets if not b.own]
-    return min(2, len(pooled)), max(pooled, default=0)
+def pool_buffers(total: int, largest_group: int, bucket: int, pooled: int | None = None) -> tuple[int, int]:
+    """The pool the engine starts with, for ``total`` flat elements whose largest param group has
+    ``largest_group``, cut in buckets of ``bucket``: how many device buffers (two, one when the whole model is
+    one bucket's worth, never more than the ``pooled`` buckets that copy their gradients, when known) and their
+    elements each (no bucket that copies is larger). The estimate calls it without ``pooled``."""
+    count = 1 if total <= bucket else 2
+    return (count if pooled is None else min(count, pooled)), min(bucket, largest_group)
 
 
 class ReduceBuckets:
@@ -140,7 +141,8 @@ class ReduceBuckets:
         self._next = 0  # the next bucket to issue, in ``buckets`` order
         self._in_flight: list[_Bucket] = []
         self.exposed_seconds = 0.0  # waiting for reduces, summed over micro-batches
-        count, self._buffer_numel = pool_buffers(self.buckets)
+        count, self._buffer_numel = pool_buffers(sum(layout.group_numel), max(layout.group_numel, default=0),
+                                                 self.bucket, sum(1 for b in self.buckets if not b.own))
         try:
             for _ in range(count):
                 self._free.append((self._new_buffer(), []))
