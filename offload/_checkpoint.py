@@ -205,22 +205,22 @@ def save(engine: "Engine", root: Path, tag: str, frozen: bool = True) -> Path:
         raise ValueError(f"checkpoint tag {tag!r} must be a plain name (no '/', not starting with '.', not 'latest')")
     comm, rank = engine.comm, engine.rank
     final = root / tag
-    if rank == 0:
-        root.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if comm.sum_float(float(final.exists()) if rank == 0 else 0.0):
-        raise ValueError(f"checkpoint {final} already exists; pass another tag or remove it")
     pid = int(comm.sum_float(float(os.getpid()) if rank == 0 else 0.0))
     tmp = root / f".tmp-{tag}-{pid}"
+    status, error = 0.0, None  # rank 0's preparation: 0 ready, 1 the tag exists, 2 failed (``error``)
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        stale = re.compile(rf"\.tmp-{re.escape(tag)}-(\d{{1,9}})")
-        for other in root.iterdir():
-            found = stale.fullmatch(other.name)
-            if found and not _alive(int(found.group(1))):
-                shutil.rmtree(other, ignore_errors=True)
-        tmp.mkdir(mode=0o700)
-    comm.barrier()
-    error: BaseException | None = None
+        try:
+            status = _prepare(root, tag, tmp)
+        except OSError as exc:
+            status, error = 2.0, exc
+    status = comm.sum_float(status)  # every rank waits for the folder
+    if status == 1.0:
+        raise ValueError(f"checkpoint {final} already exists; pass another tag or remove it")
+    if error is not None:
+        raise error
+    if status == 2.0:
+        raise RuntimeError(f"checkpoint {final}: rank 0 could not prepare its folder (see its error); nothing was "
+                           "written")
     try:
         index = _write_shard(engine, tmp, frozen)
     except (OSError, ValueError) as exc:
@@ -243,9 +243,24 @@ def save(engine: "Engine", root: Path, tag: str, frozen: bool = True) -> Path:
     if comm.sum_float(1.0 if commit_error is not None else 0.0):  # no rank returns before the checkpoint is complete
         if commit_error is not None:
             raise commit_error
-        raise RuntimeError(f"checkpoint {final}: rank 0 failed to commit it (see its error); the previous checkpoint "
-                           "stays the latest")
+        raise RuntimeError(f"checkpoint {final}: rank 0 failed to commit it (see its error)")
     return final
+
+
+def _prepare(root: Path, tag: str, tmp: Path) -> float:
+    """Rank 0: the checkpoint folder made and the temporary directory ``tmp`` created empty (those of dead
+    processes that saved this tag removed); 1.0 when the tag exists already, else 0.0."""
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if (root / tag).exists():
+        return 1.0
+    shutil.rmtree(tmp, ignore_errors=True)
+    stale = re.compile(rf"\.tmp-{re.escape(tag)}-(\d{{1,9}})")
+    for other in root.iterdir():
+        found = stale.fullmatch(other.name)
+        if found and not _alive(int(found.group(1))):
+            shutil.rmtree(other, ignore_errors=True)
+    tmp.mkdir(mode=0o700)
+    return 0.0
 
 
 def _commit(engine: "Engine", index: dict[str, dict[str, Any]], frozen: bool, tmp: Path, final: Path) -> None:
@@ -273,9 +288,14 @@ def _commit(engine: "Engine", index: dict[str, dict[str, Any]], frozen: bool, tm
     _write_file(tmp / "meta.json", json.dumps(meta, indent=1).encode())
     _fsync_dir(tmp)
     os.rename(tmp, final)
-    _fsync_dir(root)
-    _write_file(root / ".latest.tmp", final.name.encode())
-    os.replace(root / ".latest.tmp", root / "latest")
+    try:
+        _fsync_dir(root)
+        _write_file(root / ".latest.tmp", final.name.encode())
+        os.replace(root / ".latest.tmp", root / "latest")
+    except BaseException:
+        shutil.rmtree(final, ignore_errors=True)  # ``latest`` still names the previous one: nothing committed
+        (root / ".latest.tmp").unlink(missing_ok=True)
+        raise
     _fsync_dir(root)
 
 

@@ -952,8 +952,10 @@ def test_a_killed_save_is_cleared_by_the_next_save_of_its_tag(tmp_path):
 
 
 def test_a_save_that_fails_to_commit_leaves_no_trace(tmp_path, monkeypatch):
-    """A failure after every shard is written (renaming the directory into place) raises, removes the temporary
-    directory and leaves the previous checkpoint the latest; the engine goes on and saves again."""
+    """A failure after every shard is written (renaming the directory into place, or replacing ``latest``)
+    raises, removes what it wrote and leaves the previous checkpoint the latest; so does a folder that cannot be
+    made. The engine goes on and saves again."""
+    (tmp_path / "a-file").write_text("")
     root = tmp_path / "ckpt"
     with offload.initialize(make(), config(tmp_path, "cpu")) as engine:
         train(engine, batches(1))
@@ -968,6 +970,13 @@ def test_a_save_that_fails_to_commit_leaves_no_trace(tmp_path, monkeypatch):
             engine.save_checkpoint(root, tag="b")
         assert sorted(p.name for p in root.iterdir()) == ["a", "latest"] and (root / "latest").read_text() == "a"
         monkeypatch.setattr(os, "rename", rename)
+        monkeypatch.setattr(os, "replace", failing)  # renamed into place, then `latest` cannot be replaced
+        with pytest.raises(OSError, match="injected"):
+            engine.save_checkpoint(root, tag="b")
+        assert sorted(p.name for p in root.iterdir()) == ["a", "latest"] and (root / "latest").read_text() == "a"
+        monkeypatch.undo()
+        with pytest.raises(OSError):  # the folder cannot be made: a file is in the way
+            engine.save_checkpoint(tmp_path / "a-file" / "ckpt", tag="c")
         train(engine, batches(1, seed=5))
         engine.save_checkpoint(root, tag="b")
     assert (root / "latest").read_text() == "b"
