@@ -36,7 +36,9 @@ are 0700, files 0600. Format v1 (one ``tensors.bin`` indexed in meta.json) still
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
 import os
 import re
@@ -51,6 +53,8 @@ from nvme_swapper._native import memory_at
 
 if TYPE_CHECKING:
     from .engine import Engine
+
+log = logging.getLogger("offload")
 
 FORMAT = "offload-checkpoint-v2"
 _FORMAT_V1 = "offload-checkpoint-v1"
@@ -201,17 +205,19 @@ def _shard_names(rank: int) -> tuple[str, str]:
 def save(engine: "Engine", root: Path, tag: str, frozen: bool = True) -> Path:
     """Collective with several ranks: each writes its shard; rank 0 commits once all succeeded. ``frozen``:
     whether the frozen parameters are written (else loads keep the model's own)."""
-    if not tag or "/" in tag or tag.startswith(".") or tag == "latest":
-        raise ValueError(f"checkpoint tag {tag!r} must be a plain name (no '/', not starting with '.', not 'latest')")
+    if not tag or "/" in tag or "\0" in tag or tag.startswith(".") or tag == "latest":
+        raise ValueError(f"checkpoint tag {tag!r} must be a plain name (no '/' or NUL, not starting with '.', not "
+                         "'latest')")
     comm, rank = engine.comm, engine.rank
     final = root / tag
     pid = int(comm.sum_float(float(os.getpid()) if rank == 0 else 0.0))
     tmp = root / f".tmp-{tag}-{pid}"
-    status, error = 0.0, None  # rank 0's preparation: 0 ready, 1 the tag exists, 2 failed (``error``)
+    status = 0.0  # rank 0's preparation: 0 ready, 1 the tag exists, 2 failed (``error``)
+    error: BaseException | None = None
     if rank == 0:
         try:
             status = _prepare(root, tag, tmp)
-        except OSError as exc:
+        except BaseException as exc:  # noqa: BLE001 - raised below, once every rank knows
             status, error = 2.0, exc
     status = comm.sum_float(status)  # every rank waits for the folder
     if status == 1.0:
@@ -233,11 +239,11 @@ def save(engine: "Engine", root: Path, tag: str, frozen: bool = True) -> Path:
     if failed:
         raise RuntimeError(f"checkpoint {final}: {failed} other rank(s) failed to write their shard (see their "
                            "errors); nothing was committed and the previous checkpoint stays the latest")
-    commit_error: Exception | None = None
+    commit_error: BaseException | None = None
     if rank == 0:
         try:
             _commit(engine, index, frozen, tmp, final)
-        except Exception as exc:  # noqa: BLE001 - raised below, once every rank knows
+        except BaseException as exc:  # noqa: BLE001 - raised below, once every rank knows
             commit_error = exc
             shutil.rmtree(tmp, ignore_errors=True)  # (gone already if it was renamed into place)
     if comm.sum_float(1.0 if commit_error is not None else 0.0):  # no rank returns before the checkpoint is complete
@@ -294,9 +300,14 @@ def _commit(engine: "Engine", index: dict[str, dict[str, Any]], frozen: bool, tm
         os.replace(root / ".latest.tmp", root / "latest")
     except BaseException:
         shutil.rmtree(final, ignore_errors=True)  # ``latest`` still names the previous one: nothing committed
-        (root / ".latest.tmp").unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            (root / ".latest.tmp").unlink(missing_ok=True)
         raise
-    _fsync_dir(root)
+    try:
+        _fsync_dir(root)
+    except OSError as exc:  # committed: ``latest`` names it; only its durability across a crash is in doubt
+        log.warning("offload: checkpoint %s is committed but %s could not be synced (%s): a crash before the "
+                    "filesystem writes it back may lose it", final, root, exc)
 
 
 def _write_shard(engine: "Engine", tmp: Path, frozen: bool) -> dict[str, dict[str, Any]]:

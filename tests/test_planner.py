@@ -156,3 +156,17 @@ def test_the_plan_says_what_unpinned_memory_costs_on_a_gpu():
 
     assert "blocks the thread" in why(False, "cuda")["pinned memory"]
     assert "pinned memory" not in why(True, "cuda") and "pinned memory" not in why(False, "cpu")
+
+
+def test_the_reduce_pool_holds_two_buckets_unless_the_model_is_one():
+    """Stages 1-2 on several ranks: the engine starts with two device buffers of a bucket (one per bucket that
+    copies, if fewer: a model of one bucket), never larger than its largest param group; the estimate, which sees
+    one group, charges one buffer only for a model of one bucket's worth. Two groups of a small model (a
+    Trainer's decay / no-decay split) are two buckets, so two buffers: one would be allocated mid-backward."""
+    from offload.dist._buckets import pool_buffers
+
+    assert pool_buffers(1000, 700, 4096, pooled=2) == (2, 700)
+    assert pool_buffers(1000, 1000, 4096, pooled=1) == (1, 1000)
+    assert pool_buffers(50_000, 50_000, 4096, pooled=0) == (0, 4096)
+    assert pool_buffers(1000, 1000, 4096) == (1, 1000)
+    assert pool_buffers(50_000, 50_000, 4096) == (2, 4096)

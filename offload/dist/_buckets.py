@@ -17,7 +17,7 @@ with zeros for them (such parameters update with a zero gradient, as on one rank
 Buffers (:class:`BucketState` says where each bucket is): a bucket takes a device buffer from a pool when its first
 gradient arrives; a buffer goes back to the pool with the copies still reading it (``deliver`` returns them), which
 the compute stream waits for before it writes there again. Two buffers serve the usual order (one filling while the
-previous one's reduce runs; one when the model is one bucket's worth): they are allocated when the engine is built
+previous one's reduce runs; one when the model is a single bucket): they are allocated when the engine is built
 (:func:`pool_buffers`, which the estimate counts too), so a device budget they do not fit fails at initialize. A bucket needing one when none is free first completes the oldest reduce in flight, and only when none
 is in flight (the gradients came far out of order) is another allocated, on the DEVICE tier (``peak_buffers``
 counts them).
@@ -112,10 +112,11 @@ def cut_buckets(layout: FlatLayout, bucket: int, sparse: frozenset[int] = frozen
 
 def pool_buffers(total: int, largest_group: int, bucket: int, pooled: int | None = None) -> tuple[int, int]:
     """The pool the engine starts with, for ``total`` flat elements whose largest param group has
-    ``largest_group``, cut in buckets of ``bucket``: how many device buffers (two, one when the whole model is
-    one bucket's worth, never more than the ``pooled`` buckets that copy their gradients, when known) and their
-    elements each (no bucket that copies is larger). The estimate calls it without ``pooled``."""
-    count = 1 if total <= bucket else 2
+    ``largest_group``, cut in buckets of ``bucket``: how many device buffers (two, or as many as the ``pooled``
+    buckets that copy their gradients if fewer) and their elements each (no bucket that copies is larger). The
+    estimate, which sees one param group and no sparse embeddings, calls it without ``pooled``: one bucket when
+    the whole model is one bucket's worth."""
+    count = 2 if pooled is not None or total > bucket else 1
     return (count if pooled is None else min(count, pooled)), min(bucket, largest_group)
 
 
