@@ -181,6 +181,8 @@ def estimate_command(args: argparse.Namespace) -> int:
               gpu_mem=parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None,
               host_mem=parse_bytes(args.host_mem, "--host-mem") if args.host_mem else None,
               nvme_free=parse_bytes(args.nvme_free, "--nvme-free") if args.nvme_free else None)
+    if args.largest_param is not None and args.model:
+        raise ValueError("--largest-param goes with --params (a --model's parameters are known)")
     if args.model:
         model = _load_model(args.model)
         ests = estimate(model=model, **kw)
@@ -192,7 +194,16 @@ def estimate_command(args: argparse.Namespace) -> int:
             n = 0
         if n < 1:
             raise ValueError(f"--params must be a positive number of parameters such as 7e9, got {args.params!r}")
-        ests = estimate(n, **kw)
+        largest = None
+        if args.largest_param is not None:
+            try:
+                largest = int(float(args.largest_param))
+            except (ValueError, OverflowError):
+                largest = 0
+            if not 1 <= largest <= n:
+                raise ValueError(f"--largest-param must be a number of elements in [1, --params], got "
+                                 f"{args.largest_param!r}")
+        ests = estimate(n, largest_param=largest, **kw)
     print(f"{n / 1e9:.3g}B parameters, bf16 with fp32 Adam state, {args.gpus} GPU(s); peak bytes per tier per rank:\n")
     print(table(ests))
     choice = best(ests)
@@ -371,6 +382,9 @@ def main(argv: list[str] | None = None) -> int:
     what = e.add_mutually_exclusive_group(required=True)
     what.add_argument("--params", help="number of parameters (e.g. 7e9)")
     what.add_argument("--model", help="a transformers config.json (or its folder), or module:callable")
+    e.add_argument("--largest-param", default=None, help="with --params: elements of the largest parameter (a "
+                   "GPT's embedding, vocabulary x width, e.g. 128256*4096); default: the whole model as one, which "
+                   "charges the device for a gradient of the whole model")
     e.add_argument("--gpus", type=int, default=1)
     e.add_argument("--gpu-mem", help="memory per GPU, e.g. 24GiB")
     e.add_argument("--host-mem", help="host RAM of the machine, e.g. 256GiB")

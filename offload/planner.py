@@ -48,12 +48,16 @@ def estimate(num_params: int | None = None, *, model: torch.nn.Module | None = N
              max_live_parameters: int | None = None, prefetch_bucket_size: int | None = None,
              persistence_threshold: int | None = None, gpus: int = 1, gpu_mem: int | None = None,
              host_mem: int | None = None, nvme_free: int | None = None, cuda: bool = True,
-             gradient_clipping: float = 0.0) -> list[Estimate]:
+             gradient_clipping: float = 0.0, largest_param: int | None = None) -> list[Estimate]:
     """Peak bytes per tier (per rank) for each placement of :data:`PLACEMENTS`, and whether each fits the given
     memory (``gpu_mem`` per device, ``host_mem`` and ``nvme_free`` per machine shared by ``gpus`` ranks). Sizes
     left None are derived as ``initialize`` derives them; ``cuda``: the device is a GPU (False: the CPU's device
     tier, as on a machine without one); ``gradient_clipping`` > 0 holds every gradient until the step (as do
-    several ranks and accumulation), else the host gradients take a few sub-group slots."""
+    several ranks and accumulation), else the host gradients take a few sub-group slots. ``largest_param``
+    (with ``num_params``): elements of the model's largest parameter, which sets the device room for one
+    parameter's gradient and the parameter window; without it the model counts as one parameter, which charges the
+    device for a gradient of the whole model (as DeepSpeed's estimators, ask for it: a GPT's embedding,
+    vocabulary x width)."""
     if (num_params is None) == (model is None):
         raise ValueError("estimate: give exactly one of num_params and model")
     if gpus < 1:
@@ -65,7 +69,11 @@ def estimate(num_params: int | None = None, *, model: torch.nn.Module | None = N
         frozen = [p for p in model.parameters() if not p.requires_grad]
         sizes = ModelSizes.of(trainable, frozen, list(model.buffers()))
     else:
-        sizes = ModelSizes((int(num_params),))
+        n = int(num_params)
+        if largest_param is not None and not 1 <= largest_param <= n:
+            raise ValueError(f"estimate: largest_param must be in [1, num_params={n}], got {largest_param}")
+        big = n if largest_param is None else int(largest_param)
+        sizes = ModelSizes((big,) * (n // big) + ((n % big,) if n % big else ()))
     budgets = {Tier.DEVICE: gpu_mem, Tier.HOST: host_mem // gpus if host_mem else None,
                Tier.NVME: nvme_free // gpus if nvme_free else None}
     dtype = torch.bfloat16 if dtype_bytes == 2 else torch.float32

@@ -44,6 +44,14 @@ def test_estimate_command(tmp_path, capsys):
     assert table(estimate(10**9, gpu_mem=8 << 30, host_mem=6 << 30, nvme_free=10**12)) in capsys.readouterr().out
     assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--max-shard-size", "10XB"]) == 2
     assert "--max-shard-size must be a byte count" in capsys.readouterr().err
+    # the largest parameter sets the device's room for one gradient: without it the model counts as one parameter
+    one = {e.placement: e for e in estimate(10**9)}
+    cut = {e.placement: e for e in estimate(10**9, largest_param=10**8)}
+    assert cut["optimizer on cpu"].device == one["optimizer on cpu"].device - 2 * (10**9 - 10**8)
+    assert main(["estimate", "--params", "1e9", "--largest-param", "1e8"]) == 0
+    assert table(list(cut.values())) in capsys.readouterr().out
+    assert main(["estimate", "--params", "1e9", "--largest-param", "2e9"]) == 2
+    assert "--largest-param must be a number of elements in [1, --params], got '2e9'" in capsys.readouterr().err
     for bad in ("abc", "-5", "0"):
         assert main(["estimate", "--params", bad]) == 2
         assert f"--params must be a positive number of parameters such as 7e9, got {bad!r}" in capsys.readouterr().err
