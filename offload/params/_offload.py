@@ -29,8 +29,9 @@ When parameters are needed:
 
 Copies to the device go through the engine's :class:`~offload.memory.CopyStreams`: with CUDA, a host home is copied
 on the host-to-device stream and the compute stream waits for that copy on the GPU only when it uses the parameter;
-an NVMe home is read into a pinned staging buffer (a pool counted on the HOST tier) and copied on by the fetch
-thread. A device buffer handed to a new fetch is written only after the compute stream has passed the point where
+an NVMe home is read into a piece of a fixed pinned :class:`~offload.memory.StagingArena` and copied on by the
+fetch thread, which does not wait for that copy (the arena does, before it lends the piece's room again). A
+device buffer handed to a new fetch is written only after the compute stream has passed the point where
 its previous parameter was released. On the CPU the same calls copy on the fetch thread.
 
 Landing: with NVMe homes, the first parameters of the forward trace (as many as the first prefetch would start)
