@@ -165,17 +165,23 @@ def load_state_dict(target: "torch.nn.Module | Engine", source: str | os.PathLik
     from .engine import Engine
     from .engine._engine import holding
 
-    if isinstance(target, torch.nn.Module):
-        held = holding(unwrap_compiled(target))
-        if held is not None:  # its tensors are the engine's: the masters must get the values too
-            return held.load_state_dict(source, strict=strict)
+    if isinstance(target, Engine):  # its checks: the phase, and a pending delayed update settled first
+        return target.load_state_dict(source, strict=strict)
+    if not isinstance(target, torch.nn.Module):
+        raise ValueError(f"load_state_dict: target must be a torch.nn.Module or an offload Engine, got "
+                         f"{type(target).__name__}")
+    held = holding(unwrap_compiled(target))
+    if held is not None:  # its tensors are the engine's: the masters must get the values too
+        return held.load_state_dict(source, strict=strict)
     with StateSource(source) as src:
-        if isinstance(target, Engine):
-            return _into_engine(target, src, strict)
-        if not isinstance(target, torch.nn.Module):
-            raise ValueError(f"load_state_dict: target must be a torch.nn.Module or an offload Engine, got "
-                             f"{type(target).__name__}")
         return _into_module(unwrap_compiled(target), src, strict)
+
+
+def load_into_engine(engine: "Engine", source: str | os.PathLike[str] | Mapping[str, torch.Tensor],
+                     strict: bool) -> LoadResult:
+    """``Engine.load_state_dict`` once it has checked its phase: the masters, homes and device copies."""
+    with StateSource(source) as src:
+        return _into_engine(engine, src, strict)
 
 
 def _into_module(module: torch.nn.Module, src: StateSource, strict: bool) -> LoadResult:

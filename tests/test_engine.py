@@ -1263,16 +1263,21 @@ def test_delayed_update_resumes_bit_identically_mid_pipeline(tmp_path):
         assert torch.equal(p, q)
 
 
-def test_a_load_with_a_delayed_update_pending_is_not_overwritten_by_it(tmp_path):
+@pytest.mark.parametrize("call", ["engine.load_state_dict", "offload.load_state_dict"])
+def test_a_load_with_a_delayed_update_pending_is_not_overwritten_by_it(tmp_path, call):
     """With the delayed update a step leaves its new values pending for the device; a load after it keeps the
-    loaded values on the device and in the masters (the pending update was applied over them at the next step)."""
+    loaded values on the device and in the masters (the pending update was applied over them at the next step),
+    through the engine's method and through ``offload.load_state_dict(engine, ...)`` alike (which skipped it)."""
     model = make()
     cfg = config(tmp_path, "cpu", zero_optimization={"offload_optimizer": {"device": "cpu", "delayed_update": True}})
     with offload.initialize(model, cfg) as engine:
         train(engine, batches(2))
         assert engine.training_state().pending_update
         loaded = {k: torch.full_like(v, 0.125) for k, v in make(seed=3).state_dict().items()}
-        engine.load_state_dict(loaded)
+        if call == "engine.load_state_dict":
+            engine.load_state_dict(loaded)
+        else:
+            offload.load_state_dict(engine, loaded)
         engine.apply_delayed_update()
         for (name, p) in model.named_parameters():
             assert torch.equal(p.detach().cpu(), loaded[name]), name

@@ -649,9 +649,9 @@ class Engine:
         stay. Returns what did not match (``missing``, ``unexpected``); ``strict`` makes either an error."""
         self._expect("engine.load_state_dict()", Phase.IDLE, Phase.ACCUMULATING)
         self._parameters_current()  # a pending delayed update would overwrite the loaded values at the next step
-        from .._load import load_state_dict
+        from .._load import load_into_engine
 
-        return load_state_dict(self, source, strict=strict)
+        return load_into_engine(self, source, strict)
 
     def consolidated_state_dict(self, keys: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
         """The model state as plain CPU tensors: fp32 master weights for trainable parameters. ``keys``: only
