@@ -801,3 +801,12 @@ def test_reduce_buckets_deliver_every_gradient_once_in_any_order(sizes, bucket, 
         rb.close()
         comm.close()
         store.close()
+
+
+def test_the_start_sync_reads_strided_and_expanded_tensors():
+    """The start-up sync hashes and sends each tensor's bytes; a strided view (``x[::2]``) or an expanded buffer
+    raised ("stride(-1) must be 1") with several ranks. Their bytes are those of a contiguous copy."""
+    from offload.dist._sync import _bytes_of
+
+    for t in (torch.arange(10.0)[::2], torch.randn(1).expand(3, 4), torch.randn(4, 6).t()):
+        assert torch.equal(_bytes_of(t), t.contiguous().view(-1).view(torch.uint8))

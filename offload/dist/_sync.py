@@ -126,7 +126,7 @@ class _Staging:
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     """The tensor's bytes as a flat uint8 tensor (a copy where ``t`` is not contiguous)."""
-    return t.detach().reshape(-1).view(torch.uint8)
+    return t.detach().contiguous().view(-1).view(torch.uint8)  # reshape may keep a stride that view refuses
 
 
 def _fingerprint(t: torch.Tensor, staging: _Staging) -> int:
