@@ -24,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
+from _common import exit_on_sigterm  # noqa: E402
 
 from nvme_swapper import AioConfig, SwapEngine, aligned_tensor  # noqa: E402
 from nvme_swapper._native import checksum, checksum_isa, checksum_kind, memory_at  # noqa: E402
@@ -124,4 +125,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()
     main()

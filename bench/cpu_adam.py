@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _common import exit_on_sigterm  # noqa: E402
 from nvme_swapper import aligned_tensor  # noqa: E402
 from offload.ops import adam_step, cpu_adam_backend, host_stream_buffer  # noqa: E402
 from offload._progress import progress  # noqa: E402
@@ -148,7 +149,8 @@ def print_table(n: int, nthreads: int, rows: dict, ratios: dict, met: dict) -> N
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--params", type=int, default=100_000_000, help="parameters per update (default 1e8)")
+    parser.add_argument("--params", type=lambda v: int(float(v)), default=100_000_000,
+                        help="parameters per update (default 1e8)")
     parser.add_argument("--repeats", type=int, default=7, help="timed rounds after one warm-up round (default 7)")
     parser.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
     parser.add_argument("--out", type=Path, default=Path("results/cpu_adam.json"), help="JSON output path")
@@ -175,4 +177,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()
     main()

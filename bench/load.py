@@ -35,7 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
-from _common import shape_for  # noqa: E402
+from _common import exit_on_sigterm, shape_for  # noqa: E402
 
 from offload._export import _unique, write_safetensors  # noqa: E402
 from offload._progress import progress  # noqa: E402
@@ -172,4 +172,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()
     main()

@@ -48,6 +48,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from _common import exit_on_sigterm  # noqa: E402
 from nvme_swapper import AioConfig, SwapEngine, aligned_tensor  # noqa: E402
 from nvme_swapper._native import memory_at  # noqa: E402
 from nvme_swapper._tune import drop_cache  # noqa: E402
@@ -187,7 +188,10 @@ def request_sizes(directory: Path, total: int, sizes: list[int], rounds: int, ou
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"mode": "requests", "bytes_per_measurement": total, "rounds": rounds,
                                "sizes": sizes, "samples": samples, "medians": med, "score": score,
-                               "knee_bytes": knee}, indent=2))
+                               "knee_bytes": knee, "by_size": {  # in the order of ``sizes``, for the plot
+                                   "write": [med[f"{human(s)} write"] for s in sizes],
+                                   "read": [med[f"{human(s)} read"] for s in sizes],
+                                   "score": [score[s] for s in sizes]}}, indent=2))
     print(f"\nwrote {out}")
 
 
@@ -198,7 +202,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="256 MiB instead of 2 GiB, 1 round (a smoke test)")
     ap.add_argument("--threads", type=int, default=1, help="engine thread_count (capped at the queue depth)")
     ap.add_argument("--size", default=None, help="bytes per pass (default 2GiB; 256MiB with --quick); "
-                    "a multiple of 64 x 4 KiB")
+                    "a multiple of 4MiB")
     ap.add_argument("--blocks", default="256KiB,1MiB,4MiB", help="engine block sizes to sweep (comma-separated)")
     ap.add_argument("--depths", default="1,8,32", help="engine queue depths to sweep (comma-separated)")
     ap.add_argument("--no-fio", action="store_true", help="skip fio: the limit is the pread/pwrite loop alone")
@@ -218,8 +222,9 @@ def main() -> None:
         return
 
     total = parse_bytes(args.size, "--size") if args.size else 256 * MiB if args.quick else 2 * GiB
-    if total < 64 * 4 * KiB or total % (64 * 4 * KiB):
-        ap.error(f"--size must be a multiple of 256KiB (64 tensors of whole 4 KiB pages), got {args.size}")
+    if total < 4 * MiB or total % (4 * MiB):
+        ap.error(f"--size must be a multiple of 4MiB (64 tensors of whole 4 KiB pages, read and written by the "
+                 f"limit loops in 4 MiB requests), got {args.size}")
     rounds = 1 if args.quick else args.rounds
     small_count, small_size = 64, total // 64
     base = Path(args.dir) if args.dir else Path.cwd()
@@ -252,7 +257,7 @@ def main() -> None:
             samples.setdefault(name, []).append(value)
 
     try:
-        with HugePages(128) as huge:
+        with HugePages(128 if have_fio else 0) as huge:  # fio's --iomem=shmhuge only
             if have_fio:  # lay the probe file out once, so every probe write is an overwrite
                 fio(probe_file, total, "write", "libaio", 8, False)
             else:
@@ -306,7 +311,7 @@ def main() -> None:
         print(f"{name:44s} {w if w is not None else float('nan'):8.2f} {r if r is not None else float('nan'):8.2f}")
     summary = {}
     for d in ("write", "read"):
-        k_ours, ours = best("aio", d)
+        k_ours, ours = best("aio ", d)  # the kernel-AIO backend's rows ("aiofiles ..." are the baseline's)
         k_base, base_v = best("aiofiles", d)
         _, ref = best("tensor-sized", d)
         summary[d] = {"limit_gbps": limit[d], "ours_best": k_ours, "ours_gbps": ours,
@@ -329,4 +334,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()
     main()

@@ -28,6 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
+from _common import exit_on_sigterm  # noqa: E402
 
 import offload  # noqa: E402
 from nvme_swapper import aligned_tensor  # noqa: E402
@@ -213,4 +214,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()
     main()

@@ -49,7 +49,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
-from _common import huge_pages, mem_available, peak_rss, shape_for  # noqa: E402
+from _common import exit_on_sigterm, huge_pages, mem_available, peak_rss, shape_for  # noqa: E402
 
 import offload  # noqa: E402
 from nvme_swapper import AioConfig, aligned_tensor  # noqa: E402
@@ -298,4 +298,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()
     main()

@@ -7,6 +7,7 @@ with the Agg backend, so the library and the benchmarks run without it and witho
 from __future__ import annotations
 
 import re
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -55,8 +56,11 @@ def _size(nbytes: int) -> str:
 
 def plot_nvme(data: dict[str, Any], out: Path) -> list[Path]:
     """Swap-engine throughput (the single-tensor workload, kernel AIO) against block size and against queue depth,
-    write and read side by side, with the disk's limit measured in the same run as a dashed line."""
+    write and read side by side, with the disk's limit measured in the same run as a dashed line; for the
+    ``--requests`` mode, write, read and their score against the request size, the knee marked."""
     plt = _pyplot()
+    if data.get("mode") == "requests":
+        return [_plot_requests(plt, data, out)]
     pat = re.compile(r"^aio bs=(\d+)K qd=(\d+) 1x(\S+) (write|read)$")
     points: dict[tuple[str, int, int], float] = {}
     workload = ""
@@ -97,6 +101,24 @@ def plot_nvme(data: dict[str, Any], out: Path) -> list[Path]:
                      f"median of {rounds} round(s)")
         paths.append(_save(fig, out / fname))
     return paths
+
+
+def _plot_requests(plt: Any, data: dict[str, Any], out: Path) -> Path:
+    sizes, by = data["sizes"], data["by_size"]
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    for direction in ("write", "read"):
+        ax.plot(sizes, by[direction], marker="o", label=direction)
+    ax.plot(sizes, by["score"], marker="s", linestyle="--", label="score (harmonic mean)")
+    ax.axvline(data["knee_bytes"], color="gray", linestyle=":", label=f"knee {_size(data['knee_bytes'])}")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes)
+    ax.set_xticklabels([_size(s) for s in sizes])
+    ax.set_xlabel("bytes per request (one tensor per request)")
+    ax.set_ylabel("throughput (GB/s)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.suptitle(f"Swap engine throughput vs request size, median of {data.get('rounds', '?')} round(s)")
+    return _save(fig, out / "nvme_request_size.png")
 
 
 def plot_adam(data: dict[str, Any], out: Path) -> list[Path]:
@@ -214,10 +236,10 @@ def plot_gpu(data: dict[str, Any], out: Path) -> list[Path]:
     for j, fw in enumerate(frameworks):
         xs, ys = [], []
         for i, p in enumerate(placements):
-            r = next((r for r in runs if r["framework"] == fw and r["placement"] == p), None)
-            if r is not None:
+            times = [r["step_seconds"] for r in runs if r["framework"] == fw and r["placement"] == p]
+            if times:  # the median over rounds, as the summary takes it
                 xs.append(i + (j - (len(frameworks) - 1) / 2) * width)
-                ys.append(r["step_seconds"])
+                ys.append(statistics.median(times))
         ax.bar(xs, ys, width, label=fw, color=colors.get(fw))
     bound = data.get("summary", {}).get("opt_host_bound")
     if bound and "opt-host" in placements:
@@ -228,7 +250,8 @@ def plot_gpu(data: dict[str, Any], out: Path) -> list[Path]:
     ax.set_ylabel("seconds per step (median)")
     ax.set_title(f"{_count(data['model']['params'])} parameters on {data['device']}")
     ax.legend()
-    for r in runs:
+    for key in dict.fromkeys((r["framework"], r["placement"]) for r in runs):  # the first round's: the same data
+        r = next(r for r in runs if (r["framework"], r["placement"]) == key)
         lax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=f"{r['framework']} {r['placement']}")
     lax.set_xlabel("step")
     lax.set_ylabel("loss")

@@ -299,6 +299,9 @@ def bench_command(args: argparse.Namespace) -> int:
     extra = list(args.args)
     if extra[:1] == ["--"]:
         extra = extra[1:]
+    if "--no-plot" in extra:  # after the name too, as --out is
+        extra.remove("--no-plot")
+        args.no_plot = True
     out_dir = Path(args.out)
     for i, a in enumerate(extra):  # --out after the name: still the results folder (argparse hands it over)
         if a == "--out" and i + 1 < len(extra):
@@ -383,8 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     what.add_argument("--params", help="number of parameters (e.g. 7e9)")
     what.add_argument("--model", help="a transformers config.json (or its folder), or module:callable")
     e.add_argument("--largest-param", default=None, help="with --params: elements of the largest parameter (a "
-                   "GPT's embedding, vocabulary x width, e.g. 128256*4096); default: the whole model as one, which "
-                   "charges the device for a gradient of the whole model")
+                   "GPT's embedding, vocabulary x width: 525336576 for 128256 x 4096); default: the whole model as "
+                   "one, which charges the device for a gradient of the whole model")
     e.add_argument("--gpus", type=int, default=1)
     e.add_argument("--gpu-mem", help="memory per GPU, e.g. 24GiB")
     e.add_argument("--host-mem", help="host RAM of the machine, e.g. 256GiB")

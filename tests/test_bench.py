@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -10,6 +14,8 @@ import pytest
 from nvme_swapper import AioConfig
 from offload import OffloadConfig
 from offload.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -127,3 +133,25 @@ def test_bench_writes_json_and_plots(tmp_path, name, flags, json_name, pngs):
     assert json.loads((results / f"{json_name}.json").read_text())
     assert_pngs([results / f"{p}.png" for p in pngs])
     assert list(scratch.iterdir()) == []
+
+
+def test_a_bench_stopped_by_sigterm_removes_its_swap_files(tmp_path):
+    """A time limit's SIGTERM ends a bench through its cleanup: the parameter-offload bench's swap folder goes
+    (killed where it stood, the train bench left 712 MB behind)."""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "param_offload.py"), "--layers", "2", "--width",
+                             "64", "--vocab", "256", "--live", "3e4", "--rounds", "100000", "--nvme-dir", str(nvme),
+                             "--out", str(tmp_path / "out.json")], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not any(nvme.iterdir()):  # its swap folder exists
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.05)
+        time.sleep(1.5)  # into its rounds
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        proc.kill()
+        proc.wait()
+    assert list(nvme.iterdir()) == []
