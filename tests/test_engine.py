@@ -790,6 +790,42 @@ def test_a_host_budget_just_below_the_peak_leaves_the_model_as_it_was(tmp_path, 
         assert p.data_ptr() == ptr and p.dtype == torch.float32 and torch.equal(p.detach(), value), name
 
 
+class Rotary(torch.nn.Module):
+    """A layer whose fp32 buffer (a rotary embedding's inverse frequencies) multiplies its input's positions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16)), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(x.shape[1], device=x.device, dtype=torch.float32)
+        angles = (pos[:, None] * self.inv_freq.float()[None, :]).repeat(1, 2)  # fp32 math, as transformers does
+        return self.lin(x) * torch.cos(angles).to(x.dtype)
+
+
+@pytest.mark.parametrize("given", [torch.bfloat16, torch.float32])
+def test_a_model_given_in_the_training_dtype_keeps_its_fp32_buffers(tmp_path, given):
+    """bf16 training: a model whose parameters come in bf16 (transformers' from_pretrained(torch_dtype=bf16)) keeps
+    its fp32 buffers, as it runs without the engine (RoPE's inv_freq rounded to bf16 moved its angles by radians at
+    long positions); a model given in fp32 is converted whole, buffers too (as DeepSpeed converts it)."""
+    torch.manual_seed(0)
+    model = Rotary().to(given)
+    model.inv_freq = model.inv_freq.float()
+    x = torch.randn(2, 4096, 16, dtype=torch.bfloat16)
+    with torch.no_grad():
+        plain = Rotary().to(torch.bfloat16)
+        plain.load_state_dict(model.state_dict())
+        plain.inv_freq = model.inv_freq.float().clone()
+        expected = plain(x) if given is torch.bfloat16 else None
+    with offload.initialize(model, config(tmp_path, "cpu", bf16={"enabled": True})) as engine:
+        assert model.inv_freq.dtype == (torch.float32 if given is torch.bfloat16 else torch.bfloat16)
+        assert model.lin.weight.dtype == torch.bfloat16
+        if expected is not None:
+            with torch.no_grad():
+                assert torch.equal(engine(x).cpu(), expected)
+
+
 def test_a_device_budget_too_small_for_the_gradients_names_the_device_budget():
     """No offload: the gradients live on the device, so a device budget they do not fit names that budget and
     offloading the optimizer as the fix (it named the host budget)."""

@@ -50,6 +50,10 @@ class Weights:
         self.shards: ParamShards | None = None
         self.pending = False  # delayed update: the optimizer's newest values are not on the device yet
         self._reserved = 0  # bytes reserved on the DEVICE tier for the flat parameters
+        # a model given with its parameters in the training dtype keeps its float buffers' dtypes: such a model
+        # (transformers' from_pretrained(torch_dtype=bf16)) holds fp32 on purpose there (RoPE's inv_freq: rounded
+        # to bf16, its angles drift by radians at long positions); a model converted here converts its buffers too
+        self._keep_buffer_dtypes = all(p.dtype == plan.dtype for p in module.parameters() if p.is_floating_point())
         # each parameter, its storage address (DEVICE tier; parameter offload moves it) and whether it trains
         self._held: list[tuple[torch.nn.Parameter, int | None, bool]] = []
         try:
@@ -123,8 +127,8 @@ class Weights:
         else:  # behind the compute stream, which may have written dst (zeroed it) or still read it
             self.copies.to_device(dst, value.to(dst.dtype).contiguous(), after=self.copies.mark()).wait()
 
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        dtype = self.plan.dtype if t.is_floating_point() else t.dtype
+    def _to_device(self, t: torch.Tensor, keep_dtype: bool = False) -> torch.Tensor:
+        dtype = self.plan.dtype if t.is_floating_point() and not keep_dtype else t.dtype
         if t.device == self.plan.device and t.dtype == dtype:
             return t
         if t.device.type == "cpu" and self.plan.cuda:
@@ -136,7 +140,7 @@ class Weights:
             for mod in self.module.modules():
                 for name, buf in mod._buffers.items():
                     if buf is not None:
-                        mod._buffers[name] = self._to_device(buf)
+                        mod._buffers[name] = self._to_device(buf, keep_dtype=self._keep_buffer_dtypes)
 
     def _offload(self, comm: Comm, optimizer: OffloadedAdam, aio: Any, nvme_path: str | None) -> None:
         """Parameter offload: homes on HOST (the flat host buffers the optimizer updates in place) or NVMe (a key
