@@ -256,9 +256,11 @@ class StagingArena:
         return end if oldest - end >= span else None
 
     def _reclaim(self) -> None:
-        """Drops the oldest pieces that are back and no longer busy."""
+        """Drops the pieces at either end that are back and no longer busy."""
         while self._out and self._out[0][2] is not None and self._out[0][2].done():
             self._out.popleft()
+        while self._out and self._out[-1][2] is not None and self._out[-1][2].done():
+            self._out.pop()
 
     def _span(self, numel: int) -> int:
         span = arena_span(numel, self.buffer.element_size())
@@ -302,14 +304,11 @@ class StagingArena:
             return
         start = (piece.data_ptr() - self.buffer.data_ptr()) // piece.element_size()
         with self._cond:
-            lent = next((entry for entry in self._out if entry[2] is None), None)
-            if lent is not None and lent[0] == start:
-                lent[2] = busy if busy is not None else DONE
-            elif self._out and self._out[-1][0] == start and self._out[-1][2] is None:
-                self._out[-1][2] = busy if busy is not None else DONE
-            else:
-                raise RuntimeError(f"a staging piece at element {start} came back out of order (pieces out: "
-                                   f"{[entry[:2] for entry in self._out]})")
+            lent = [entry for entry in self._out if entry[2] is None]
+            if not lent or start not in (lent[0][0], lent[-1][0]):
+                raise RuntimeError(f"a staging piece at element {start} came back out of order (pieces lent: "
+                                   f"{[entry[:2] for entry in lent]})")
+            (lent[0] if lent[0][0] == start else lent[-1])[2] = busy if busy is not None else DONE
             self._reclaim()
             self._cond.notify_all()
 
