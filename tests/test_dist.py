@@ -154,7 +154,9 @@ def single_process(cfg: dict, steps: int, gas: int) -> dict[str, torch.Tensor]:
         return engine.consolidated_state_dict()
 
 
-def assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], rel: float = 1e-5) -> None:
+def assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], rel: float = 2e-5) -> None:
+    """Every tensor within ``rel``: 3 ranks' 1/3 means round, and the kernels' rounding follows the machine's
+    vector ISA and thread count (1.2e-5 on a 16-core AVX-512 host, under 1e-5 on this one)."""
     assert set(got) == set(want)
     for k in want:
         err = ((got[k].double() - want[k].double()).abs() / want[k].double().abs().clamp(min=1.0)).max().item()

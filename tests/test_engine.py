@@ -155,8 +155,8 @@ def test_mixed_precision_matches_reference_loop(tmp_path, dtype, device, gradien
         assert all(p.dtype == dtype for p in model.parameters())
     ref_model, masters = reference_mixed(dtype, 20, data, scale=1024.0 if dtype == torch.float16 else 1.0)
     names = [n for n, _ in ref_model.named_parameters()]
-    for name, m in zip(names, masters):
-        close_enough(state[name], m.detach(), 1e-4)
+    for name, m in zip(names, masters):  # cuBLAS picks its low-precision GEMM kernels by layout: 1.3e-4 seen on an H200
+        close_enough(state[name], m.detach(), 1e-4 if DEVICE.type == "cpu" else 3e-4)
     for p, r in zip(model.parameters(), ref_model.parameters()):
         close_enough(p.detach().float(), r.detach().float(), 2e-2)  # one low-precision rounding step apart at most
 

@@ -296,7 +296,8 @@ def test_a_frozen_base_stays_within_the_window_in_backward(tmp_path, placement):
     with offload.initialize(lora_stack(), placement_config(tmp_path, placement, live=window, bucket=65_536)) as engine:
         got, state = beside(engine.module, None, xs, lambda _, __, x: engine(x).square().mean(), engine)
         peak = engine.memory_report()["device"]["peak"]
+        buckets = engine.grads.staging_bytes  # the gradient buckets on the device (CUDA)
     assert got == pytest.approx(want, rel=1e-5, abs=1e-7)
     for k, v in want_state.items():
         close_enough(state[k], v, rel=1e-5)
-    assert peak <= 4 * window, peak
+    assert peak <= 4 * window + buckets, peak

@@ -493,13 +493,14 @@ def edit(model: nn.Module, rank: int = 0) -> None:
     """A re-initialisation after the model was built: one weight in place through ``.data`` (which torch's
     version counters do not see), the position table replaced whole, and, when the first block's fc weight is
     frozen, that weight drawn from a seed of ``rank``'s own (several ranks: rank 0's must win)."""
-    torch.manual_seed(5)
-    model.blocks[1].fc.weight.data.normal_(0.0, 0.02)
+    def drawn(p: torch.Tensor, seed: int) -> torch.Tensor:  # on the CPU: the same values whatever p's device
+        return 0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(seed))
+
+    model.blocks[1].fc.weight.data.copy_(drawn(model.blocks[1].fc.weight, 5))
     model.pos.data = torch.full_like(model.pos, 0.25)
     frozen = model.blocks[0].fc.weight
     if not frozen.requires_grad:
-        torch.manual_seed(100 + rank)
-        frozen.data.normal_(0.0, 0.02)
+        frozen.data.copy_(drawn(frozen, 100 + rank))
 
 
 @pytest.mark.parametrize("placement", ["opt-host", "params-host", "params-nvme"])

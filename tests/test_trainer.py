@@ -6,6 +6,7 @@ plain Trainer is the reference. Device-generic: both run on DEVICE (TrainingArgu
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
@@ -49,6 +50,9 @@ def arguments(out, **kw) -> TrainingArguments:
                 learning_rate=2e-3, weight_decay=0.1, warmup_steps=2, logging_steps=1, report_to=[], seed=0,
                 save_strategy="no", disable_tqdm=True)
     base.update(kw)
+    if "activation_checkpointing" in base and \
+            "activation_checkpointing" not in inspect.signature(TrainingArguments).parameters:
+        base["gradient_checkpointing"] = base.pop("activation_checkpointing")  # its name before transformers 5
     return TrainingArguments(str(out), **base)
 
 

@@ -339,7 +339,7 @@ class OffloadTrainer(Trainer):
         with self.compute_loss_context_manager():
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
         del inputs
-        scaled = self.loss_is_scaled_for_ga
+        scaled = getattr(self, "loss_is_scaled_for_ga", None)  # transformers 5.x; derived below on older ones
         if scaled is None:
             scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) \
                 or self.compute_loss_func is not None
