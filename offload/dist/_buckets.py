@@ -18,9 +18,9 @@ Buffers (:class:`BucketState` says where each bucket is): a bucket takes a devic
 gradient arrives; a buffer goes back to the pool with the copies still reading it (``deliver`` returns them), which
 the compute stream waits for before it writes there again. Two buffers serve the usual order (one filling while the
 previous one's reduce runs; one when the model is a single bucket): they are allocated when the engine is built
-(:func:`pool_buffers`, which the estimate counts too), so a device budget they do not fit fails at initialize. A bucket needing one when none is free first completes the oldest reduce in flight, and only when none
-is in flight (the gradients came far out of order) is another allocated, on the DEVICE tier (``peak_buffers``
-counts them).
+(:func:`pool_buffers`, which the estimate counts too), so a device budget they do not fit fails at initialize. A
+bucket needing one when none is free first completes the oldest reduce in flight, and only when none is in flight
+(the gradients came far out of order) is another allocated, on the DEVICE tier (``peak_buffers`` counts them).
 
 Completing a bucket waits for its reduces and hands this rank's part of each parameter in it to ``deliver(i,
 values, base)`` (the engine's :class:`~offload.engine._grads.GradientStream`, which copies it to the host share, or
