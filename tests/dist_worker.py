@@ -15,7 +15,8 @@ are all ignored, a NaN loss: every rank's backward must refuse it, and the loop 
 checkpoint writes of frozen parameters fail with ENOSPC, or with "commit" its rename of the written directory
 into place fails with EIO: the save must raise on every rank, the error's type recorded as ``save_error``),
 ``reference`` (a forward-only engine of ``make(seed=1)``, all of it frozen, made beside the trained one under the
-same config; the trained one is closed first, then the reference runs forwards and rank r writes ``<name>.reference.rank<r>.pt``, its outputs on its slice of the first two batches, and
+same config; the trained one is closed first, then the reference runs forwards and rank r writes
+``<name>.reference.rank<r>.pt``, its outputs on its slice of the first two batches, and
 ``<name>.groups.rank<r>.json``, whether torch.distributed was still initialized after each close) and ``differ``
 (a model that differs across ranks: "shape", rank r's vocabulary is 96 + r; "count", rank 1 has one more buffer).
 
