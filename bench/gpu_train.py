@@ -161,6 +161,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     else:
         step, close, parts = _deepspeed(cfg, placement, work, spec["batch"], spec["dtype"], bool(spec.get("compile")))
     setup_rss = peak_rss()  # the model built and handed to its framework, before any step
+    setup_gpu = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     times, losses, per_step = [], [], []
     try:
         for i, (x, y) in enumerate(batches):
@@ -177,14 +178,17 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         result: dict[str, Any] = {"status": "ok"}
         if parts is not None:
             result["engine"] = parts.final()
+        # before close, which frees the pinned buffers and removes the swap files
+        pinned = pinned_bytes() if kind == "ours" else _torch_pinned()
+        on_disk = sum(f.stat().st_blocks * 512 for f in work.rglob("*") if f.is_file())
     finally:
         close()
     measured = times[spec["warmup"]:]
     result.update(step_seconds=statistics.median(measured), seconds=times, losses=losses,
                   tokens_per_s=spec["batch"] * spec["tokens"] / statistics.median(measured),
                   gpu_peak=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
-                  host_peak_rss=peak_rss(), host_base_rss=base_rss, host_setup_rss=setup_rss,
-                  pinned=pinned_bytes() if kind == "ours" else _torch_pinned(),
+                  gpu_setup_peak=setup_gpu, host_peak_rss=peak_rss(), host_base_rss=base_rss,
+                  host_setup_rss=setup_rss, pinned=pinned, nvme_on_disk=on_disk,
                   parts={k: statistics.median(s[k] for s in per_step) for k in per_step[0]} if per_step else None)
     return result
 
@@ -499,6 +503,10 @@ def _importable(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
+def _gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / (1 << 30):.2f} GiB"
+
+
 def _row(r: dict[str, Any]) -> None:
     if r["status"] != "ok":
         print(f"  {r['framework']:9s} {r['placement']:16s} {r['status']}", flush=True)
@@ -598,6 +606,18 @@ def _summary(runs: list[dict[str, Any]], bounds: dict[str, Any], estimates: dict
                          f"{in_ram / gib:.2f} GiB in RAM: building the model and initialize added "
                          f"{setup / gib:.2f} GiB ({setup / in_ram:.2f}x), the whole run {added / gib:.2f} GiB "
                          f"({added / in_ram:.2f}x)")
+            report = r["engine"]["memory_report"]
+            # the device: the tier's peak and, on CUDA, what torch's allocator held after initialize (the model's
+            # state and the engine's buffers, before any activation) and at its peak in the steps (activations on
+            # top, which the estimate leaves to the user); NVMe: the swap files' blocks on disk after the steps
+            dev = {"estimate": e.device, "tier_peak": report["device"]["peak"], "cuda_setup": r.get("gpu_setup_peak"),
+                   "cuda_peak": r["gpu_peak"]}
+            nvme = {"estimate": e.nvme, "tier_peak": report["nvme"]["peak"], "on_disk": r.get("nvme_on_disk")}
+            out[f"device_estimate/{placement}"], out[f"nvme_estimate/{placement}"] = dev, nvme
+            lines.append(f"  {placement}: device estimate {_gib(dev['estimate'])}, tier peak "
+                         f"{_gib(dev['tier_peak'])}, CUDA after initialize {_gib(dev['cuda_setup'])}, in the steps "
+                         f"{_gib(dev['cuda_peak'])} (activations on top); NVMe estimate {_gib(nvme['estimate'])}, "
+                         f"tier peak {_gib(nvme['tier_peak'])}, files on disk {_gib(nvme['on_disk'])}")
     out["lines"] = lines
     out["params"] = n
     return out
