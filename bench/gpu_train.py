@@ -158,6 +158,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         engine = offload.initialize(compiled(model), config)
         del model
         step, close, parts = _engine_step(engine), engine.close, _Parts(engine)
+        estimate = _estimate_for(engine, cfg, placement)
     else:
         step, close, parts = _deepspeed(cfg, placement, work, spec["batch"], spec["dtype"], bool(spec.get("compile")))
     setup_rss = peak_rss()  # the model built and handed to its framework, before any step
@@ -177,7 +178,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
                 per_step.append(parts.delta())
         result: dict[str, Any] = {"status": "ok"}
         if parts is not None:
-            result["engine"] = parts.final()
+            result["engine"], result["estimate"] = parts.final(), estimate
         # before close, which frees the pinned buffers and removes the swap files
         pinned = pinned_bytes() if kind == "ours" else _torch_pinned()
         on_disk = sum(f.stat().st_blocks * 512 for f in work.rglob("*") if f.is_file())
@@ -191,6 +192,20 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
                   host_setup_rss=setup_rss, pinned=pinned, nvme_on_disk=on_disk,
                   parts={k: statistics.median(s[k] for s in per_step) for k in per_step[0]} if per_step else None)
     return result
+
+
+def _estimate_for(engine: offload.Engine, cfg: GPTConfig, placement: str) -> dict[str, int]:
+    """What ``offload estimate`` says of this placement's peak per tier, given the budgets this engine resolved
+    (as ``--gpu-mem``, ``--host-mem`` and ``--nvme-free``): both then derive the same sizes. Without them the
+    estimate derives a small parameter window, where initialize, given a whole GPU, keeps every parameter on it."""
+    plan = engine.plan()
+    _, opt, par = PLACEMENTS[placement]
+    budgets = {t.value: b for t, b in plan.budgets.items()}
+    with torch.device("meta"):
+        est = offload.estimate(model=GPT(cfg), cuda=plan.device.type == "cuda", dtype_bytes=plan.dtype_bytes,
+                               gpu_mem=budgets["device"], host_mem=budgets["host"], nvme_free=budgets["nvme"])
+    e = next(e for e in est if (e.optimizer, e.params) == (opt, par))
+    return {"device": e.device, "host": e.host, "nvme": e.nvme, "host_budget": budgets["host"]}
 
 
 def _torch_pinned() -> int | None:
@@ -279,7 +294,11 @@ def _deepspeed(cfg: GPTConfig, placement: str, work: Path, batch: int, dtype: st
     zero = ds_config["zero_optimization"]
     if zero["offload_optimizer"]["device"] == "nvme":  # DeepSpeed's own advice for NVMe: sub-groups of 1e8 (its
         zero["sub_group_size"] = int(1e8)  # default, 1e9, is one sub-group for a 1B model: nothing to pipeline),
-        zero["offload_optimizer"].update(pipeline_read=True, pipeline_write=True)  # reads and writes pipelined
+        zero["offload_optimizer"].update(pipeline_read=True, pipeline_write=True)  # reads and writes pipelined;
+        # pipelined, three sub-groups are in flight (the next one read, this one updated, the last one written), each
+        # holding a pinned buffer for its fp32 parameter, exp_avg, exp_avg_sq and gradient: with the default of 4
+        # buffers its swapper fails its first step (`assert new_alloc_buffers is not None`, seen on an H200)
+        zero["offload_optimizer"]["buffer_count"] = 12
     if "nvme" in json.dumps(zero):
         ds_config["aio"] = {"block_size": 1 << 20, "queue_depth": 8, "intra_op_parallelism": 1}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
@@ -434,9 +453,6 @@ def main() -> None:
     print(f"gpu bench: GPT {layers} x {width}, {n / 1e9:.3g}B parameters, {args.batch} x {args.tokens} tokens, "
           f"on {name}, {dtype}{', compiled' if args.compile else ''}; "
           f"DeepSpeed {'beside ours' if has_ds else 'not run'}", flush=True)
-    with torch.device("meta"):
-        estimates = {e.placement: e for e in offload.estimate(model=GPT(cfg), cuda=device.type == "cuda",
-                                                              dtype_bytes=2 if dtype == "bf16" else 4)}
     printed: list[str] = []  # the summary lines of what ran so far
     _on_sigterm(printed)
     bounds = {"compute": launch({**base, "kind": "compute", "placement": "compute"}, args.timeout),
@@ -455,14 +471,13 @@ def main() -> None:
 
     def write(complete: bool) -> dict[str, Any]:
         """After every run, with the summary of what ran so far: a bench cut short keeps what it measured."""
-        summary = _rounds_summary(runs, bounds, estimates, n, max(1, min(args.rounds, 1 + runs[-1]["round"])))
+        summary = _rounds_summary(runs, bounds, n, max(1, min(args.rounds, 1 + runs[-1]["round"])))
         printed[:] = summary["lines"]
         out.write_text(json.dumps({"model": {**cfg.__dict__, "params": n, "batch": args.batch, "tokens": args.tokens},
                                    "device": name, "dtype": dtype, "compile": args.compile, "bounds": bounds,
                                    "runs": runs,
                                    "summary": {k: v for k, v in summary.items() if k != "lines"},
-                                   "complete": complete,
-                                   "estimates": {k: v.__dict__ for k, v in estimates.items()}}, indent=2,
+                                   "complete": complete}, indent=2,
                                   default=str))
         return summary
 
@@ -519,10 +534,10 @@ def _row(r: dict[str, Any]) -> None:
           f"{r['losses'][0]:.3f} -> {r['losses'][-1]:.3f}", flush=True)
 
 
-def _rounds_summary(runs: list[dict[str, Any]], bounds: dict[str, Any], estimates: dict[str, Any], n: int,
+def _rounds_summary(runs: list[dict[str, Any]], bounds: dict[str, Any], n: int,
                     rounds: int) -> dict[str, Any]:
     """The summary of one round, or with several the median of each round's ratios (``per_round``: them all)."""
-    each = [_summary([r for r in runs if r["round"] == k], bounds, estimates, n) for k in range(rounds)]
+    each = [_summary([r for r in runs if r["round"] == k], bounds, n) for k in range(rounds)]
     if rounds == 1:
         return each[0]
     out: dict[str, Any] = {"params": n, "per_round": [{k: v for k, v in e.items() if k != "lines"} for e in each]}
@@ -542,10 +557,9 @@ def _rounds_summary(runs: list[dict[str, Any]], bounds: dict[str, Any], estimate
     return out
 
 
-def _summary(runs: list[dict[str, Any]], bounds: dict[str, Any], estimates: dict[str, Any],
-             n: int) -> dict[str, Any]:
-    """Ratios: ours against the bound (opt-host) and against DeepSpeed (each placement); host peak against the
-    estimate."""
+def _summary(runs: list[dict[str, Any]], bounds: dict[str, Any], n: int) -> dict[str, Any]:
+    """Ratios: ours against the bound (opt-host) and against DeepSpeed (each placement); each tier's peak against
+    the estimate."""
     lines, out = ["\nsummary"], {}
     ok = {(r["framework"], r["placement"]): r for r in runs if r["status"] == "ok"}
     compute = bounds["compute"].get("step_seconds") if bounds["compute"]["status"] == "ok" else None
@@ -572,11 +586,8 @@ def _summary(runs: list[dict[str, Any]], bounds: dict[str, Any], estimates: dict
         out["speedup_vs_deepspeed/opt-host-overlap"] = ds_host["step_seconds"] / beside["step_seconds"]
         lines.append(f"  opt-host-overlap: DeepSpeed opt-host {ds_host['step_seconds']:.3f} s / ours "
                      f"{beside['step_seconds']:.3f} s = {out['speedup_vs_deepspeed/opt-host-overlap']:.2f}x")
-    names = {"opt-host": "optimizer on cpu", "opt-host-overlap": "optimizer on cpu",
-             "opt+params-host": "optimizer + parameters on cpu",
-             "opt-nvme": "optimizer on nvme", "opt+params-nvme": "optimizer + parameters on nvme"}
     plain = ok.get(("torch", "plain"))
-    for placement, est_name in names.items():
+    for placement in ("opt-host", "opt-host-overlap", "opt+params-host", "opt-nvme", "opt+params-nvme"):
         r, ds = ok.get(("offload", placement)), ok.get(("deepspeed", placement))
         if r and plain:
             ratios = {"host_peak_rss": r["host_peak_rss"] / plain["host_peak_rss"],
@@ -588,31 +599,28 @@ def _summary(runs: list[dict[str, Any]], bounds: dict[str, Any], estimates: dict
             out[f"speedup_vs_deepspeed/{placement}"] = ds["step_seconds"] / r["step_seconds"]
             lines.append(f"  {placement}: DeepSpeed {ds['step_seconds']:.3f} s / ours {r['step_seconds']:.3f} s = "
                          f"{ds['step_seconds'] / r['step_seconds']:.2f}x")
-        if r and est_name in estimates:
-            e = estimates[est_name]
-            store_peak = r["engine"]["memory_report"]["host"]["peak"]
+        if r and "estimate" in r:
+            e, report = r["estimate"], r["engine"]["memory_report"]
+            store_peak = report["host"]["peak"]
             # what the run added to the process's RSS (the model built in RAM included) against what the estimate
             # puts in RAM: the host tier, and on a CPU device the device tier too (there activations come on top)
             added, setup = (r[k] - r["host_base_rss"] for k in ("host_peak_rss", "host_setup_rss"))
-            in_ram = e.host + (e.device if e.plan is not None and e.plan.device.type == "cpu" else 0)
-            out[f"host_estimate/{placement}"] = {"estimate": e.host, "store_peak": store_peak,
-                                                  "rss_peak": r["host_peak_rss"], "ratio": store_peak / e.host,
+            in_ram = e["host"] + (e["device"] if r["gpu_peak"] is None else 0)
+            out[f"host_estimate/{placement}"] = {"estimate": e["host"], "store_peak": store_peak,
+                                                  "rss_peak": r["host_peak_rss"], "ratio": store_peak / e["host"],
                                                   "estimate_in_ram": in_ram, "rss_added": added,
                                                   "rss_ratio": added / in_ram, "setup_rss_added": setup,
                                                   "setup_rss_ratio": setup / in_ram}
-            gib = 1 << 30
-            lines.append(f"  {placement}: host estimate {e.host / gib:.2f} GiB, measured {store_peak / gib:.2f}"
-                         f" GiB (tier peak); RSS {r['host_peak_rss'] / gib:.2f} GiB. Against the estimate's "
-                         f"{in_ram / gib:.2f} GiB in RAM: building the model and initialize added "
-                         f"{setup / gib:.2f} GiB ({setup / in_ram:.2f}x), the whole run {added / gib:.2f} GiB "
-                         f"({added / in_ram:.2f}x)")
-            report = r["engine"]["memory_report"]
+            lines.append(f"  {placement}: host estimate {_gib(e['host'])} (budget {_gib(e['host_budget'])}), "
+                         f"measured {_gib(store_peak)} (tier peak); RSS {_gib(r['host_peak_rss'])}. Against the "
+                         f"estimate's {_gib(in_ram)} in RAM: building the model and initialize added {_gib(setup)} "
+                         f"({setup / in_ram:.2f}x), the whole run {_gib(added)} ({added / in_ram:.2f}x)")
             # the device: the tier's peak and, on CUDA, what torch's allocator held after initialize (the model's
             # state and the engine's buffers, before any activation) and at its peak in the steps (activations on
             # top, which the estimate leaves to the user); NVMe: the swap files' blocks on disk after the steps
-            dev = {"estimate": e.device, "tier_peak": report["device"]["peak"], "cuda_setup": r.get("gpu_setup_peak"),
+            dev = {"estimate": e["device"], "tier_peak": report["device"]["peak"], "cuda_setup": r.get("gpu_setup_peak"),
                    "cuda_peak": r["gpu_peak"]}
-            nvme = {"estimate": e.nvme, "tier_peak": report["nvme"]["peak"], "on_disk": r.get("nvme_on_disk")}
+            nvme = {"estimate": e["nvme"], "tier_peak": report["nvme"]["peak"], "on_disk": r.get("nvme_on_disk")}
             out[f"device_estimate/{placement}"], out[f"nvme_estimate/{placement}"] = dev, nvme
             lines.append(f"  {placement}: device estimate {_gib(dev['estimate'])}, tier peak "
                          f"{_gib(dev['tier_peak'])}, CUDA after initialize {_gib(dev['cuda_setup'])}, in the steps "
