@@ -9,7 +9,9 @@ registers while the context is active moves into a :class:`nvme_swapper.FileAren
 module's own initialisation writes into it as into RAM, and its pages leave RAM (the file keeps them) as soon as
 the module is complete (registered into its parent) and after any later torch operation on the parameter (a
 parent's re-initialisation loop, a state-dict load, the reads of ``initialize``). So building the model costs
-about the largest module's parameters in RAM, not the model's. ``initialize`` then streams each parameter from
+about the largest module's parameters in RAM, not the model's. Inside ``with torch.device("cuda")`` the same holds
+for the GPU: each parameter is made there and moved to the arena as it is registered (a module that initialises
+its parameters after registering them, as ``nn.Linear`` does, then draws them from the CPU's random generator). ``initialize`` then streams each parameter from
 the arena into its homes: the fp32 value into the optimizer's master weights (written once, exactly as the model
 made it), the low-precision copy into the device, host or NVMe home; the arena's space is freed as the
 parameters leave it. Without NVMe in the placement the context changes nothing: host-resident optimizer state
@@ -100,8 +102,9 @@ class init:  # noqa: N801 - used as ``with offload.init(config):``, like torch.n
 
     def _on_parameter(self, module: torch.nn.Module, name: str, param: Any) -> torch.nn.Parameter | None:
         """A module registers ``param``: a new parameter is moved into the arena (one already there, a tied
-        weight, stays as it is)."""
-        if type(param) is not torch.nn.Parameter or param.device.type != "cpu" or in_arena(param) \
+        weight, stays as it is). One built on a GPU (inside ``with torch.device("cuda")``) moves too, so the GPU
+        holds a module's parameters at a time, never the model's; one on the meta device has no values to move."""
+        if type(param) is not torch.nn.Parameter or param.device.type == "meta" or in_arena(param) \
                 or not param.is_floating_point():
             return None
         assert self.arena is not None

@@ -16,7 +16,7 @@ import torch
 
 import offload
 from nvme_swapper import in_arena
-from models import batches, close_enough, make, train_steps
+from models import DEVICE, batches, close_enough, make, train_steps
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -50,6 +50,27 @@ def test_a_model_built_in_the_arena_trains_like_one_built_plainly(tmp_path):
             results.append(engine.consolidated_state_dict())
     for k in results[0]:
         assert torch.equal(results[0][k], results[1][k]), k
+
+
+def test_a_model_built_under_a_device_context_goes_to_the_arena_too(tmp_path):
+    """``with torch.device("cuda"), offload.init(...)`` (a habit, or a library that picks the device): each
+    parameter is made on the device and moved into the arena as its module registers it, so the device never holds
+    the model (before, such parameters were skipped and the context did nothing). On the CPU this is the plain
+    path. On CUDA a module's initialisation after the registration (nn.Linear's reset_parameters) draws on the
+    arena tensor, from the CPU's generator: the values are then another draw, not those of a model built plainly."""
+    before = torch.cuda.memory_allocated(DEVICE) if DEVICE.type == "cuda" else 0
+    with torch.device(DEVICE), offload.init(config(tmp_path)) as ctx:
+        model = make()
+    assert ctx.params >= len(list(model.parameters()))
+    assert all(in_arena(p) and p.device.type == "cpu" for p in model.parameters())
+    if DEVICE.type == "cuda":
+        assert torch.cuda.memory_allocated(DEVICE) == before
+    with torch.device(DEVICE):
+        plain = make()
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert p.shape == q.shape and p.dtype == q.dtype and bool(p.isfinite().all())
+        if DEVICE.type == "cpu":
+            assert torch.equal(p, q)
 
 
 def test_the_arena_gives_its_disk_back_as_parameters_leave(tmp_path):
