@@ -537,11 +537,12 @@ def consolidated_state_dict(engine: "Engine") -> dict[str, torch.Tensor]:
 GATHER_CHUNK = 1 << 24  # elements each rank sends per all-gather when masters are gathered for an export
 
 
-def engine_tensors(engine: "Engine", keys: list[str]) -> dict[str, torch.Tensor]:
+def engine_tensors(engine: "Engine", keys: list[str], *, keep: bool = True) -> dict[str, torch.Tensor]:
     """The state-dict entries ``keys`` as plain CPU tensors (fp32 master weights for trainable parameters). One
     rank reads only the sub-groups holding the wanted parameters. Several ranks (collective: every rank passes the
     same keys) gather only those too, sub-group by sub-group in chunks of GATHER_CHUNK elements per rank, so the
-    memory is the wanted tensors plus one chunk per rank, whatever the model's size."""
+    memory is the wanted tensors plus one chunk per rank, whatever the model's size. ``keep`` False: this rank
+    only takes part in the collectives (gathers of masters and of stage 3's frozen parameters) and returns {}."""
     layout, opt = engine.layout, engine.optimizer
     sd = engine.module.state_dict(keep_vars=True)
     unknown = [k for k in keys if k not in sd]
@@ -549,6 +550,13 @@ def engine_tensors(engine: "Engine", keys: list[str]) -> dict[str, torch.Tensor]
         raise ValueError(f"consolidated_state_dict: {unknown[:5]} are not keys of the model's state_dict")
     index = {id(p): i for i, p in enumerate(layout.params)}
     wanted = sorted({index[id(sd[k])] for k in keys if id(sd[k]) in index})
+    if not keep:
+        if engine.world_size > 1:
+            _gather_masters(engine, dict.fromkeys(wanted))
+        for k in keys:  # stage 3's frozen parameters are gathered from every rank's piece
+            if id(sd[k]) not in index and layout.per_param and isinstance(sd[k], torch.nn.Parameter):
+                _host_value(engine, sd[k])
+        return {}
     masters = {i: aligned_tensor(tuple(layout.params[i].shape), torch.float32, pin_memory=False) for i in wanted}
     if engine.world_size == 1:
         for sg in layout.sub_groups:
@@ -572,10 +580,11 @@ def _host_value(engine: "Engine", t: torch.Tensor) -> torch.Tensor:
     return engine.read_parameter(t) if isinstance(t, torch.nn.Parameter) else engine.copies.download(t)
 
 
-def _gather_masters(engine: "Engine", masters: dict[int, torch.Tensor]) -> None:
+def _gather_masters(engine: "Engine", masters: dict[int, torch.Tensor | None]) -> None:
     """Fills ``masters`` (parameter index -> fp32 tensor) from every rank's share. Sub-group k of a group covers
     the same offsets in every rank's range, so all ranks read their k-th sub-group, all-gather it in chunks, and
-    keep the pieces of the wanted parameters; a sub-group holding none of them on any rank is skipped by all."""
+    keep the pieces of the wanted parameters; a sub-group holding none of them on any rank is skipped by all. A
+    None tensor: this rank takes part in the gathers and keeps nothing."""
     layout, opt, comm, world = engine.layout, engine.optimizer, engine.comm, engine.world_size
     on = engine.device if comm.pg.backend == "nccl" else torch.device("cpu")
     pieces: dict[int, list[tuple[int, int, int, int]]] = {}  # group -> (flat start, count, param, param start)
@@ -603,7 +612,7 @@ def _gather_masters(engine: "Engine", masters: dict[int, torch.Tensor]) -> None:
                         lo, hi = r * share + c0, r * share + c1  # this piece of the group's flat buffer
                         for p0, n, i, b in hits:
                             a, z = max(lo, p0), min(hi, p0 + n)
-                            if a < z:
+                            if a < z and masters[i] is not None:
                                 masters[i].view(-1)[b + a - p0 : b + z - p0].copy_(
                                     out[r * (c1 - c0) + a - lo : r * (c1 - c0) + z - lo])
             finally:

@@ -47,19 +47,28 @@ def plan_shards(sizes: Iterable[tuple[str, int]], max_shard_bytes: int) -> list[
 
 
 def _write_tmp(folder: Path, name: str, tensors: dict[str, torch.Tensor] | None, text: str = "") -> Path:
-    """``name`` written and fsynced under a temporary name in ``folder``; returns that path."""
+    """``name`` written and fsynced under a temporary name in ``folder``; returns that path. A failure removes the
+    temporary file, and an I/O error of safetensors (its own exception type) is raised as the OSError it reports,
+    errno included, so a full disk reads the same whatever the writer."""
     from safetensors.torch import save_file
 
     tmp = folder / f".{name}.tmp-{os.getpid()}"
-    if tensors is not None:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
-    else:
-        tmp.write_text(text)
-    fd = os.open(tmp, os.O_RDONLY)
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        if tensors is not None:
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
+        else:
+            tmp.write_text(text)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except BaseException as exc:
+        tmp.unlink(missing_ok=True)  # a full disk gets its space back
+        code = re.search(r"os error (\d+)", str(exc))  # safetensors reports I/O errors as its own type
+        if code is not None and not isinstance(exc, OSError):
+            raise OSError(int(code.group(1)), f"writing {folder / name}: {exc}") from exc
+        raise
     return tmp
 
 
@@ -73,17 +82,20 @@ def _fsync_dir(folder: Path) -> None:
 
 def write_safetensors(out: str | os.PathLike[str], sizes: list[tuple[str, int]],
                       read: Callable[[list[str]], dict[str, torch.Tensor]], max_shard_size: int | str = "5GB",
-                      progress: Callable[[int], object] | None = None, *, writer: bool = True) -> list[Path]:
+                      progress: Callable[[int], object] | None = None, *, writer: bool = True,
+                      vote: Callable[[bool], int] | None = None) -> list[Path]:
     """Writes the tensors named in ``sizes`` ((name, bytes) in order) into the folder ``out``, fetching one shard's
     worth at a time with ``read(names)``; returns the files written (the index last when sharded). ``progress``
-    is called with the bytes of each shard once written. ``writer`` False: ``read`` is still called for every
-    shard (a collective, with several ranks) but nothing is written.
+    is called with the bytes of each shard once written. With several ranks every rank calls: ``read`` for every
+    shard (a collective), ``writer`` True on the one that writes, and ``vote(ok)`` (how many ranks failed) after
+    the folder is made, after each shard and after the commit. A failure of the writer there (a full disk) is then
+    raised on every rank at once, its own error on the writer, so no rank waits in the next shard's gathers.
 
     Crash safety: every new file is written and fsynced under a temporary name first. A single file then replaces
     ``model.safetensors`` atomically (loaders prefer it to an index) before an old index goes; shards first remove
     the old index and single file (so no mix of old and new files can load), are renamed into place, and the new
     index comes last. Old shards the new export does not list are removed at the end. A crash leaves the old
-    export, the new one, or none that loads (an error at load), never a mix."""
+    export, the new one, or none that loads (an error at load), never a mix; a failure removes the temporary files."""
     limit = parse_bytes(max_shard_size, "max_shard_size")
     if limit <= 0:
         raise ValueError(f"max_shard_size must be positive, got {max_shard_size!r}")
@@ -93,42 +105,64 @@ def write_safetensors(out: str | os.PathLike[str], sizes: list[tuple[str, int]],
     report = progress or _ignore
     names = [SINGLE] if len(shards) == 1 else \
         [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
-    if not writer:
-        for shard in shards:
-            read(shard)
-        return []
-    folder.mkdir(parents=True, exist_ok=True)
     staged: list[tuple[Path, Path]] = []  # (temporary, final)
+
+    def agree(step: Callable[[], object], what: str) -> None:
+        """``step`` on the writer; then every rank learns whether it failed and raises if so."""
+        error: BaseException | None = None
+        if writer:
+            try:
+                step()
+            except Exception as exc:  # noqa: BLE001 - raised below, once every rank knows
+                error = exc
+        failed = vote(error is None) if vote is not None else int(error is not None)
+        if error is not None:
+            raise error
+        if failed:
+            raise RuntimeError(f"save_safetensors into {folder}: the writing rank failed to {what} (see its error); "
+                               "nothing of this export was committed")
+
     try:
+        agree(lambda: folder.mkdir(parents=True, exist_ok=True), "create the folder")
         for name, shard in zip(names, shards):
-            staged.append((_write_tmp(folder, name, read(shard)), folder / name))
+            tensors = read(shard)
+            agree(lambda: staged.append((_write_tmp(folder, name, tensors), folder / name)), f"write {name}")
+            del tensors
             report(sum(nbytes[n] for n in shard))
-        if len(shards) > 1:
-            weight_map = {n: name for name, shard in zip(names, shards) for n in shard}
-            index = json.dumps({"metadata": {"total_size": sum(nbytes.values())}, "weight_map": weight_map},
-                               indent=2)
-            staged.append((_write_tmp(folder, INDEX, None, index), folder / INDEX))
-        if len(shards) == 1:  # model.safetensors wins over an index when both exist: replace it, then drop the index
-            os.replace(*staged[0])
-            _fsync_dir(folder)
-            (folder / INDEX).unlink(missing_ok=True)
-        else:
-            (folder / INDEX).unlink(missing_ok=True)  # from here until the new index is in, no export loads
-            (folder / SINGLE).unlink(missing_ok=True)
-            _fsync_dir(folder)
-            for tmp, final in staged:
-                os.replace(tmp, final)
-                if final.name != INDEX:
-                    _fsync_dir(folder)  # the shards are in place before the index that names them
-        _fsync_dir(folder)
+        agree(lambda: _commit(folder, names, shards, nbytes, staged), "commit the files")
     finally:
         for tmp, _ in staged:
             tmp.unlink(missing_ok=True)
+    if not writer:
+        return []
     keep = set(names)
     for p in folder.iterdir():
         if _SHARD.fullmatch(p.name) and p.name not in keep:
             p.unlink()
     return [folder / n for n in names] + ([folder / INDEX] if len(shards) > 1 else [])
+
+
+def _commit(folder: Path, names: list[str], shards: list[list[str]], nbytes: dict[str, int],
+            staged: list[tuple[Path, Path]]) -> None:
+    """The staged files renamed into place, in the order that keeps a crash from leaving a mix (see
+    :func:`write_safetensors`)."""
+    if len(shards) > 1:
+        weight_map = {n: name for name, shard in zip(names, shards) for n in shard}
+        index = json.dumps({"metadata": {"total_size": sum(nbytes.values())}, "weight_map": weight_map}, indent=2)
+        staged.append((_write_tmp(folder, INDEX, None, index), folder / INDEX))
+    if len(shards) == 1:  # model.safetensors wins over an index when both exist: replace it, then drop the index
+        os.replace(*staged[0])
+        _fsync_dir(folder)
+        (folder / INDEX).unlink(missing_ok=True)
+    else:
+        (folder / INDEX).unlink(missing_ok=True)  # from here until the new index is in, no export loads
+        (folder / SINGLE).unlink(missing_ok=True)
+        _fsync_dir(folder)
+        for tmp, final in staged:
+            os.replace(tmp, final)
+            if final.name != INDEX:
+                _fsync_dir(folder)  # the shards are in place before the index that names them
+    _fsync_dir(folder)
 
 
 def _ignore(nbytes: int) -> None:
@@ -155,7 +189,8 @@ def save_engine(engine: "Engine", out: str | os.PathLike[str], max_shard_size: i
     """The engine's model (fp32 master weights of trainable parameters, other tensors as they are) as safetensors,
     one shard in memory at a time: shards hold the trainable parameters in the optimizer's order (each shard's
     masters read, or with several ranks gathered, from as few sub-groups as hold them), then the other tensors.
-    Collective with several ranks: every rank calls, rank 0 writes."""
+    Collective with several ranks: every rank calls and takes part in the gathers, rank 0 alone holds the shard and
+    writes it."""
     from ._checkpoint import engine_tensors
 
     sd = engine.module.state_dict(keep_vars=True)
@@ -163,8 +198,10 @@ def save_engine(engine: "Engine", out: str | os.PathLike[str], max_shard_size: i
     order = {id(p): i for i, p in enumerate(engine.layout.params)}
     keys.sort(key=lambda k: order.get(id(sd[k]), len(order)))  # stable: the others keep state-dict order
     sizes = [(k, sd[k].numel() * (4 if id(sd[k]) in order else sd[k].element_size())) for k in keys]
-    return write_safetensors(out, sizes, lambda names: engine_tensors(engine, names), max_shard_size,
-                             writer=engine.rank == 0)
+    writer = engine.rank == 0
+    vote = (lambda ok: int(engine.comm.sum_float(0.0 if ok else 1.0))) if engine.world_size > 1 else None
+    return write_safetensors(out, sizes, lambda names: engine_tensors(engine, names, keep=writer), max_shard_size,
+                             writer=writer, vote=vote)
 
 
 def save_checkpoint_folder(root: Path, out: Path, tag: str | None = None, max_shard_size: int | str = "5GB",

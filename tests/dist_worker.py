@@ -13,7 +13,9 @@ frozen, as under adapters), ``edit`` (rank 0 alone re-initialises two parameters
 block before training: test_params.edit), ``nan_at`` (before that step, rank 1 alone gets a batch whose labels
 are all ignored, a NaN loss: every rank's backward must refuse it, and the loop skips it), ``fail_save`` (rank 0's
 checkpoint writes of frozen parameters fail with ENOSPC, or with "commit" its rename of the written directory
-into place fails with EIO: the save must raise on every rank, the error's type recorded as ``save_error``),
+into place fails with EIO, or with "safetensors" its write of the second shard of an export fails with ENOSPC:
+the save must raise on every rank, the error's type recorded as ``save_error``), ``safetensors`` (a folder every
+rank exports into with ``engine.save_safetensors(..., max_shard_size="24KB")`` after training),
 ``reference`` (a forward-only engine of ``make(seed=1)``, all of it frozen, made beside the trained one under the
 same config; the trained one is closed first, then the reference runs forwards and rank r writes
 ``<name>.reference.rank<r>.pt``, its outputs on its slice of the first two batches, and
@@ -74,8 +76,20 @@ def run(spec: dict, r: dict, rank: int, world: int, out: Path) -> None:
     save_error = None
     from offload import _checkpoint
 
-    rename, write = os.rename, _checkpoint._TensorFile.write  # put back after the run
-    if r.get("fail_save") == "commit" and rank == 0:
+    from offload import _export
+
+    rename, write, write_tmp = os.rename, _checkpoint._TensorFile.write, _export._write_tmp  # put back after the run
+    if r.get("fail_save") == "safetensors" and rank == 0:
+        calls = []
+
+        def failing_write_tmp(folder, name, *args):
+            calls.append(name)
+            if len(calls) == 2:
+                raise OSError(errno.ENOSPC, "No space left on device (injected)")
+            return write_tmp(folder, name, *args)
+
+        _export._write_tmp = failing_write_tmp
+    elif r.get("fail_save") == "commit" and rank == 0:
         def failing_rename(src, dst):
             raise OSError(errno.EIO, "Input/output error (injected)")
 
@@ -126,6 +140,13 @@ def run(spec: dict, r: dict, rank: int, world: int, out: Path) -> None:
                     if not r.get("fail_save"):
                         raise
                     save_error = f"{type(exc).__name__}: {exc}"
+        if r.get("safetensors"):
+            try:
+                engine.save_safetensors(r["safetensors"], max_shard_size="24KB")
+            except (OSError, RuntimeError) as exc:
+                if not r.get("fail_save"):
+                    raise
+                save_error = f"{type(exc).__name__}: {exc}"
         state = engine.consolidated_state_dict()
         extras = {k: state.pop(k).tolist() for k in ("frozen", "mask") if k in state}
         if rank == 0:
@@ -146,7 +167,7 @@ def run(spec: dict, r: dict, rank: int, world: int, out: Path) -> None:
             (out / f"{r['name']}.groups.rank{rank}.json").write_text(json.dumps(
                 {"after_first_close": alive, "after_last_close": dist.is_initialized()}))
     finally:
-        os.rename, _checkpoint._TensorFile.write = rename, write
+        os.rename, _checkpoint._TensorFile.write, _export._write_tmp = rename, write, write_tmp
         engine.close()
         if ref is not None:
             ref.close()

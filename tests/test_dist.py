@@ -244,6 +244,10 @@ def two_ranks(tmp_path_factory):
               "fail_save": True, "save": str(tmp / "ckpt-failsave"), "config": config(3, "cpu", tmp / "nvme")},
              {"name": "commit-failsave", "steps": 2, "gas": 1, "save_after": 1, "fail_save": "commit",
               "save": str(tmp / "ckpt-commitfail"), "config": config(2, "cpu", tmp / "nvme")}]
+    runs += [{"name": "export-frozen", "steps": 2, "gas": 1, "frozen_base": True, "safetensors": str(tmp / "st"),
+              "config": config(3, "cpu", tmp / "nvme", param="nvme")},
+             {"name": "export-failsave", "steps": 2, "gas": 1, "fail_save": "safetensors",
+              "safetensors": str(tmp / "st-fail"), "config": config(2, "cpu", tmp / "nvme")}]
     return launch(tmp, 2, runs), tmp / "ckpt"
 
 
@@ -557,6 +561,31 @@ def test_a_checkpoint_whose_commit_fails_on_rank_0_fails_on_every_rank(two_ranks
     assert info[1]["save_error"].startswith("RuntimeError") and "rank 0 failed to commit" in info[1]["save_error"]
     assert all(i["steps"] == 2 for i in info)
     assert list((tmp / "ckpt-commitfail").iterdir()) == []
+
+
+def test_a_safetensors_export_on_two_ranks_and_one_that_fails_on_rank_0(two_ranks):
+    """Stage 3 with a frozen base and the parameters' pieces on NVMe: rank 0 writes the shards (trainable masters
+    and frozen parameters gathered from both ranks' pieces), which load back to the consolidated state. Then rank
+    0's write of the second shard fails (ENOSPC): rank 0 raises it, rank 1 that the writing rank failed (before, it
+    went on into the next shard's gathers and waited until comm_timeout), no temporary file is left and both ranks
+    train on."""
+    from safetensors.torch import load_file
+
+    out, tmp = two_ranks[0], two_ranks[1].parent
+    state = torch.load(out / "export-frozen.pt", weights_only=True)
+    index = json.loads((tmp / "st" / "model.safetensors.index.json").read_text())
+    shards = set(index["weight_map"].values())
+    assert len(shards) > 2
+    exported = {k: v for shard in shards for k, v in load_file(str(tmp / "st" / shard)).items()}
+    assert set(exported) | {"head.weight"} == set(state)  # the tied head is written once, under tok.weight
+    for k, v in exported.items():
+        assert torch.equal(v, state[k]), k
+    info = [json.loads((out / f"export-failsave.rank{r}.json").read_text()) for r in range(2)]
+    assert info[0]["save_error"].startswith("OSError") and "injected" in info[0]["save_error"], info[0]
+    assert info[1]["save_error"].startswith("RuntimeError") and "writing rank failed to write model-00002" in \
+        info[1]["save_error"], info[1]
+    assert all(i["steps"] == 2 for i in info)
+    assert list((tmp / "st-fail").iterdir()) == []
 
 
 @pytest.mark.parametrize("stage", [2, 3])

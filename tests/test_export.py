@@ -4,7 +4,9 @@ consolidated_state_dict."""
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 
 import pytest
 import torch
@@ -89,3 +91,25 @@ def test_a_failed_export_leaves_the_previous_one(tmp_path):
         write_safetensors(tmp_path, sizes, failing, max_shard_size=8000)
     assert sorted(p.name for p in tmp_path.iterdir()) == before
     assert all(torch.equal(v, tensors[k]) for k, v in read_folder(tmp_path).items())
+
+
+def test_an_export_that_fills_the_disk_gives_the_space_back(small_ext4):
+    """A real ENOSPC from a 16 MiB filesystem midway through a shard: the error is raised, the earlier export stays
+    whole and loadable, and the partial shard's temporary file is gone (before, a failing write left it)."""
+    out = small_ext4 / "out"
+    with offload.initialize(make(d=192), {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}) as engine:
+        train_steps(engine, batches(1))
+        engine.save_safetensors(out)  # 3.6 MB
+        want = read_folder(out)
+        st = os.statvfs(small_ext4)
+        with open(small_ext4 / "filler", "wb") as f:  # leaves 1 MiB: the next export fails midway
+            f.truncate(0)
+            f.write(b"\0" * (st.f_bavail * st.f_frsize - (1 << 20)))
+            os.fsync(f.fileno())
+        free = os.statvfs(small_ext4).f_bavail
+        with pytest.raises(OSError) as info:
+            engine.save_safetensors(out, max_shard_size="2MB")
+        assert info.value.errno == errno.ENOSPC, info.value
+        assert os.statvfs(small_ext4).f_bavail == free
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+    assert all(torch.equal(v, want[k]) for k, v in read_folder(out).items())
