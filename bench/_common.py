@@ -1,5 +1,5 @@
-"""What the bench scripts share: the shape of a GPT of a given size, this process's memory as /proc tells it, and
-an end by SIGTERM that still runs their cleanup."""
+"""What the bench scripts share: the shape of a GPT of a given size, this process's memory as /proc tells it, an end
+by SIGTERM that still runs their cleanup, and the help of ``--out``."""
 
 from __future__ import annotations
 
@@ -42,6 +42,26 @@ def mem_available() -> int:
 def peak_rss() -> int:
     """This process's peak resident set so far (VmHWM), bytes."""
     return proc_bytes("/proc/self/status", "VmHWM")[0]
+
+
+def reset_peak_rss() -> bool:
+    """Restarts this process's VmHWM from its current RSS (Linux: "5" to /proc/self/clear_refs), so that a later
+    peak_rss() is the peak of what came after, not of an earlier phase (a probe's buffer, freed since); False where
+    the kernel refuses."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def out_help(script: str) -> str:
+    """``--out``'s help: a file when the script runs itself, a folder through the CLI, which puts the JSON in it
+    (offload/cli.py bench_command)."""
+    return (f"the JSON file to write (default results/{script}.json); through python -m offload bench, --out is "
+            f"instead the results folder (default results/): the JSON goes to FOLDER/{script}.json, the plots beside "
+            "it")
 
 
 def huge_pages() -> tuple[int, int]:

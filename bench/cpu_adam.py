@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import exit_on_sigterm  # noqa: E402
+from _common import exit_on_sigterm, out_help  # noqa: E402
 from nvme_swapper import aligned_tensor  # noqa: E402
 from offload.ops import adam_step, cpu_adam_backend, host_stream_buffer  # noqa: E402
 from offload._progress import progress  # noqa: E402
@@ -153,7 +153,7 @@ def main() -> None:
                         help="parameters per update (default 1e8)")
     parser.add_argument("--repeats", type=int, default=7, help="timed rounds after one warm-up round (default 7)")
     parser.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
-    parser.add_argument("--out", type=Path, default=Path("results/cpu_adam.json"), help="JSON output path")
+    parser.add_argument("--out", type=Path, default=Path("results/cpu_adam.json"), help=out_help("cpu_adam"))
     args = parser.parse_args()
     if args.params < 1 or args.repeats < 1:
         parser.error("--params and --repeats must be positive")

@@ -68,7 +68,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
-from _common import peak_rss, proc_bytes, shape_for  # noqa: E402
+from _common import out_help, peak_rss, proc_bytes, shape_for  # noqa: E402
 
 import offload  # noqa: E402
 from nvme_swapper import aligned_tensor, pinned_bytes  # noqa: E402
@@ -414,7 +414,7 @@ def main() -> None:
                     help="training dtype (plain torch: autocast to it); auto: bf16 where the device runs it at full "
                     "speed (offload._device.fast_bf16), else fp32")
     ap.add_argument("--deepspeed", choices=["auto", "off"], default="auto",
-                    help="auto: DeepSpeed beside ours when it is importable")
+                    help="auto: DeepSpeed beside ours when it is importable and CUDA is there")
     ap.add_argument("--nvme-dir", default=None, help="where swap files go (default: a temporary directory)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run every placement this many times, round-robin, and quote the median of each round's "
@@ -424,7 +424,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=900, help="seconds per run")
     ap.add_argument("--build-timeout", type=float, default=420, help="seconds for DeepSpeed to build its ops "
                     "(CPU Adam; AIO with NVMe placements) before the runs, once")
-    ap.add_argument("--out", default="results/gpu_train.json")
+    ap.add_argument("--out", default="results/gpu_train.json", help=out_help("gpu_train"))
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -446,13 +446,16 @@ def main() -> None:
         Path(args.nvme_dir).mkdir(parents=True, exist_ok=True)
     device = offload.default_device()
     has_ds = args.deepspeed == "auto" and _importable("deepspeed") and device.type == "cuda"
+    no_ds = ("--deepspeed off" if args.deepspeed == "off" else  # why it sits out, said in the header
+             ", ".join(why for why, lacking in (("not importable", not _importable("deepspeed")),
+                                                ("no CUDA", device.type != "cuda")) if lacking))
     dtype = args.dtype if args.dtype != "auto" else "bf16" if fast_bf16(device) else "fp32"
     base = {"model": cfg.__dict__, "batch": args.batch, "tokens": args.tokens, "steps": args.steps,
             "warmup": args.warmup, "nvme_dir": args.nvme_dir, "dtype": dtype, "compile": args.compile}
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (no CUDA)"
     print(f"gpu bench: GPT {layers} x {width}, {n / 1e9:.3g}B parameters, {args.batch} x {args.tokens} tokens, "
           f"on {name}, {dtype}{', compiled' if args.compile else ''}; "
-          f"DeepSpeed {'beside ours' if has_ds else 'not run'}", flush=True)
+          f"DeepSpeed {'beside ours' if has_ds else f'not run ({no_ds})'}", flush=True)
     printed: list[str] = []  # the summary lines of what ran so far
     _on_sigterm(printed)
     bounds = {"compute": launch({**base, "kind": "compute", "placement": "compute"}, args.timeout),
@@ -572,7 +575,9 @@ def _summary(runs: list[dict[str, Any]], bounds: dict[str, Any], n: int) -> dict
         bound = max(v for v in parts.values() if v is not None)
         key = "opt_host_bound" + placement[len("opt-host"):].replace("-", "_")
         out[key] = {**parts, "bound": bound, "ratio": ours["step_seconds"] / bound}
-        shown = ", ".join(f"{k} {'-' if v is None else f'{v:.3f}'}" for k, v in parts.items())
+        # without CUDA (no GPU peak) the "pcie" bound is a host memcpy: named so where printed, the key kept
+        names = {"pcie": "memcpy"} if ours["gpu_peak"] is None else {}
+        shown = ", ".join(f"{names.get(k, k)} {'-' if v is None else f'{v:.3f}'}" for k, v in parts.items())
         lines.append(f"  {placement}: step {ours['step_seconds']:.3f} s / max({shown}) = {out[key]['ratio']:.2f}"
                      "  (target <= 1.15)")
     serial, beside = ok.get(("offload", "opt-host")), ok.get(("offload", "opt-host-overlap"))

@@ -35,7 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
-from _common import exit_on_sigterm, shape_for  # noqa: E402
+from _common import exit_on_sigterm, out_help, shape_for  # noqa: E402
 
 from offload._export import _unique, write_safetensors  # noqa: E402
 from offload._progress import progress  # noqa: E402
@@ -115,7 +115,7 @@ def main() -> None:
     ap.add_argument("--budget", default="nvme=0.75,host=1.25",
                     help="host budget per placement, as a fraction of the checkpoint's bytes")
     ap.add_argument("--nvme-dir", default=None)
-    ap.add_argument("--out", default="results/load.json")
+    ap.add_argument("--out", default="results/load.json", help=out_help("load"))
     args = ap.parse_args()
     fractions = _fractions(args.budget)
     layers, width = shape_for(args.params, VOCAB, CONTEXT)
@@ -167,8 +167,15 @@ def main() -> None:
     out.write_text(json.dumps({"params": cfg.num_parameters, "layers": layers, "width": width,
                                "checkpoint_bytes": ckpt_bytes, "shards": shards, "rows": rows}, indent=1))
     print(f"\nwrote {out}")
-    if not all(r["within_budget"] and r["equal"] and not r["missing"] for r in rows.values()):
-        raise SystemExit(1)
+    failed = [f"{kind}: tier in use {fmt_bytes(r['host_in_use'])} + load adds {fmt_bytes(r['load_adds'])} = "
+              f"{fmt_bytes(r['peak'])}, over its host budget {fmt_bytes(r['budget'])} "
+              f"({r['budget_fraction']:.2f}x the checkpoint)" for kind, r in rows.items() if not r["within_budget"]]
+    failed += [f"{kind}: the loaded masters differ from the checkpoint ({r['sampled']} tensors sampled)"
+               for kind, r in rows.items() if not r["equal"]]
+    failed += [f"{kind}: the checkpoint lacks {len(r['missing'])} of the model's keys (first {r['missing'][0]})"
+               for kind, r in rows.items() if r["missing"]]
+    if failed:
+        sys.exit("error: " + "; ".join(failed))  # to stderr, status 1
 
 
 if __name__ == "__main__":

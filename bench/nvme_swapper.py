@@ -48,7 +48,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _common import exit_on_sigterm  # noqa: E402
+from _common import exit_on_sigterm, out_help  # noqa: E402
 from nvme_swapper import AioConfig, SwapEngine, aligned_tensor  # noqa: E402
 from nvme_swapper._native import memory_at  # noqa: E402
 from nvme_swapper._tune import drop_cache  # noqa: E402
@@ -207,7 +207,7 @@ def main() -> None:
     ap.add_argument("--depths", default="1,8,32", help="engine queue depths to sweep (comma-separated)")
     ap.add_argument("--no-fio", action="store_true", help="skip fio: the limit is the pread/pwrite loop alone")
     ap.add_argument("--requests", default=None, help="request sizes: measure the knee instead (see above)")
-    ap.add_argument("--out", default="results/nvme_swapper.json")
+    ap.add_argument("--out", default="results/nvme_swapper.json", help=out_help("nvme_swapper"))
     args = ap.parse_args()
     if args.requests:
         sizes = [parse_bytes(v.strip(), "--requests") for v in args.requests.split(",") if v.strip()]

@@ -32,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
-from _common import exit_on_sigterm  # noqa: E402
+from _common import exit_on_sigterm, out_help  # noqa: E402
 
 import offload  # noqa: E402
 from nvme_swapper import aligned_tensor  # noqa: E402
@@ -52,7 +52,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--decode", type=int, default=0, help="tokens of the generation loop (0: none)")
     ap.add_argument("--nvme-dir", default=None)
-    ap.add_argument("--out", default="results/param_offload.json")
+    ap.add_argument("--out", default="results/param_offload.json", help=out_help("param_offload"))
     args = ap.parse_args()
 
     cfg = GPTConfig(vocab_size=args.vocab, context=max(args.tokens, 8 + args.decode, 64), layers=args.layers,

@@ -49,7 +49,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
-from _common import exit_on_sigterm, huge_pages, mem_available, peak_rss, shape_for  # noqa: E402
+from _common import (exit_on_sigterm, huge_pages, mem_available, out_help, peak_rss, proc_bytes,  # noqa: E402
+                     reset_peak_rss, shape_for)
 
 import offload  # noqa: E402
 from nvme_swapper import AioConfig, aligned_tensor  # noqa: E402
@@ -79,7 +80,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", type=float, default=1e8, help="model size (parameters); ignored with --layers")
     ap.add_argument("--layers", type=int, default=None)
-    ap.add_argument("--width", type=int, default=None, help="with --layers (default: chosen from --params)")
+    ap.add_argument("--width", type=int, default=None, help="with --layers (default 768)")
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--tokens", type=int, default=64, help="sequence length")
     ap.add_argument("--batch", type=int, default=1)
@@ -107,7 +108,7 @@ def main() -> None:
     ap.add_argument("--one-batch", action="store_true",
                     help="train on one batch throughout (the overfit check): its loss falls within a few steps, where "
                          "fresh batches of the synthetic task need dozens of steps to show learning")
-    ap.add_argument("--out", default="results/train.json")
+    ap.add_argument("--out", default="results/train.json", help=out_help("train"))
     args = ap.parse_args()
     for name in ("steps", "batch", "tokens", "buffers"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
@@ -189,7 +190,9 @@ def main() -> None:
             "aio": aio_section,
         }
         torch.manual_seed(args.seed)
-        rss_before, t = peak_rss(), time.perf_counter()
+        # the probe's buffer set the high-water mark; restarted here, it is construction's own
+        peak_before_build, reset = peak_rss(), reset_peak_rss()
+        rss_before, t = proc_bytes("/proc/self/status", "VmRSS")[0], time.perf_counter()
         if args.build == "init":
             with offload.init(config):
                 model = GPT(cfg)
@@ -200,18 +203,21 @@ def main() -> None:
                 model = GPT(cfg)
             finally:
                 torch.set_default_dtype(default_dtype)
-        build = {"seconds": time.perf_counter() - t, "peak_rss": peak_rss(), "rss_growth": peak_rss() - rss_before}
+        build = {"seconds": time.perf_counter() - t, "peak_rss": peak_rss(),
+                 "rss_growth": peak_rss() - rss_before if reset else None}
         where = "inside offload.init" if args.build == "init" else "in RAM"
+        growth = (f"{fmt_bytes(build['rss_growth'])} more than before" if reset else
+                  "its growth not measured: /proc/self/clear_refs refused to reset the high-water mark")
         print(f"built {where}: {build['seconds']:.1f} s, peak RSS {fmt_bytes(build['peak_rss'])} "
-              f"({fmt_bytes(build['rss_growth'])} more than before; the model's fp32 parameters are "
-              f"{fmt_bytes(4 * n)})", flush=True)
+              f"({growth}; the model's fp32 parameters are {fmt_bytes(4 * n)})", flush=True)
         t = time.perf_counter()
         engine = offload.initialize(model, config)
         del model  # the engine holds the module; its parameters now live on NVMe
         init_s = time.perf_counter() - t
         anon, huge = huge_pages()
         print(f"initialize: {init_s:.1f} s (parameters and optimizer state written to {work}; peak RSS "
-              f"{fmt_bytes(peak_rss())}; {fmt_bytes(huge)} of {fmt_bytes(anon)} anonymous memory in huge pages)\n"
+              f"{fmt_bytes(peak_rss())} since the build; {fmt_bytes(huge)} of {fmt_bytes(anon)} anonymous memory in "
+              "huge pages)\n"
               + engine.plan().describe(), flush=True)
         try:
             data = synthetic_batches(cfg.vocab_size, args.batch, args.tokens, args.seed)
@@ -289,7 +295,8 @@ def main() -> None:
     out.write_text(json.dumps({
         "model": {"layers": layers, "width": width, "vocab": args.vocab, "params": n, "tokens": args.tokens,
                   "batch": args.batch},
-        "config": config, "init_seconds": init_s, "build": build, "peak_rss": peak_rss(),
+        "config": config, "init_seconds": init_s, "build": build,
+        "peak_rss": max(peak_before_build, peak_rss()),
         "plan": {k: v for k, v in plan.__dict__.items() if k != "plan"},
         "disk_probes": [{"write_gbps": w, "read_gbps": r} for w, r in disk], "probe_bytes": probe_bytes,
         "steps": rows, "summary": summary, "engine_stats": stats, "memory_report": report,
