@@ -51,6 +51,8 @@ import torch
 from nvme_swapper import aligned_tensor
 from nvme_swapper._native import memory_at
 
+from .dist import GatherRefused
+
 if TYPE_CHECKING:
     from .engine import Engine
 
@@ -229,7 +231,7 @@ def save(engine: "Engine", root: Path, tag: str, frozen: bool = True) -> Path:
                            "written")
     try:
         index = _write_shard(engine, tmp, frozen)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, GatherRefused) as exc:  # GatherRefused: raised on every rank at the same read
         error = exc
     failed = int(comm.sum_float(1.0 if error is not None else 0.0))
     if failed and rank == 0:  # every rank has closed its shard: give the space back (a full disk stays usable)

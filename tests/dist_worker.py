@@ -13,7 +13,8 @@ frozen, as under adapters), ``edit`` (rank 0 alone re-initialises two parameters
 block before training: test_params.edit), ``nan_at`` (before that step, rank 1 alone gets a batch whose labels
 are all ignored, a NaN loss: every rank's backward must refuse it, and the loop skips it), ``fail_save`` (rank 0's
 checkpoint writes of frozen parameters fail with ENOSPC, or with "commit" its rename of the written directory
-into place fails with EIO, or with "safetensors" its write of the second shard of an export fails with ENOSPC:
+into place fails with EIO, or with "safetensors" its write of the second shard of an export fails with ENOSPC; with
+"oom" rank 1 runs out of device memory for the second gather of a whole frozen parameter that a save reads:
 the save must raise on every rank, the error's type recorded as ``save_error``), ``safetensors`` (a folder every
 rank exports into with ``engine.save_safetensors(..., max_shard_size="24KB")`` after training),
 ``reference`` (a forward-only engine of ``make(seed=1)``, all of it frozen, made beside the trained one under the
@@ -79,7 +80,20 @@ def run(spec: dict, r: dict, rank: int, world: int, out: Path) -> None:
     from offload import _export
 
     rename, write, write_tmp = os.rename, _checkpoint._TensorFile.write, _export._write_tmp  # put back after the run
-    if r.get("fail_save") == "safetensors" and rank == 0:
+    from offload.dist import ParamShards
+
+    read_buffers = ParamShards._read_buffers
+    if r.get("fail_save") == "oom" and rank == 1:
+        reads = []
+
+        def short_of_memory(self, i):
+            reads.append(i)
+            if len(reads) == 2:
+                raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+            return read_buffers(self, i)
+
+        ParamShards._read_buffers = short_of_memory
+    elif r.get("fail_save") == "safetensors" and rank == 0:
         calls = []
 
         def failing_write_tmp(folder, name, *args):
@@ -168,6 +182,7 @@ def run(spec: dict, r: dict, rank: int, world: int, out: Path) -> None:
                 {"after_first_close": alive, "after_last_close": dist.is_initialized()}))
     finally:
         os.rename, _checkpoint._TensorFile.write, _export._write_tmp = rename, write, write_tmp
+        ParamShards._read_buffers = read_buffers
         engine.close()
         if ref is not None:
             ref.close()

@@ -244,6 +244,8 @@ def two_ranks(tmp_path_factory):
               "fail_save": True, "save": str(tmp / "ckpt-failsave"), "config": config(3, "cpu", tmp / "nvme")},
              {"name": "commit-failsave", "steps": 2, "gas": 1, "save_after": 1, "fail_save": "commit",
               "save": str(tmp / "ckpt-commitfail"), "config": config(2, "cpu", tmp / "nvme")}]
+    runs += [{"name": "oom-failsave", "steps": 2, "gas": 1, "frozen_base": True, "save_after": 1, "fail_save": "oom",
+              "save": str(tmp / "ckpt-oom"), "config": config(3, "cpu", tmp / "nvme")}]
     runs += [{"name": "export-frozen", "steps": 2, "gas": 1, "frozen_base": True, "safetensors": str(tmp / "st"),
               "config": config(3, "cpu", tmp / "nvme", param="nvme")},
              {"name": "export-failsave", "steps": 2, "gas": 1, "fail_save": "safetensors",
@@ -561,6 +563,20 @@ def test_a_checkpoint_whose_commit_fails_on_rank_0_fails_on_every_rank(two_ranks
     assert info[1]["save_error"].startswith("RuntimeError") and "rank 0 failed to commit" in info[1]["save_error"]
     assert all(i["steps"] == 2 for i in info)
     assert list((tmp / "ckpt-commitfail").iterdir()) == []
+
+
+def test_a_rank_short_of_device_memory_for_a_frozen_gather_fails_the_save_on_every_rank(two_ranks):
+    """Stage 3 saves a frozen base by gathering each frozen parameter whole, outside the device budget. Rank 1
+    runs out of memory for the second one (injected): before, it raised alone and rank 0 waited in that gather
+    until comm_timeout. Now the ranks agree before each gather: rank 1 raises the out-of-memory error (as a
+    GatherRefused), rank 0 that another rank ran out, nothing is committed and training goes on."""
+    out, tmp = two_ranks[0], two_ranks[1].parent
+    info = [json.loads((out / f"oom-failsave.rank{r}.json").read_text()) for r in range(2)]
+    assert info[1]["save_error"].startswith("GatherRefused") and "rank 1: out of device memory" in \
+        info[1]["save_error"], info[1]
+    assert info[0]["save_error"].startswith("GatherRefused") and "1 other rank(s) ran out" in info[0]["save_error"]
+    assert all(i["steps"] == 2 for i in info)
+    assert list((tmp / "ckpt-oom").iterdir()) == []
 
 
 def test_a_safetensors_export_on_two_ranks_and_one_that_fails_on_rank_0(two_ranks):

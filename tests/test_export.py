@@ -24,8 +24,8 @@ def read_folder(folder) -> dict[str, torch.Tensor]:
     for name in files:
         with safe_open(str(folder / name), framework="pt") as f:
             assert f.metadata() == {"format": "pt"}
-            out.update({k: f.get_tensor(k) for k in f.keys()})
-    return out
+            out.update({k: f.get_tensor(k).clone() for k in f.keys()})  # not views of the file's mapping, which
+    return out  # would keep its filesystem busy
 
 
 @pytest.mark.parametrize("params", ["none", "nvme"])

@@ -14,7 +14,7 @@ from ._buckets import BucketState, ReduceBuckets
 from ._comm import Comm, CommError, CommState
 from ._group import Origin, ProcessGroup, join
 from ._sync import StartSync, agree_with_rank0
-from ._zero import GradPartition, ParamShards
+from ._zero import GatherRefused, GradPartition, ParamShards
 
-__all__ = ["BucketState", "Comm", "CommError", "CommState", "GradPartition", "Origin", "ParamShards", "ProcessGroup",
-           "ReduceBuckets", "StartSync", "agree_with_rank0", "join"]
+__all__ = ["BucketState", "Comm", "CommError", "CommState", "GatherRefused", "GradPartition", "Origin", "ParamShards",
+           "ProcessGroup", "ReduceBuckets", "StartSync", "agree_with_rank0", "join"]

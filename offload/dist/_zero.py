@@ -39,6 +39,12 @@ from ..optim._layout import FlatLayout, SubGroup
 from ._comm import Comm
 
 
+class GatherRefused(RuntimeError):
+    """Raised on every rank when some rank had no device memory to gather a whole parameter for a read (a
+    checkpoint's frozen parameters, an export): all raise at the same read, none waits in a gather the others
+    never start."""
+
+
 class _Gathered:
     """An all-gather of a parameter's pieces in flight; ``wait()`` lands it in the parameter's device buffer."""
 
@@ -182,16 +188,15 @@ class ParamShards:
         wait_all(handles)
         self.store.count(src, dst, sum(h.nbytes for h in handles))
 
-    def fetch(self, i: int, dst: torch.Tensor) -> Any:
+    def fetch(self, i: int, dst: torch.Tensor, out: torch.Tensor | None = None) -> Any:
         """Starts gathering parameter ``i`` into ``dst`` (its device buffer); returns a handle to ``wait()`` on.
         Host pieces: the all-gather starts now. NVMe pieces: the reads of this rank's piece start now, into a
         staging piece of their own, and the all-gather is issued once they are done, in fetch order, at the
         latest when this or a later fetch is waited on or any other collective starts (``Comm.before_collective``):
         so the reads overlap the compute before the parameter is needed, and every rank issues the gathers in the
-        order it fetched, which is the same everywhere."""
+        order it fetched, which is the same everywhere. ``out``: the all-gather's output, if already allocated."""
         piece, r = self.piece[i], self.comm.rank
-        with self.copies.copy_stream():  # memory no kernel of the compute stream may still be using: the copy
-            out = torch.empty(piece * self.comm.world_size, dtype=self.dtype, device=self.device)  # waits for none
+        out = self._out_buffer(i) if out is None else out
         inp = out[r * piece : (r + 1) * piece]  # the all-gather takes this rank's chunk of out in place
         if self._swap is None:
             return self._gather(out, inp, self.pieces[i], dst)[0]
@@ -271,11 +276,34 @@ class ParamShards:
             self.issue_next()
 
     def read(self, i: int) -> torch.Tensor:
-        """Parameter ``i``'s full value as a new host tensor in its shape (a collective)."""
+        """Parameter ``i``'s full value as a new host tensor in its shape (a collective). Its device buffers lie
+        outside the budget (a read is not a step's), so the ranks first agree that each could allocate them."""
         p = self.params[i]
-        dst = torch.empty(p.numel(), dtype=self.dtype, device=self.device)
-        self.fetch(i, dst).wait()
+        error: torch.OutOfMemoryError | None = None
+        try:
+            dst, out = self._read_buffers(i)
+        except torch.OutOfMemoryError as exc:
+            error = exc
+        short = int(self.comm.sum_float(0.0 if error is None else 1.0))
+        if short:
+            nbytes = p.numel() * self.dtype.itemsize
+            raise GatherRefused(
+                f"rank {self.comm.rank}: " + ("out of device memory" if error is not None else
+                                              f"{short} other rank(s) ran out of device memory") +
+                f" for the {2 * nbytes / 2**20:.1f} MiB that gathering parameter {i} of shape {tuple(p.shape)} "
+                "for a read takes; free device memory (torch.cuda.empty_cache(), a smaller batch before the "
+                "save) and retry") from error
+        self.fetch(i, dst, out).wait()
         return self.copies.download(dst).view(p.shape)
+
+    def _read_buffers(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A read's device buffers: the parameter whole, and the all-gather's output."""
+        return torch.empty(self.params[i].numel(), dtype=self.dtype, device=self.device), self._out_buffer(i)
+
+    def _out_buffer(self, i: int) -> torch.Tensor:
+        """The all-gather's output for parameter ``i``: every rank's piece."""
+        with self.copies.copy_stream():  # memory no kernel of the compute stream may still be using: the copy
+            return torch.empty(self.piece[i] * self.comm.world_size, dtype=self.dtype, device=self.device)
 
     def swap_stats(self) -> dict[str, Any] | None:
         """The NVMe pieces' swap engine (bytes read and written, ...) and ``read_stats``; None for host pieces."""
