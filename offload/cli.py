@@ -175,10 +175,14 @@ def estimate_command(args: argparse.Namespace) -> int:
 
     if args.gpus < 1:
         raise ValueError(f"--gpus must be at least 1, got {args.gpus}")
+    gpu_mem = parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None
+    if gpu_mem is None and torch.cuda.is_available():  # initialize's device budget there: sizes derive from it
+        gpu_mem = torch.cuda.get_device_properties(0).total_memory
+        print(f"--gpu-mem: {fmt_bytes(gpu_mem)}, this machine's {torch.cuda.get_device_name(0)} (the budget "
+              "initialize takes on it; give --gpu-mem to plan for another)")
     kw = dict(gpus=args.gpus, sub_group_size=None if args.sub_group_size is None else int(args.sub_group_size),
               buffer_count=args.buffer_count,
-              gradient_clipping=args.gradient_clipping,
-              gpu_mem=parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None,
+              gradient_clipping=args.gradient_clipping, gpu_mem=gpu_mem,
               host_mem=parse_bytes(args.host_mem, "--host-mem") if args.host_mem else None,
               nvme_free=parse_bytes(args.nvme_free, "--nvme-free") if args.nvme_free else None)
     if args.largest_param is not None and args.model:
@@ -389,7 +393,8 @@ def main(argv: list[str] | None = None) -> int:
                    "GPT's embedding, vocabulary x width: 525336576 for 128256 x 4096); default: the whole model as "
                    "one, which charges the device for a gradient of the whole model")
     e.add_argument("--gpus", type=int, default=1)
-    e.add_argument("--gpu-mem", help="memory per GPU, e.g. 24GiB")
+    e.add_argument("--gpu-mem", help="memory per GPU, e.g. 24GiB (default: this machine's first GPU, the budget "
+                   "initialize takes there; none without CUDA)")
     e.add_argument("--host-mem", help="host RAM of the machine, e.g. 256GiB")
     e.add_argument("--nvme-free", help="free NVMe space, e.g. 2TB")
     e.add_argument("--sub-group-size", type=float, default=None, help="the config's sub_group_size (default: "

@@ -7,6 +7,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
+
+import torch
 
 from offload.cli import main
 from offload.planner import estimate, table
@@ -45,8 +48,9 @@ def test_estimate_command(tmp_path, capsys):
     assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--max-shard-size", "10XB"]) == 2
     assert "--max-shard-size must be a byte count" in capsys.readouterr().err
     # the largest parameter sets the device's room for one gradient: without it the model counts as one parameter
-    one = {e.placement: e for e in estimate(10**9)}
-    cut = {e.placement: e for e in estimate(10**9, largest_param=10**8)}
+    here = {"gpu_mem": torch.cuda.get_device_properties(0).total_memory} if torch.cuda.is_available() else {}
+    one = {e.placement: e for e in estimate(10**9, **here)}
+    cut = {e.placement: e for e in estimate(10**9, largest_param=10**8, **here)}
     assert cut["optimizer on cpu"].device == one["optimizer on cpu"].device - 2 * (10**9 - 10**8)
     assert main(["estimate", "--params", "1e9", "--largest-param", "1e8"]) == 0
     assert table(list(cut.values())) in capsys.readouterr().out
@@ -55,6 +59,24 @@ def test_estimate_command(tmp_path, capsys):
     for bad in ("abc", "-5", "0"):
         assert main(["estimate", "--params", bad]) == 2
         assert f"--params must be a positive number of parameters such as 7e9, got {bad!r}" in capsys.readouterr().err
+
+
+def test_estimate_takes_this_machines_gpu_as_initialize_does(monkeypatch, capsys):
+    """Without --gpu-mem on a machine with CUDA the estimate derives its sizes from the first GPU's memory, the
+    budget initialize takes there: on an H200 the estimate without it put the parameter window of a 0.6B GPT with
+    everything on NVMe at 0.17 GiB of device where initialize, given the card, kept all 1.1 GiB resident. On a
+    machine without CUDA a GPU is made up for the test (its name and size only)."""
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=80 << 30))
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "Made-up GPU")
+    card = torch.cuda.get_device_properties(0).total_memory
+    assert main(["estimate", "--params", "6e8", "--largest-param", "5e7"]) == 0
+    out = capsys.readouterr().out
+    assert f"this machine's {torch.cuda.get_device_name(0)}" in out
+    assert table(estimate(6 * 10**8, largest_param=5 * 10**7, gpu_mem=card)) in out
+    assert main(["estimate", "--params", "6e8", "--largest-param", "5e7", "--gpu-mem", "8GiB"]) == 0
+    assert table(estimate(6 * 10**8, largest_param=5 * 10**7, gpu_mem=8 << 30)) in capsys.readouterr().out
 
 
 def test_progress_bars_only_on_a_terminal(monkeypatch, capsys):
