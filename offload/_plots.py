@@ -244,8 +244,9 @@ def plot_gpu(data: dict[str, Any], out: Path) -> list[Path]:
     bound = data.get("summary", {}).get("opt_host_bound")
     if bound and "opt-host" in placements:
         i = placements.index("opt-host")
+        link = "pcie" if any(r.get("gpu_peak") is not None for r in runs) else "memcpy"  # no GPU: a host copy
         ax.hlines(bound["bound"], i - 0.45, i + 0.45, linestyles="dashed", colors="black",
-                  label="max(compute, Adam, pcie)")
+                  label=f"max(compute, Adam, {link})")
     ax.set_xticks(range(len(placements)), placements, rotation=15)
     ax.set_ylabel("seconds per step (median)")
     ax.set_title(f"{_count(data['model']['params'])} parameters on {data['device']}")
