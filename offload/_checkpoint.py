@@ -543,24 +543,36 @@ def engine_tensors(engine: "Engine", keys: list[str], *, keep: bool = True) -> d
     """The state-dict entries ``keys`` as plain CPU tensors (fp32 master weights for trainable parameters). One
     rank reads only the sub-groups holding the wanted parameters. Several ranks (collective: every rank passes the
     same keys) gather only those too, sub-group by sub-group in chunks of GATHER_CHUNK elements per rank, so the
-    memory is the wanted tensors plus one chunk per rank, whatever the model's size. ``keep`` False: this rank
-    only takes part in the collectives (gathers of masters and of stage 3's frozen parameters) and returns {}."""
-    layout, opt = engine.layout, engine.optimizer
+    memory is the wanted tensors plus one chunk per rank, whatever the model's size; the ranks agree that each
+    could allocate what it keeps before the first gather, so a rank short of memory fails them all at once.
+    ``keep`` False: this rank only takes part in the collectives (gathers of masters and of stage 3's frozen
+    parameters) and returns {}."""
+    layout, opt, several = engine.layout, engine.optimizer, engine.world_size > 1
     sd = engine.module.state_dict(keep_vars=True)
     unknown = [k for k in keys if k not in sd]
     if unknown:
         raise ValueError(f"consolidated_state_dict: {unknown[:5]} are not keys of the model's state_dict")
     index = {id(p): i for i, p in enumerate(layout.params)}
     wanted = sorted({index[id(sd[k])] for k in keys if id(sd[k]) in index})
-    if not keep:
-        if engine.world_size > 1:
-            _gather_masters(engine, dict.fromkeys(wanted))
-        for k in keys:  # stage 3's frozen parameters are gathered from every rank's piece
-            if id(sd[k]) not in index and layout.per_param and isinstance(sd[k], torch.nn.Parameter):
-                _host_value(engine, sd[k])
-        return {}
-    masters = {i: aligned_tensor(tuple(layout.params[i].shape), torch.float32, pin_memory=False) for i in wanted}
-    if engine.world_size == 1:
+    masters: dict[int, torch.Tensor | None] = dict.fromkeys(wanted)
+    buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+    error: Exception | None = None
+    try:
+        if keep:
+            masters = {i: aligned_tensor(tuple(layout.params[i].shape), torch.float32, pin_memory=False)
+                       for i in wanted}
+        if several and wanted:
+            buffers = _gather_buffers(engine)
+    except Exception as exc:  # noqa: BLE001 - raised below, once every rank knows (before any collective)
+        error = exc
+    if several:
+        short = int(engine.comm.sum_float(0.0 if error is None else 1.0))
+        if error is None and short:
+            raise RuntimeError(f"reading the model's tensors: {short} other rank(s) could not allocate their "
+                               "buffers (see their errors)")
+    if error is not None:
+        raise error
+    if not several:
         for sg in layout.sub_groups:
             segments = [seg for seg in sg.segments if seg.param in masters]
             if not segments:
@@ -571,8 +583,13 @@ def engine_tensors(engine: "Engine", keys: list[str], *, keep: bool = True) -> d
                 masters[seg.param].view(-1)[seg.param_start : seg.param_start + seg.numel].copy_(
                     block[lo : lo + seg.numel])
             opt.done_state(sg, dirty=False)
-    elif wanted:
-        _gather_masters(engine, masters)
+    elif buffers is not None:
+        _gather_masters(engine, masters, buffers)
+    if not keep:
+        for k in keys:  # stage 3's frozen parameters are gathered from every rank's piece
+            if id(sd[k]) not in index and layout.per_param and isinstance(sd[k], torch.nn.Parameter):
+                _host_value(engine, sd[k])
+        return {}
     return {k: masters[index[id(sd[k])]] if id(sd[k]) in index else _host_value(engine, sd[k]) for k in keys}
 
 
@@ -582,13 +599,24 @@ def _host_value(engine: "Engine", t: torch.Tensor) -> torch.Tensor:
     return engine.read_parameter(t) if isinstance(t, torch.nn.Parameter) else engine.copies.download(t)
 
 
-def _gather_masters(engine: "Engine", masters: dict[int, torch.Tensor | None]) -> None:
+def _gather_buffers(engine: "Engine") -> tuple[torch.Tensor, torch.Tensor]:
+    """The all-gathers' input and output chunks, on the device with NCCL (outside its budget: allocated before
+    the gathers, inside the ranks' agreement)."""
+    on = engine.device if engine.comm.pg.backend == "nccl" else torch.device("cpu")
+    chunk = min(GATHER_CHUNK, max(sg.end - sg.start for sg in engine.layout.sub_groups))
+    return (torch.empty(chunk, dtype=torch.float32, device=on),
+            torch.empty(engine.world_size * chunk, dtype=torch.float32, device=on))
+
+
+def _gather_masters(engine: "Engine", masters: dict[int, torch.Tensor | None],
+                    buffers: tuple[torch.Tensor, torch.Tensor]) -> None:
     """Fills ``masters`` (parameter index -> fp32 tensor) from every rank's share. Sub-group k of a group covers
-    the same offsets in every rank's range, so all ranks read their k-th sub-group, all-gather it in chunks, and
-    keep the pieces of the wanted parameters; a sub-group holding none of them on any rank is skipped by all. A
-    None tensor: this rank takes part in the gathers and keeps nothing."""
+    the same offsets in every rank's range, so all ranks read their k-th sub-group, all-gather it in chunks
+    through ``buffers`` (:func:`_gather_buffers`), and keep the pieces of the wanted parameters; a sub-group
+    holding none of them on any rank is skipped by all. A None tensor: this rank takes part in the gathers and
+    keeps nothing."""
     layout, opt, comm, world = engine.layout, engine.optimizer, engine.comm, engine.world_size
-    on = engine.device if comm.pg.backend == "nccl" else torch.device("cpu")
+    chunk_in, chunk_out = buffers
     pieces: dict[int, list[tuple[int, int, int, int]]] = {}  # group -> (flat start, count, param, param start)
     for i in masters:
         for p0, numel, base in layout.rank_pieces(i):
@@ -602,21 +630,24 @@ def _gather_masters(engine: "Engine", masters: dict[int, torch.Tensor | None]) -
                     if any(p0 < r * share + rel1 and r * share + rel0 < p0 + n for r in range(world))]
             if not hits:
                 continue
+            kept = any(masters[i] is not None for _, _, i, _ in hits)
             block = opt.read_state(sg)
             try:
                 for c0 in range(rel0, rel1, GATHER_CHUNK):
                     c1 = min(c0 + GATHER_CHUNK, rel1)
-                    inp = block[c0 - rel0 : c1 - rel0].to(on)
-                    out = torch.empty(world * (c1 - c0), dtype=torch.float32, device=on)
+                    inp, out = chunk_in[: c1 - c0], chunk_out[: world * (c1 - c0)]
+                    inp.copy_(block[c0 - rel0 : c1 - rel0])
                     comm.all_gather(out, inp)
-                    out = out.cpu()
+                    if not kept:  # this rank only takes part
+                        continue
+                    got = out.cpu()
                     for r in range(world):
                         lo, hi = r * share + c0, r * share + c1  # this piece of the group's flat buffer
                         for p0, n, i, b in hits:
                             a, z = max(lo, p0), min(hi, p0 + n)
                             if a < z and masters[i] is not None:
                                 masters[i].view(-1)[b + a - p0 : b + z - p0].copy_(
-                                    out[r * (c1 - c0) + a - lo : r * (c1 - c0) + z - lo])
+                                    got[r * (c1 - c0) + a - lo : r * (c1 - c0) + z - lo])
             finally:
                 opt.done_state(sg, dirty=False)
 

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Callable, Iterable
 import torch
 
 from .config import parse_bytes
+from .dist import CommError
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -65,9 +66,10 @@ def _write_tmp(folder: Path, name: str, tensors: dict[str, torch.Tensor] | None,
             os.close(fd)
     except BaseException as exc:
         tmp.unlink(missing_ok=True)  # a full disk gets its space back
-        code = re.search(r"os error (\d+)", str(exc))  # safetensors reports I/O errors as its own type
+        # safetensors reports I/O errors as its own type: "os error 28" (>= 0.6), "Os { code: 28, ..." (0.4-0.5)
+        code = re.search(r"os error (\d+)|Os \{ code: (\d+)", str(exc))
         if code is not None and not isinstance(exc, OSError):
-            raise OSError(int(code.group(1)), f"writing {folder / name}: {exc}") from exc
+            raise OSError(int(code.group(1) or code.group(2)), f"writing {folder / name}: {exc}") from exc
         raise
     return tmp
 
@@ -88,8 +90,10 @@ def write_safetensors(out: str | os.PathLike[str], sizes: list[tuple[str, int]],
     worth at a time with ``read(names)``; returns the files written (the index last when sharded). ``progress``
     is called with the bytes of each shard once written. With several ranks every rank calls: ``read`` for every
     shard (a collective), ``writer`` True on the one that writes, and ``vote(ok)`` (how many ranks failed) after
-    the folder is made, after each shard and after the commit. A failure of the writer there (a full disk) is then
-    raised on every rank at once, its own error on the writer, so no rank waits in the next shard's gathers.
+    the folder is made, after each shard's read and write and after the commit. A failure there (a full disk on the
+    writer, a rank short of memory for a shard) is then raised on every rank at once, its own error where it
+    happened, so no rank waits in the next shard's gathers. (A failure inside a read's collectives leaves the ranks
+    out of step: the others fail at comm_timeout, naming that rank.)
 
     Crash safety: every new file is written and fsynced under a temporary name first. A single file then replaces
     ``model.safetensors`` atomically (loaders prefer it to an index) before an old index goes; shards first remove
@@ -107,27 +111,32 @@ def write_safetensors(out: str | os.PathLike[str], sizes: list[tuple[str, int]],
         [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
     staged: list[tuple[Path, Path]] = []  # (temporary, final)
 
-    def agree(step: Callable[[], object], what: str) -> None:
-        """``step`` on the writer; then every rank learns whether it failed and raises if so."""
+    def agree(step: Callable[[], object], what: str, everyone: bool = False) -> None:
+        """``step`` on the writer (``everyone``: on every rank); then every rank learns whether it failed
+        somewhere and raises if so."""
         error: BaseException | None = None
-        if writer:
+        if writer or everyone:
             try:
                 step()
+            except CommError:
+                raise  # the group itself failed: no vote could complete
             except Exception as exc:  # noqa: BLE001 - raised below, once every rank knows
                 error = exc
         failed = vote(error is None) if vote is not None else int(error is not None)
         if error is not None:
             raise error
         if failed:
-            raise RuntimeError(f"save_safetensors into {folder}: the writing rank failed to {what} (see its error); "
-                               "nothing of this export was committed")
+            who = f"{failed} other rank(s)" if everyone else "the writing rank"
+            raise RuntimeError(f"save_safetensors into {folder}: {who} failed to {what} (see its error); nothing of "
+                               "this export was committed")
 
     try:
         agree(lambda: folder.mkdir(parents=True, exist_ok=True), "create the folder")
         for name, shard in zip(names, shards):
-            tensors = read(shard)
-            agree(lambda: staged.append((_write_tmp(folder, name, tensors), folder / name)), f"write {name}")
-            del tensors
+            got: list[dict[str, torch.Tensor]] = []
+            agree(lambda: got.append(read(shard)), f"read the tensors of {name}", everyone=True)
+            agree(lambda: staged.append((_write_tmp(folder, name, got.pop()), folder / name)), f"write {name}")
+            got.clear()
             report(sum(nbytes[n] for n in shard))
         agree(lambda: _commit(folder, names, shards, nbytes, staged), "commit the files")
     finally:
@@ -135,10 +144,6 @@ def write_safetensors(out: str | os.PathLike[str], sizes: list[tuple[str, int]],
             tmp.unlink(missing_ok=True)
     if not writer:
         return []
-    keep = set(names)
-    for p in folder.iterdir():
-        if _SHARD.fullmatch(p.name) and p.name not in keep:
-            p.unlink()
     return [folder / n for n in names] + ([folder / INDEX] if len(shards) > 1 else [])
 
 
@@ -163,6 +168,9 @@ def _commit(folder: Path, names: list[str], shards: list[list[str]], nbytes: dic
             if final.name != INDEX:
                 _fsync_dir(folder)  # the shards are in place before the index that names them
     _fsync_dir(folder)
+    for p in folder.iterdir():  # an earlier export's shards that this one does not list
+        if _SHARD.fullmatch(p.name) and p.name not in names:
+            p.unlink()
 
 
 def _ignore(nbytes: int) -> None:

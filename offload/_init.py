@@ -24,6 +24,7 @@ into the arena tensor by tensor, so the fp32 masters start from the checkpoint's
 from __future__ import annotations
 
 import os
+import weakref
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -70,6 +71,9 @@ class init:  # noqa: N801 - used as ``with offload.init(config):``, like torch.n
         self.arena: FileArena | None = None
         self._hooks: list[Any] = []
         self._mode: _EvictAfterUse | None = None
+        # a parameter registered in several modules before any registration moved it (``w = Parameter(...)``,
+        # ``a.weight = w``, ``b.weight = w``): each later registration gets the arena parameter of the first
+        self._moved: dict[int, tuple[weakref.ref, torch.nn.Parameter]] = {}
         self.params = 0  # parameters moved into the arena
         self.bytes = 0
 
@@ -97,6 +101,7 @@ class init:  # noqa: N801 - used as ``with offload.init(config):``, like torch.n
             for h in self._hooks:
                 h.remove()
             self._hooks = []
+            self._moved.clear()
             if self.arena is not None:
                 self.arena.close()  # the tensors keep the file; its space goes with them
 
@@ -107,6 +112,9 @@ class init:  # noqa: N801 - used as ``with offload.init(config):``, like torch.n
         if type(param) is not torch.nn.Parameter or param.device.type == "meta" or in_arena(param) \
                 or not param.is_floating_point():
             return None
+        ref, moved = self._moved.get(id(param), (None, None))
+        if ref is not None and ref() is param:
+            return moved  # the same parameter registered again: tied
         assert self.arena is not None
         with torch.no_grad():
             home = self.arena.tensor(param.shape, param.dtype)
@@ -114,7 +122,9 @@ class init:  # noqa: N801 - used as ``with offload.init(config):``, like torch.n
         evict_pages(home)
         self.params += 1
         self.bytes += home.numel() * home.element_size()
-        return torch.nn.Parameter(home, requires_grad=param.requires_grad)
+        moved = torch.nn.Parameter(home, requires_grad=param.requires_grad)
+        self._moved[id(param)] = (weakref.ref(param), moved)
+        return moved
 
     def _on_module(self, parent: torch.nn.Module, name: str, child: Any) -> None:
         """``child`` is complete: its parameters' pages leave RAM."""

@@ -14,7 +14,8 @@ block before training: test_params.edit), ``nan_at`` (before that step, rank 1 a
 are all ignored, a NaN loss: every rank's backward must refuse it, and the loop skips it), ``fail_save`` (rank 0's
 checkpoint writes of frozen parameters fail with ENOSPC, or with "commit" its rename of the written directory
 into place fails with EIO, or with "safetensors" its write of the second shard of an export fails with ENOSPC; with
-"oom" rank 1 runs out of device memory for the second gather of a whole frozen parameter that a save reads:
+"oom" rank 1 runs out of device memory for the second gather of a whole frozen parameter that a save reads, with
+"masters" rank 0 cannot allocate the third fp32 master an export keeps:
 the save must raise on every rank, the error's type recorded as ``save_error``), ``safetensors`` (a folder every
 rank exports into with ``engine.save_safetensors(..., max_shard_size="24KB")`` after training),
 ``reference`` (a forward-only engine of ``make(seed=1)``, all of it frozen, made beside the trained one under the
@@ -80,6 +81,7 @@ def run(spec: dict, r: dict, rank: int, world: int, out: Path) -> None:
     from offload import _export
 
     rename, write, write_tmp = os.rename, _checkpoint._TensorFile.write, _export._write_tmp  # put back after the run
+    aligned = _checkpoint.aligned_tensor
     from offload.dist import ParamShards
 
     read_buffers = ParamShards._read_buffers
@@ -88,11 +90,21 @@ def run(spec: dict, r: dict, rank: int, world: int, out: Path) -> None:
 
         def short_of_memory(self, i):
             reads.append(i)
-            if len(reads) == 2:
-                raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+            if len(reads) == 2:  # what the CPU's allocator raises (CUDA's OutOfMemoryError is a RuntimeError too)
+                raise RuntimeError("DefaultCPUAllocator: can't allocate memory (injected)")
             return read_buffers(self, i)
 
         ParamShards._read_buffers = short_of_memory
+    elif r.get("fail_save") == "masters" and rank == 0:
+        masters = []
+
+        def no_room(*args, **kwargs):
+            masters.append(args)
+            if len(masters) == 3:
+                raise RuntimeError("DefaultCPUAllocator: can't allocate memory (injected)")
+            return aligned(*args, **kwargs)
+
+        _checkpoint.aligned_tensor = no_room
     elif r.get("fail_save") == "safetensors" and rank == 0:
         calls = []
 
@@ -182,6 +194,7 @@ def run(spec: dict, r: dict, rank: int, world: int, out: Path) -> None:
                 {"after_first_close": alive, "after_last_close": dist.is_initialized()}))
     finally:
         os.rename, _checkpoint._TensorFile.write, _export._write_tmp = rename, write, write_tmp
+        _checkpoint.aligned_tensor = aligned
         ParamShards._read_buffers = read_buffers
         engine.close()
         if ref is not None:

@@ -249,7 +249,9 @@ def two_ranks(tmp_path_factory):
     runs += [{"name": "export-frozen", "steps": 2, "gas": 1, "frozen_base": True, "safetensors": str(tmp / "st"),
               "config": config(3, "cpu", tmp / "nvme", param="nvme")},
              {"name": "export-failsave", "steps": 2, "gas": 1, "fail_save": "safetensors",
-              "safetensors": str(tmp / "st-fail"), "config": config(2, "cpu", tmp / "nvme")}]
+              "safetensors": str(tmp / "st-fail"), "config": config(2, "cpu", tmp / "nvme")},
+             {"name": "export-nomem", "steps": 2, "gas": 1, "fail_save": "masters",
+              "safetensors": str(tmp / "st-nomem"), "config": config(2, "cpu", tmp / "nvme")}]
     return launch(tmp, 2, runs), tmp / "ckpt"
 
 
@@ -567,8 +569,8 @@ def test_a_checkpoint_whose_commit_fails_on_rank_0_fails_on_every_rank(two_ranks
 
 def test_a_rank_short_of_device_memory_for_a_frozen_gather_fails_the_save_on_every_rank(two_ranks):
     """Stage 3 saves a frozen base by gathering each frozen parameter whole, outside the device budget. Rank 1
-    runs out of memory for the second one (injected): before, it raised alone and rank 0 waited in that gather
-    until comm_timeout. Now the ranks agree before each gather: rank 1 raises the out-of-memory error (as a
+    runs out of memory for the second one (injected as the CPU allocator's error): before, it raised alone and
+    rank 0 waited in that gather until comm_timeout. Now the ranks agree before each gather: rank 1 raises the out-of-memory error (as a
     GatherRefused), rank 0 that another rank ran out, nothing is committed and training goes on."""
     out, tmp = two_ranks[0], two_ranks[1].parent
     info = [json.loads((out / f"oom-failsave.rank{r}.json").read_text()) for r in range(2)]
@@ -602,6 +604,13 @@ def test_a_safetensors_export_on_two_ranks_and_one_that_fails_on_rank_0(two_rank
         info[1]["save_error"], info[1]
     assert all(i["steps"] == 2 for i in info)
     assert list((tmp / "st-fail").iterdir()) == []
+    # rank 0 cannot allocate a master it keeps: both ranks fail at once, before that shard's gathers (rank 1
+    # waited in them until comm_timeout)
+    info = [json.loads((out / f"export-nomem.rank{r}.json").read_text()) for r in range(2)]
+    assert info[0]["save_error"].startswith("RuntimeError") and "injected" in info[0]["save_error"], info[0]
+    assert info[1]["save_error"].startswith("RuntimeError") and "1 other rank(s) could not allocate" in \
+        info[1]["save_error"], info[1]
+    assert all(i["steps"] == 2 for i in info)
 
 
 @pytest.mark.parametrize("stage", [2, 3])

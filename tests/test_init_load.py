@@ -73,6 +73,25 @@ def test_a_model_built_under_a_device_context_goes_to_the_arena_too(tmp_path):
             assert torch.equal(p, q)
 
 
+def test_a_parameter_registered_in_two_modules_stays_one(tmp_path):
+    """A weight tied before either registration moved it (``w = Parameter(...)``, then ``a.weight = w`` and
+    ``b.weight = w``): both modules get the one arena parameter (each registration made a copy of its own, and
+    the tie was lost)."""
+
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            w = torch.nn.Parameter(torch.randn(8, 4))
+            self.a, self.b = torch.nn.Linear(4, 8, bias=False), torch.nn.Linear(4, 8, bias=False)
+            self.a.weight = w
+            self.b.weight = w
+
+    with offload.init(config(tmp_path)):
+        model = Tied()
+    assert model.a.weight is model.b.weight and in_arena(model.a.weight)
+    assert len(list(model.parameters())) == 1
+
+
 def test_the_arena_gives_its_disk_back_as_parameters_leave(tmp_path):
     """``initialize`` moves every parameter out of the arena into its homes; each parameter's range of the arena
     file frees its disk blocks as it goes, so the disk never holds the arena and all homes at once."""

@@ -279,16 +279,16 @@ class ParamShards:
         """Parameter ``i``'s full value as a new host tensor in its shape (a collective). Its device buffers lie
         outside the budget (a read is not a step's), so the ranks first agree that each could allocate them."""
         p = self.params[i]
-        error: torch.OutOfMemoryError | None = None
+        error: Exception | None = None
         try:
             dst, out = self._read_buffers(i)
-        except torch.OutOfMemoryError as exc:
-            error = exc
+        except Exception as exc:  # noqa: BLE001 - before any collective: raised below, once every rank knows (a
+            error = exc  # CPU device's allocator raises a plain RuntimeError)
         short = int(self.comm.sum_float(0.0 if error is None else 1.0))
         if short:
             nbytes = p.numel() * self.dtype.itemsize
             raise GatherRefused(
-                f"rank {self.comm.rank}: " + ("out of device memory" if error is not None else
+                f"rank {self.comm.rank}: " + (f"out of device memory ({error})" if error is not None else
                                               f"{short} other rank(s) ran out of device memory") +
                 f" for the {2 * nbytes / 2**20:.1f} MiB that gathering parameter {i} of shape {tuple(p.shape)} "
                 "for a read takes; free device memory (torch.cuda.empty_cache(), a smaller batch before the "
