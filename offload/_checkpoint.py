@@ -233,7 +233,7 @@ def save(engine: "Engine", root: Path, tag: str, frozen: bool = True) -> Path:
         index = _write_shard(engine, tmp, frozen)
     except (OSError, ValueError, GatherRefused) as exc:  # GatherRefused: raised on every rank at the same read
         error = exc
-    failed = int(comm.sum_float(1.0 if error is not None else 0.0))
+    failed = comm.vote("checkpoint shards written", error)
     if failed and rank == 0:  # every rank has closed its shard: give the space back (a full disk stays usable)
         shutil.rmtree(tmp, ignore_errors=True)
     if error is not None:
@@ -248,7 +248,7 @@ def save(engine: "Engine", root: Path, tag: str, frozen: bool = True) -> Path:
         except BaseException as exc:  # noqa: BLE001 - raised below, once every rank knows
             commit_error = exc
             shutil.rmtree(tmp, ignore_errors=True)  # (gone already if it was renamed into place)
-    if comm.sum_float(1.0 if commit_error is not None else 0.0):  # no rank returns before the checkpoint is complete
+    if comm.vote("checkpoint committed", commit_error):  # no rank returns before the checkpoint is complete
         if commit_error is not None:
             raise commit_error
         raise RuntimeError(f"checkpoint {final}: rank 0 failed to commit it (see its error)")
@@ -566,7 +566,7 @@ def engine_tensors(engine: "Engine", keys: list[str], *, keep: bool = True) -> d
     except Exception as exc:  # noqa: BLE001 - raised below, once every rank knows (before any collective)
         error = exc
     if several:
-        short = int(engine.comm.sum_float(0.0 if error is None else 1.0))
+        short = engine.comm.vote("the buffers of a read of the model's tensors", error)
         if error is None and short:
             raise RuntimeError(f"reading the model's tensors: {short} other rank(s) could not allocate their "
                                "buffers (see their errors)")
@@ -585,6 +585,7 @@ def engine_tensors(engine: "Engine", keys: list[str], *, keep: bool = True) -> d
             opt.done_state(sg, dirty=False)
     elif buffers is not None:
         _gather_masters(engine, masters, buffers)
+        del buffers  # on the device with NCCL: gone before the frozen parameters' reads allocate theirs
     if not keep:
         for k in keys:  # stage 3's frozen parameters are gathered from every rank's piece
             if id(sd[k]) not in index and layout.per_param and isinstance(sd[k], torch.nn.Parameter):

@@ -15,6 +15,7 @@ live :class:`~offload.Engine` (:func:`save_engine`, the fp32 master weights) or 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -29,6 +30,7 @@ from .dist import CommError
 if TYPE_CHECKING:
     from .engine import Engine
 
+log = logging.getLogger(__name__)
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 _SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
@@ -85,15 +87,16 @@ def _fsync_dir(folder: Path) -> None:
 def write_safetensors(out: str | os.PathLike[str], sizes: list[tuple[str, int]],
                       read: Callable[[list[str]], dict[str, torch.Tensor]], max_shard_size: int | str = "5GB",
                       progress: Callable[[int], object] | None = None, *, writer: bool = True,
-                      vote: Callable[[bool], int] | None = None) -> list[Path]:
+                      vote: Callable[[str, BaseException | None], int] | None = None) -> list[Path]:
     """Writes the tensors named in ``sizes`` ((name, bytes) in order) into the folder ``out``, fetching one shard's
     worth at a time with ``read(names)``; returns the files written (the index last when sharded). ``progress``
     is called with the bytes of each shard once written. With several ranks every rank calls: ``read`` for every
-    shard (a collective), ``writer`` True on the one that writes, and ``vote(ok)`` (how many ranks failed) after
-    the folder is made, after each shard's read and write and after the commit. A failure there (a full disk on the
-    writer, a rank short of memory for a shard) is then raised on every rank at once, its own error where it
-    happened, so no rank waits in the next shard's gathers. (A failure inside a read's collectives leaves the ranks
-    out of step: the others fail at comm_timeout, naming that rank.)
+    shard (a collective), ``writer`` True on the one that writes, and ``vote(site, error)`` (how many ranks
+    failed: :meth:`~offload.dist.Comm.vote`) after the folder is made, after each shard's read and write and after
+    the commit. A failure there (a full disk on the writer, a rank short of memory for a shard) is then raised on
+    every rank at once, its own error where it happened, so no rank waits in the next shard's gathers. A failure
+    inside a read's collectives leaves the ranks out of step: the others raise at their next vote
+    (``OutOfStep``), or fail at comm_timeout naming that rank when their next collective is not a vote.
 
     Crash safety: every new file is written and fsynced under a temporary name first. A single file then replaces
     ``model.safetensors`` atomically (loaders prefer it to an index) before an old index goes; shards first remove
@@ -122,7 +125,7 @@ def write_safetensors(out: str | os.PathLike[str], sizes: list[tuple[str, int]],
                 raise  # the group itself failed: no vote could complete
             except Exception as exc:  # noqa: BLE001 - raised below, once every rank knows
                 error = exc
-        failed = vote(error is None) if vote is not None else int(error is not None)
+        failed = vote(f"save_safetensors: {what}", error) if vote is not None else int(error is not None)
         if error is not None:
             raise error
         if failed:
@@ -144,6 +147,13 @@ def write_safetensors(out: str | os.PathLike[str], sizes: list[tuple[str, int]],
             tmp.unlink(missing_ok=True)
     if not writer:
         return []
+    try:  # committed: an earlier export's shards that this one does not list, which no index names any more
+        for p in folder.iterdir():
+            if _SHARD.fullmatch(p.name) and p.name not in names:
+                p.unlink()
+    except OSError as exc:
+        log.warning("save_safetensors: %s is written, but an earlier export's shards could not all be removed "
+                    "(%s); nothing loads them", folder, exc)
     return [folder / n for n in names] + ([folder / INDEX] if len(shards) > 1 else [])
 
 
@@ -168,9 +178,6 @@ def _commit(folder: Path, names: list[str], shards: list[list[str]], nbytes: dic
             if final.name != INDEX:
                 _fsync_dir(folder)  # the shards are in place before the index that names them
     _fsync_dir(folder)
-    for p in folder.iterdir():  # an earlier export's shards that this one does not list
-        if _SHARD.fullmatch(p.name) and p.name not in names:
-            p.unlink()
 
 
 def _ignore(nbytes: int) -> None:
@@ -207,7 +214,7 @@ def save_engine(engine: "Engine", out: str | os.PathLike[str], max_shard_size: i
     keys.sort(key=lambda k: order.get(id(sd[k]), len(order)))  # stable: the others keep state-dict order
     sizes = [(k, sd[k].numel() * (4 if id(sd[k]) in order else sd[k].element_size())) for k in keys]
     writer = engine.rank == 0
-    vote = (lambda ok: int(engine.comm.sum_float(0.0 if ok else 1.0))) if engine.world_size > 1 else None
+    vote = engine.comm.vote if engine.world_size > 1 else None
     return write_safetensors(out, sizes, lambda names: engine_tensors(engine, names, keep=writer), max_shard_size,
                              writer=writer, vote=vote)
 

@@ -72,8 +72,9 @@ class init:  # noqa: N801 - used as ``with offload.init(config):``, like torch.n
         self._hooks: list[Any] = []
         self._mode: _EvictAfterUse | None = None
         # a parameter registered in several modules before any registration moved it (``w = Parameter(...)``,
-        # ``a.weight = w``, ``b.weight = w``): each later registration gets the arena parameter of the first
-        self._moved: dict[int, tuple[weakref.ref, torch.nn.Parameter]] = {}
+        # ``a.weight = w``, ``b.weight = w``): each later registration gets the arena parameter of the first. Weak
+        # both ways: an arena parameter the model drops frees its range of the file at once, as without the map
+        self._moved: dict[int, tuple[weakref.ref, weakref.ref]] = {}
         self.params = 0  # parameters moved into the arena
         self.bytes = 0
 
@@ -112,8 +113,9 @@ class init:  # noqa: N801 - used as ``with offload.init(config):``, like torch.n
         if type(param) is not torch.nn.Parameter or param.device.type == "meta" or in_arena(param) \
                 or not param.is_floating_point():
             return None
-        ref, moved = self._moved.get(id(param), (None, None))
-        if ref is not None and ref() is param:
+        ref, moved_ref = self._moved.get(id(param), (None, None))
+        moved = moved_ref() if moved_ref is not None else None
+        if ref is not None and ref() is param and moved is not None:
             return moved  # the same parameter registered again: tied
         assert self.arena is not None
         with torch.no_grad():
@@ -123,7 +125,8 @@ class init:  # noqa: N801 - used as ``with offload.init(config):``, like torch.n
         self.params += 1
         self.bytes += home.numel() * home.element_size()
         moved = torch.nn.Parameter(home, requires_grad=param.requires_grad)
-        self._moved[id(param)] = (weakref.ref(param), moved)
+        key = id(param)
+        self._moved[key] = (weakref.ref(param, lambda _: self._moved.pop(key, None)), weakref.ref(moved))
         return moved
 
     def _on_module(self, parent: torch.nn.Module, name: str, child: Any) -> None:

@@ -15,7 +15,8 @@ are all ignored, a NaN loss: every rank's backward must refuse it, and the loop 
 checkpoint writes of frozen parameters fail with ENOSPC, or with "commit" its rename of the written directory
 into place fails with EIO, or with "safetensors" its write of the second shard of an export fails with ENOSPC; with
 "oom" rank 1 runs out of device memory for the second gather of a whole frozen parameter that a save reads, with
-"masters" rank 0 cannot allocate the third fp32 master an export keeps:
+"masters" rank 0 cannot allocate the third fp32 master an export keeps, with "after-gather" rank 0 fails right
+after the second gather of a frozen parameter an export reads:
 the save must raise on every rank, the error's type recorded as ``save_error``), ``safetensors`` (a folder every
 rank exports into with ``engine.save_safetensors(..., max_shard_size="24KB")`` after training),
 ``reference`` (a forward-only engine of ``make(seed=1)``, all of it frozen, made beside the trained one under the
@@ -81,7 +82,7 @@ def run(spec: dict, r: dict, rank: int, world: int, out: Path) -> None:
     from offload import _export
 
     rename, write, write_tmp = os.rename, _checkpoint._TensorFile.write, _export._write_tmp  # put back after the run
-    aligned = _checkpoint.aligned_tensor
+    aligned, host_value = _checkpoint.aligned_tensor, _checkpoint._host_value
     from offload.dist import ParamShards
 
     read_buffers = ParamShards._read_buffers
@@ -105,6 +106,17 @@ def run(spec: dict, r: dict, rank: int, world: int, out: Path) -> None:
             return aligned(*args, **kwargs)
 
         _checkpoint.aligned_tensor = no_room
+    elif r.get("fail_save") == "after-gather" and rank == 0:
+        frozen_reads = []
+
+        def fails_after(engine, t):
+            value = host_value(engine, t)
+            frozen_reads.append(t)
+            if len(frozen_reads) == 2:
+                raise RuntimeError("injected after the gather")
+            return value
+
+        _checkpoint._host_value = fails_after
     elif r.get("fail_save") == "safetensors" and rank == 0:
         calls = []
 
@@ -194,7 +206,7 @@ def run(spec: dict, r: dict, rank: int, world: int, out: Path) -> None:
                 {"after_first_close": alive, "after_last_close": dist.is_initialized()}))
     finally:
         os.rename, _checkpoint._TensorFile.write, _export._write_tmp = rename, write, write_tmp
-        _checkpoint.aligned_tensor = aligned
+        _checkpoint.aligned_tensor, _checkpoint._host_value = aligned, host_value
         ParamShards._read_buffers = read_buffers
         engine.close()
         if ref is not None:

@@ -13,6 +13,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -251,7 +252,9 @@ def two_ranks(tmp_path_factory):
              {"name": "export-failsave", "steps": 2, "gas": 1, "fail_save": "safetensors",
               "safetensors": str(tmp / "st-fail"), "config": config(2, "cpu", tmp / "nvme")},
              {"name": "export-nomem", "steps": 2, "gas": 1, "fail_save": "masters",
-              "safetensors": str(tmp / "st-nomem"), "config": config(2, "cpu", tmp / "nvme")}]
+              "safetensors": str(tmp / "st-nomem"), "config": config(2, "cpu", tmp / "nvme")},
+             {"name": "export-desync", "steps": 2, "gas": 1, "frozen_base": True, "fail_save": "after-gather",
+              "safetensors": str(tmp / "st-desync"), "config": config(3, "cpu", tmp / "nvme")}]
     return launch(tmp, 2, runs), tmp / "ckpt"
 
 
@@ -611,6 +614,15 @@ def test_a_safetensors_export_on_two_ranks_and_one_that_fails_on_rank_0(two_rank
     assert info[1]["save_error"].startswith("RuntimeError") and "1 other rank(s) could not allocate" in \
         info[1]["save_error"], info[1]
     assert all(i["steps"] == 2 for i in info)
+    # rank 0 fails after a frozen parameter's gather, while rank 1 goes on to the next one's: rank 0 votes on the
+    # shard, rank 1 on that gather, each from another site. Both raise there (rank 1 OutOfStep; before, the count
+    # of rank 0's vote was read as "rank 0 ran out of device memory"), their collectives stay paired, and both train
+    # on and consolidate the same model
+    info = [json.loads((out / f"export-desync.rank{r}.json").read_text()) for r in range(2)]
+    assert info[0]["save_error"] == "RuntimeError: injected after the gather", info[0]
+    assert info[1]["save_error"].startswith("OutOfStep"), info[1]
+    assert all(i["steps"] == 2 for i in info)
+    assert list((tmp / "st-desync").iterdir()) == []
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -867,3 +879,37 @@ def test_the_start_sync_reads_strided_and_expanded_tensors():
 
     for t in (torch.arange(10.0)[::2], torch.randn(1).expand(3, 4), torch.randn(4, 6).t()):
         assert torch.equal(_bytes_of(t), t.contiguous().view(-1).view(torch.uint8))
+
+
+VOTES = textwrap.dedent("""
+    import json
+    from offload.dist import Comm, OutOfStep, join
+    comm = Comm(join(30, "cpu"))
+    r, got = comm.rank, {}
+    got["count"] = comm.vote("a", ValueError("mine") if r == 1 else None)
+    for name, sites, error in (("elsewhere", ("b", "c"), None), ("own", ("d", "e"), ValueError("mine"))):
+        try:
+            comm.vote(sites[r], error if r == 1 else None)
+            got[name] = "returned"
+        except OutOfStep:
+            got[name] = "OutOfStep"
+        except ValueError:
+            got[name] = "its own error"
+    got["after"] = comm.vote("f", None)
+    print(json.dumps(got))
+    comm.close()
+""")
+
+
+def test_a_vote_counts_failures_and_refuses_ranks_at_different_sites(tmp_path):
+    """``Comm.vote``: the number of ranks that failed at one site; ranks that meet from different sites (one
+    failed after an operation's collectives had started and voted while the others were still inside it) all
+    raise, a rank with an error of its own raising that, and the next vote is in step again."""
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", VOTES], env=env_for(r, 2, port), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    got = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    assert got[0] == {"count": 1, "elsewhere": "OutOfStep", "own": "OutOfStep", "after": 0}
+    assert got[1] == {"count": 1, "elsewhere": "OutOfStep", "own": "its own error", "after": 0}

@@ -21,6 +21,7 @@ import collections
 import itertools
 import threading
 import time
+import zlib
 from enum import Enum
 from typing import Any, Callable
 
@@ -34,6 +35,11 @@ _generation = itertools.count()  # engines made in this process, in the same ord
 
 class CommError(RuntimeError):
     """A collective failed; the message names the rank(s) that stopped responding or fell behind."""
+
+
+class OutOfStep(CommError):
+    """The ranks met in a vote from different places: a rank failed after the collectives of an operation had
+    started, raised, and voted where the others were still inside it (see :meth:`Comm.vote`)."""
 
 
 class CommState(Enum):
@@ -133,6 +139,26 @@ class Comm:
         flag = torch.zeros(1, device=self._scalar_device)
         self._run("barrier", flag, 2.0, lambda: dist.all_reduce(flag, group=self.pg.group))
         flag.item()  # NCCL's all_reduce returns once queued: the host waits here, as a barrier must
+
+    def vote(self, site: str, error: BaseException | None) -> int:
+        """How many ranks failed (``error`` not None) at ``site``, a named point every rank reaches and where each
+        says whether its own part succeeded, so that all raise together and none waits in a collective the others
+        left. The ranks also compare ``site``: a rank that failed after an operation's collectives had started
+        meets the others at another vote, and every rank raises then, rather than read the other vote's count
+        (:class:`OutOfStep`; a rank with an error of its own raises that)."""
+        if self.world_size == 1:
+            return int(error is not None)
+        code = float(zlib.crc32(site.encode()) & 0xFFFF)  # the sums of it and its square are exact in float64
+        t = torch.tensor([code, code * code, float(error is not None)], dtype=torch.float64,
+                         device=self._scalar_device)
+        self.all_reduce(t)
+        total, squares, failed = t.tolist()
+        if total * total != squares * self.world_size:  # equal only when every rank sent the same code
+            if error is not None:
+                raise error
+            raise OutOfStep(f"rank {self.rank} voted at {site!r} where another rank voted elsewhere: a rank failed "
+                            "after the collectives of an operation had started (see its error)")
+        return int(failed)
 
     def sum_float(self, value: float) -> float:
         """The sum over ranks of one float64 number (gradient norms)."""

@@ -284,7 +284,7 @@ class ParamShards:
             dst, out = self._read_buffers(i)
         except Exception as exc:  # noqa: BLE001 - before any collective: raised below, once every rank knows (a
             error = exc  # CPU device's allocator raises a plain RuntimeError)
-        short = int(self.comm.sum_float(0.0 if error is None else 1.0))
+        short = self.comm.vote(f"read of parameter {i}", error)
         if short:
             nbytes = p.numel() * self.dtype.itemsize
             raise GatherRefused(
