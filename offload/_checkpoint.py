@@ -233,9 +233,14 @@ def save(engine: "Engine", root: Path, tag: str, frozen: bool = True) -> Path:
         index = _write_shard(engine, tmp, frozen)
     except (OSError, ValueError, GatherRefused) as exc:  # GatherRefused: raised on every rank at the same read
         error = exc
-    failed = comm.vote("checkpoint shards written", error)
-    if failed and rank == 0:  # every rank has closed its shard: give the space back (a full disk stays usable)
-        shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        failed = comm.vote("checkpoint shards written", error)
+    except BaseException:  # the ranks out of step (Comm.vote): nothing is committed
+        failed = comm.world_size
+        raise
+    finally:  # every rank has closed its shard: give the space back (a full disk stays usable)
+        if rank == 0 and failed:
+            shutil.rmtree(tmp, ignore_errors=True)
     if error is not None:
         raise error
     if failed:
