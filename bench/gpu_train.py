@@ -623,8 +623,8 @@ def _summary(runs: list[dict[str, Any]], bounds: dict[str, Any], n: int) -> dict
             # the device: the tier's peak and, on CUDA, what torch's allocator held after initialize (the model's
             # state and the engine's buffers, before any activation) and at its peak in the steps (activations on
             # top, which the estimate leaves to the user); NVMe: the swap files' blocks on disk after the steps
-            dev = {"estimate": e["device"], "tier_peak": report["device"]["peak"], "cuda_setup": r.get("gpu_setup_peak"),
-                   "cuda_peak": r["gpu_peak"]}
+            dev = {"estimate": e["device"], "tier_peak": report["device"]["peak"],
+                   "cuda_setup": r.get("gpu_setup_peak"), "cuda_peak": r["gpu_peak"]}
             nvme = {"estimate": e["nvme"], "tier_peak": report["nvme"]["peak"], "on_disk": r.get("nvme_on_disk")}
             out[f"device_estimate/{placement}"], out[f"nvme_estimate/{placement}"] = dev, nvme
             lines.append(f"  {placement}: device estimate {_gib(dev['estimate'])}, tier peak "

@@ -11,11 +11,12 @@ the module is complete (registered into its parent) and after any later torch op
 parent's re-initialisation loop, a state-dict load, the reads of ``initialize``). So building the model costs
 about the largest module's parameters in RAM, not the model's. Inside ``with torch.device("cuda")`` the same holds
 for the GPU: each parameter is made there and moved to the arena as it is registered (a module that initialises
-its parameters after registering them, as ``nn.Linear`` does, then draws them from the CPU's random generator). ``initialize`` then streams each parameter from
-the arena into its homes: the fp32 value into the optimizer's master weights (written once, exactly as the model
-made it), the low-precision copy into the device, host or NVMe home; the arena's space is freed as the
-parameters leave it. Without NVMe in the placement the context changes nothing: host-resident optimizer state
-needs more RAM than the model's fp32 values anyway, which stay where torch puts them.
+its parameters after registering them, as ``nn.Linear`` does, then draws them from the CPU's random generator).
+``initialize`` then streams each parameter from the arena into its homes: the fp32 value into the optimizer's
+master weights (written once, exactly as the model made it), the low-precision copy into the device, host or NVMe
+home; the arena's space is freed as the parameters leave it. Without NVMe in the placement the context changes
+nothing: host-resident optimizer state needs more RAM than the model's fp32 values anyway, which stay where torch
+puts them.
 
 Loading weights into such a model before ``initialize`` (``offload.load_state_dict(model, path)``) streams them
 into the arena tensor by tensor, so the fp32 masters start from the checkpoint's values.

@@ -573,8 +573,9 @@ def test_a_checkpoint_whose_commit_fails_on_rank_0_fails_on_every_rank(two_ranks
 def test_a_rank_short_of_device_memory_for_a_frozen_gather_fails_the_save_on_every_rank(two_ranks):
     """Stage 3 saves a frozen base by gathering each frozen parameter whole, outside the device budget. Rank 1
     runs out of memory for the second one (injected as the CPU allocator's error): before, it raised alone and
-    rank 0 waited in that gather until comm_timeout. Now the ranks agree before each gather: rank 1 raises the out-of-memory error (as a
-    GatherRefused), rank 0 that another rank ran out, nothing is committed and training goes on."""
+    rank 0 waited in that gather until comm_timeout. Now the ranks agree before each gather: rank 1 raises the
+    out-of-memory error (as a GatherRefused), rank 0 that another rank ran out, nothing is committed and training
+    goes on."""
     out, tmp = two_ranks[0], two_ranks[1].parent
     info = [json.loads((out / f"oom-failsave.rank{r}.json").read_text()) for r in range(2)]
     assert info[1]["save_error"].startswith("GatherRefused") and "rank 1: out of device memory" in \
