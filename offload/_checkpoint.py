@@ -51,7 +51,7 @@ import torch
 from nvme_swapper import aligned_tensor
 from nvme_swapper._native import memory_at
 
-from .dist import GatherRefused
+from .dist import CommError
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -229,13 +229,16 @@ def save(engine: "Engine", root: Path, tag: str, frozen: bool = True) -> Path:
     if status == 2.0:
         raise RuntimeError(f"checkpoint {final}: rank 0 could not prepare its folder (see its error); nothing was "
                            "written")
+    failed = 0
     try:
-        index = _write_shard(engine, tmp, frozen)
-    except (OSError, ValueError, GatherRefused) as exc:  # GatherRefused: raised on every rank at the same read
-        error = exc
-    try:
+        try:
+            index = _write_shard(engine, tmp, frozen)
+        except CommError:
+            raise  # the group failed (or the ranks are out of step: OutOfStep): no vote could complete
+        except Exception as exc:  # noqa: BLE001 - raised below, once every rank knows (GatherRefused: on all)
+            error = exc
         failed = comm.vote("checkpoint shards written", error)
-    except BaseException:  # the ranks out of step (Comm.vote): nothing is committed
+    except BaseException:  # a collective failed, or the ranks are out of step: nothing is committed
         failed = comm.world_size
         raise
     finally:  # every rank has closed its shard: give the space back (a full disk stays usable)

@@ -16,7 +16,7 @@ checkpoint writes of frozen parameters fail with ENOSPC, or with "commit" its re
 into place fails with EIO, or with "safetensors" its write of the second shard of an export fails with ENOSPC; with
 "oom" rank 1 runs out of device memory for the second gather of a whole frozen parameter that a save reads, with
 "masters" rank 0 cannot allocate the third fp32 master an export keeps, with "after-gather" rank 0 fails right
-after the second gather of a frozen parameter an export reads:
+after the second gather of a frozen parameter an export reads (with "ckpt-after-gather" rank 1, in a checkpoint):
 the save must raise on every rank, the error's type recorded as ``save_error``), ``safetensors`` (a folder every
 rank exports into with ``engine.save_safetensors(..., max_shard_size="24KB")`` after training),
 ``reference`` (a forward-only engine of ``make(seed=1)``, all of it frozen, made beside the trained one under the
@@ -106,7 +106,7 @@ def run(spec: dict, r: dict, rank: int, world: int, out: Path) -> None:
             return aligned(*args, **kwargs)
 
         _checkpoint.aligned_tensor = no_room
-    elif r.get("fail_save") == "after-gather" and rank == 0:
+    elif (r.get("fail_save"), rank) in (("after-gather", 0), ("ckpt-after-gather", 1)):
         frozen_reads = []
 
         def fails_after(engine, t):

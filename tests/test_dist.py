@@ -246,7 +246,10 @@ def two_ranks(tmp_path_factory):
              {"name": "commit-failsave", "steps": 2, "gas": 1, "save_after": 1, "fail_save": "commit",
               "save": str(tmp / "ckpt-commitfail"), "config": config(2, "cpu", tmp / "nvme")}]
     runs += [{"name": "oom-failsave", "steps": 2, "gas": 1, "frozen_base": True, "save_after": 1, "fail_save": "oom",
-              "save": str(tmp / "ckpt-oom"), "config": config(3, "cpu", tmp / "nvme")}]
+              "save": str(tmp / "ckpt-oom"), "config": config(3, "cpu", tmp / "nvme")},
+             {"name": "gather-failsave", "steps": 2, "gas": 1, "frozen_base": True, "save_after": 1,
+              "fail_save": "ckpt-after-gather", "save": str(tmp / "ckpt-gather"),
+              "config": config(3, "cpu", tmp / "nvme")}]
     runs += [{"name": "export-frozen", "steps": 2, "gas": 1, "frozen_base": True, "safetensors": str(tmp / "st"),
               "config": config(3, "cpu", tmp / "nvme", param="nvme")},
              {"name": "export-failsave", "steps": 2, "gas": 1, "fail_save": "safetensors",
@@ -583,6 +586,14 @@ def test_a_rank_short_of_device_memory_for_a_frozen_gather_fails_the_save_on_eve
     assert info[0]["save_error"].startswith("GatherRefused") and "1 other rank(s) ran out" in info[0]["save_error"]
     assert all(i["steps"] == 2 for i in info)
     assert list((tmp / "ckpt-oom").iterdir()) == []
+    # rank 1 fails (a RuntimeError) right after a frozen parameter's gather: it votes on its shard while rank 0
+    # votes at the next gather. Both raise there (before, rank 1 left the save without a vote, rank 0 waited until
+    # comm_timeout and the temporary folder stayed), nothing is left and both train on
+    info = [json.loads((out / f"gather-failsave.rank{r}.json").read_text()) for r in range(2)]
+    assert info[1]["save_error"] == "RuntimeError: injected after the gather", info[1]
+    assert info[0]["save_error"].startswith("OutOfStep"), info[0]
+    assert all(i["steps"] == 2 for i in info)
+    assert list((tmp / "ckpt-gather").iterdir()) == []
 
 
 def test_a_safetensors_export_on_two_ranks_and_one_that_fails_on_rank_0(two_ranks):

@@ -148,12 +148,14 @@ class Comm:
         (:class:`OutOfStep`; a rank with an error of its own raises that)."""
         if self.world_size == 1:
             return int(error is not None)
-        code = float(zlib.crc32(site.encode()) & 0xFFFF)  # the sums of it and its square are exact in float64
-        t = torch.tensor([code, code * code, float(error is not None)], dtype=torch.float64,
+        crc = zlib.crc32(site.encode())
+        codes = [float(crc & 0xFFFF), float(crc >> 16)]  # 16-bit halves: their sums and squares' sums are exact
+        t = torch.tensor([*codes, *(c * c for c in codes), float(error is not None)], dtype=torch.float64,
                          device=self._scalar_device)
         self.all_reduce(t)
-        total, squares, failed = t.tolist()
-        if total * total != squares * self.world_size:  # equal only when every rank sent the same code
+        *sums, failed = t.tolist()
+        # Cauchy-Schwarz: the sum's square is world x the sum of squares only when every rank sent the same code
+        if any(sums[k] * sums[k] != sums[k + 2] * self.world_size for k in range(2)):
             if error is not None:
                 raise error
             raise OutOfStep(f"rank {self.rank} voted at {site!r} where another rank voted elsewhere: a rank failed "

@@ -85,6 +85,9 @@ class ProcessGroup:
                     _ours = None
                     if dist.is_initialized() and dist.group.WORLD is self.world:
                         dist.destroy_process_group()
+            # the last reference to a destroyed group: kept, its gloo threads lived into the interpreter's
+            # shutdown, where one could abort the process (SIGABRT, "terminate called without an active exception")
+            self.world = None
 
 
 def _missing(name: str) -> ValueError:
