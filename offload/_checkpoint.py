@@ -362,8 +362,7 @@ def _write_shard(engine: "Engine", tmp: Path, frozen: bool) -> dict[str, dict[st
         except (OSError, ValueError) as exc:
             error = exc
         for name, t in others.items():
-            gathered = layout.per_param and isinstance(t, torch.nn.Parameter)  # a collective: every rank, always
-            if not gathered and (rank != 0 or error is not None):
+            if not _read_is_collective(engine, t) and (rank != 0 or error is not None):
                 continue
             value = _host_value(engine, t)  # a failed read raises here: its gather did not run (see below)
             if rank == 0 and error is None:
@@ -563,7 +562,7 @@ def engine_tensors(engine: "Engine", keys: list[str], *, keep: bool = True) -> d
     index = {id(p): i for i, p in enumerate(layout.params)}
     wanted = sorted({index[id(sd[k])] for k in keys if id(sd[k]) in index})
     masters: dict[int, torch.Tensor | None] = dict.fromkeys(wanted)
-    buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+    buffers: tuple[torch.Tensor | None, torch.Tensor] | None = None
     error: Exception | None = None
     try:
         if keep:
@@ -595,11 +594,17 @@ def engine_tensors(engine: "Engine", keys: list[str], *, keep: bool = True) -> d
         _gather_masters(engine, masters, buffers)
         del buffers  # on the device with NCCL: gone before the frozen parameters' reads allocate theirs
     if not keep:
-        for k in keys:  # stage 3's frozen parameters are gathered from every rank's piece
-            if id(sd[k]) not in index and layout.per_param and isinstance(sd[k], torch.nn.Parameter):
+        for k in keys:
+            if id(sd[k]) not in index and _read_is_collective(engine, sd[k]):
                 _host_value(engine, sd[k])
         return {}
     return {k: masters[index[id(sd[k])]] if id(sd[k]) in index else _host_value(engine, sd[k]) for k in keys}
+
+
+def _read_is_collective(engine: "Engine", t: torch.Tensor) -> bool:
+    """Whether :func:`_host_value` of a frozen parameter or buffer is a collective that every rank joins: stage
+    3's frozen parameters are gathered from every rank's piece."""
+    return engine.layout.per_param and isinstance(t, torch.nn.Parameter)
 
 
 def _host_value(engine: "Engine", t: torch.Tensor) -> torch.Tensor:
@@ -608,17 +613,18 @@ def _host_value(engine: "Engine", t: torch.Tensor) -> torch.Tensor:
     return engine.read_parameter(t) if isinstance(t, torch.nn.Parameter) else engine.copies.download(t)
 
 
-def _gather_buffers(engine: "Engine") -> tuple[torch.Tensor, torch.Tensor]:
+def _gather_buffers(engine: "Engine") -> tuple[torch.Tensor | None, torch.Tensor]:
     """The all-gathers' input and output chunks, on the device with NCCL (outside its budget: allocated before
-    the gathers, inside the ranks' agreement)."""
-    on = engine.device if engine.comm.pg.backend == "nccl" else torch.device("cpu")
+    the gathers, inside the ranks' agreement). With gloo the input is the host block itself: no input chunk."""
+    nccl = engine.comm.pg.backend == "nccl"
+    on = engine.device if nccl else torch.device("cpu")
     chunk = min(GATHER_CHUNK, max(sg.end - sg.start for sg in engine.layout.sub_groups))
-    return (torch.empty(chunk, dtype=torch.float32, device=on),
+    return (torch.empty(chunk, dtype=torch.float32, device=on) if nccl else None,
             torch.empty(engine.world_size * chunk, dtype=torch.float32, device=on))
 
 
 def _gather_masters(engine: "Engine", masters: dict[int, torch.Tensor | None],
-                    buffers: tuple[torch.Tensor, torch.Tensor]) -> None:
+                    buffers: tuple[torch.Tensor | None, torch.Tensor]) -> None:
     """Fills ``masters`` (parameter index -> fp32 tensor) from every rank's share. Sub-group k of a group covers
     the same offsets in every rank's range, so all ranks read their k-th sub-group, all-gather it in chunks
     through ``buffers`` (:func:`_gather_buffers`), and keep the pieces of the wanted parameters; a sub-group
@@ -644,8 +650,9 @@ def _gather_masters(engine: "Engine", masters: dict[int, torch.Tensor | None],
             try:
                 for c0 in range(rel0, rel1, GATHER_CHUNK):
                     c1 = min(c0 + GATHER_CHUNK, rel1)
-                    inp, out = chunk_in[: c1 - c0], chunk_out[: world * (c1 - c0)]
-                    inp.copy_(block[c0 - rel0 : c1 - rel0])
+                    inp, out = block[c0 - rel0 : c1 - rel0], chunk_out[: world * (c1 - c0)]
+                    if chunk_in is not None:  # NCCL: the block moves to the device
+                        inp = chunk_in[: c1 - c0].copy_(inp)
                     comm.all_gather(out, inp)
                     if not kept:  # this rank only takes part
                         continue
