@@ -147,7 +147,7 @@ def run(spec: dict, r: dict, rank: int, world: int, out: Path) -> None:
                     edit(model, rank)
         if r.get("load"):
             engine.load_checkpoint(r["load"])
-        start = engine.global_steps
+        start, norms = engine.global_steps, []
         for step in range(start, r["steps"]):
             if r.get("nan_at") == step:
                 x, y = data[0]
@@ -171,6 +171,7 @@ def run(spec: dict, r: dict, rank: int, world: int, out: Path) -> None:
                         os._exit(3)
                     time.sleep(3600)
                 engine.step()
+            norms.append(engine.last_grad_norm)
             if r.get("save") and step + 1 == r["save_after"]:
                 try:
                     engine.save_checkpoint(r["save"])
@@ -194,7 +195,7 @@ def run(spec: dict, r: dict, rank: int, world: int, out: Path) -> None:
             "report": engine.memory_report(), "comm": stats["comm"], "steps": engine.global_steps,
             "pieces_nvme": stats["params"]["pieces_nvme"] if stats["params"] else None, "reduce": stats["reduce"],
             "numel": sum(p.numel() for p in engine.layout.params), "flat_numel": sum(engine.layout.group_numel),
-            "start_sync": stats["start_sync"], "extras": extras, "save_error": save_error}))
+            "start_sync": stats["start_sync"], "extras": extras, "save_error": save_error, "grad_norms": norms}))
         if ref is not None:  # the engine that created the default group is closed: the reference's group lives on
             engine.close()
             with torch.no_grad():

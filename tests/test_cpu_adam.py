@@ -193,6 +193,32 @@ def test_grad_scale_divides_the_gradient(backend: str, grad_dtype: torch.dtype) 
     assert_close(v_c, v_ref, "exp_avg_sq")
 
 
+@pytest.mark.parametrize("isa", ["widest", "avx2", "scalar", "torch"])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_returns_the_squared_norm_of_the_scaled_gradient(
+    monkeypatch: pytest.MonkeyPatch, isa: str, grad_dtype: torch.dtype
+) -> None:
+    """The sum of squares the update takes in its pass (the engine's gradient norm) against float64, for every size
+    class (scalar only, vector tails, several threads), every kernel width and the torch path."""
+    if isa == "torch":
+        monkeypatch.setenv(_cpu_adam.BACKEND_ENV, "torch")
+    else:
+        monkeypatch.setenv(_cpu_adam.BACKEND_ENV, "native")
+        if isa != "widest":
+            if isa not in supported_isas():
+                pytest.skip(f"this CPU cannot run {isa}")
+            monkeypatch.setenv(_cpu_adam.ISA_ENV, isa)
+    for n in SIZES:
+        grad = make_grads(n, 1, torch.float32)[0].to(grad_dtype)
+        p, m, v = initial_params(n), torch.zeros(n), torch.zeros(n)
+        out = torch.empty(n, dtype=torch.bfloat16)
+        squares = adam_step(p, grad, m, v, step=1, grad_scale=3.7, weight_decay=0.1, out=out, **HP)
+        want = (grad.double() / 3.7).square().sum().item()
+        assert squares == pytest.approx(want, rel=2e-6), (n, squares, want)
+    empty = torch.empty(0)
+    assert adam_step(empty, empty, empty.clone(), empty.clone(), step=1, weight_decay=0.0, **HP) == 0.0
+
+
 def _bits_to_float(bits: list[int]) -> torch.Tensor:
     return torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32)
 

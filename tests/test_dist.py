@@ -128,9 +128,9 @@ def frozen_base(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def reference(steps: int, gas: int = 1, clip: float = 0.0, frozen: bool = False,
-              edited: bool = False) -> dict[str, torch.Tensor]:
+              edited: bool = False, norms: list[float] | None = None) -> dict[str, torch.Tensor]:
     """torch's AdamW, one process, the whole global batch of 6 (``frozen``: on the frozen base; ``edited``: from
-    the model test_params.edit re-initialised)."""
+    the model test_params.edit re-initialised); ``norms`` gets each step's gradient norm."""
     data = batches(steps * gas, bsz=6)
     model = frozen_base(make()) if frozen else make()
     if edited:
@@ -141,17 +141,21 @@ def reference(steps: int, gas: int = 1, clip: float = 0.0, frozen: bool = False,
         opt.zero_grad()
         for x, y in data[s * gas : (s + 1) * gas]:
             (lm_loss(model(x), y) / gas).backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip else float("inf"))
+        if norms is not None:
+            norms.append(norm.item())
         opt.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def single_process(cfg: dict, steps: int, gas: int) -> dict[str, torch.Tensor]:
-    """The engine in this process (world size 1) on the whole global batch of 6."""
+def single_process(cfg: dict, steps: int, gas: int, norms: list[float]) -> dict[str, torch.Tensor]:
+    """The engine in this process (world size 1) on the whole global batch of 6; ``norms`` gets each step's
+    gradient norm."""
     data = batches(steps * gas, bsz=6)
     with offload.initialize(make(), cfg) as engine:
-        train_steps(engine, data)
+        for i in range(0, len(data), gas):
+            train_steps(engine, data[i : i + gas])
+            norms.append(engine.last_grad_norm)
         return engine.consolidated_state_dict()
 
 
@@ -277,15 +281,21 @@ def three_ranks(tmp_path_factory, two_ranks):
 @pytest.mark.parametrize("world", [2, 3])
 def test_ranks_match_single_process(world, two_ranks, three_ranks):
     out = two_ranks[0] if world == 2 else three_ranks
-    refs: dict[tuple[int, float], dict[str, torch.Tensor]] = {}
+    refs: dict[tuple[int, float], tuple[dict[str, torch.Tensor], list[float]]] = {}
     for name, stage, device, gas, clip in RUNS:
         if "delayed" in name:  # one process running the same delayed update on the whole batch
-            want = single_process(run_config(out.parent / "ref", name, stage, device, gas, clip), STEPS, gas)
+            norms: list[float] = []
+            want = single_process(run_config(out.parent / "ref", name, stage, device, gas, clip), STEPS, gas, norms)
         else:
-            want = refs.setdefault((gas, clip), reference(STEPS, gas, clip))
+            if (gas, clip) not in refs:
+                norms = []
+                refs[gas, clip] = reference(STEPS, gas, clip, norms=norms), norms
+            want, norms = refs[gas, clip]
         assert_close(torch.load(out / f"{name}.pt", weights_only=True), want)
         info = [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in range(world)]
         assert all(i["steps"] == STEPS for i in info)
+        for i in info:  # every step's global gradient norm, with clipping or without, on every rank
+            assert i["grad_norms"] == pytest.approx(norms, rel=2e-5), name
         assert all(i["comm"]["world_size"] == world and i["comm"]["rank"] == r for r, i in enumerate(info))
 
 

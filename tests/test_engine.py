@@ -69,13 +69,17 @@ def train(engine, data, gas: int = 1) -> list[float]:
     return losses
 
 
-def reference_fp32(steps: int, data, gas: int = 1, clip: float = 0.0):
+def reference_fp32(steps: int, data, gas: int = 1, clip: float = 0.0, norms: list[float] | None = None,
+                   loss_scale: float = 1.0):
+    """torch's AdamW on an un-offloaded copy; ``norms`` gets each step's gradient norm (in float64)."""
     model = reference_model()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, betas=(0.9, 0.99), eps=1e-8)
     for i in range(0, steps * gas, gas):
         opt.zero_grad()
         for x, y in data[i : i + gas]:
-            (lm_loss(model(on_device(x)), y) / gas).backward()
+            (lm_loss(model(on_device(x)), y) * loss_scale / gas).backward()
+        if norms is not None:
+            norms.append(math.sqrt(sum(p.grad.double().square().sum().item() for p in model.parameters())))
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
@@ -121,6 +125,78 @@ def test_accumulation_and_clipping_match_torch(tmp_path, gas, clip, gradients):
     ref = reference_fp32(6, data, gas, clip)
     for p, r in zip(model.parameters(), ref.parameters()):
         close_enough(p.detach(), r.detach(), 1e-5)
+
+
+@pytest.mark.parametrize("device, gas", [("none", 1), ("cpu", 1), ("nvme", 2), ("cpu, overlap_forward", 1),
+                                         ("cpu, overlap_step false", 2)])
+def test_grad_norm_without_clipping_matches_torch(tmp_path, device, gas):
+    """Without clipping or fp16 the updates sum the gradient norm as they run (the CPU Adam kernel squares the
+    gradients it reads): ``last_grad_norm`` is each step's global norm all the same. With the updates still running
+    beside the next forward, reading it waits for them; a step nobody read is known after close."""
+    data = batches(5 * gas)
+    device, _, variant = device.partition(", ")
+    cfg = config(tmp_path, device, gradient_accumulation_steps=gas)
+    cfg["zero_optimization"]["offload_optimizer"].update(overlap_forward=variant == "overlap_forward",
+                                                         overlap_step=variant != "overlap_step false")
+    norms: list[float] = []
+    with offload.initialize(make(), cfg) as engine:
+        assert engine.plan().overlap is (variant != "overlap_step false")
+        assert engine.plan().overlap_forward is (variant == "overlap_forward")
+        for i in range(0, len(data), gas):
+            train(engine, data[i : i + gas], gas)
+            if i + gas < len(data):
+                norms.append(engine.last_grad_norm)
+    norms.append(engine.get_global_grad_norm())  # the last step's, read after close (DeepSpeed's name)
+    want: list[float] = []
+    reference_fp32(5, data, gas, norms=want)
+    assert norms == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.parametrize("case", ["delayed", "fp32 squares overflow"])
+def test_grad_norm_of_delayed_updates_and_of_huge_gradients(tmp_path, case):
+    """The delayed update sums the norm beside the next step, and ``last_grad_norm`` waits for it: it equals the
+    norm clipping computes before the update (a limit of 1e30 computes it and clips nothing). Gradients whose
+    squares overflow fp32 (a loss times 1e22) are summed again in float64 by the update that saw inf."""
+    data = batches(4)
+    scale = 1e22 if case == "fp32 squares overflow" else 1.0
+    runs = []
+    for clip in (0.0, 1e30):
+        cfg = config(tmp_path, "cpu", gradient_clipping=clip)
+        cfg["zero_optimization"]["offload_optimizer"]["delayed_update"] = case == "delayed"
+        norms = []
+        with offload.initialize(make(), cfg) as engine:
+            for x, y in data:
+                engine.backward(lm_loss(engine(x), y) * scale)
+                engine.step()
+                norms.append(engine.last_grad_norm)
+        runs.append(norms)
+    assert all(math.isfinite(n) for n in runs[0]), runs[0]
+    assert runs[0] == pytest.approx(runs[1], rel=1e-5)
+    if case != "delayed":
+        want: list[float] = []
+        reference_fp32(4, data, norms=want, loss_scale=scale)
+        assert runs[0] == pytest.approx(want, rel=1e-5)
+
+
+def test_grad_norm_after_loading_an_earlier_checkpoint(tmp_path):
+    """Steps taken again after a load count their norms afresh (the sums of the steps run before the load are
+    forgotten), and right after the load the norm is unknown."""
+    data = batches(4)
+    cfg = config(tmp_path, "cpu")
+    cfg["zero_optimization"]["offload_optimizer"]["overlap_forward"] = True
+    with offload.initialize(make(), cfg) as engine:
+        norms, again = [], []
+        for i, (x, y) in enumerate(data):
+            if i == 2:
+                engine.save_checkpoint(tmp_path / "ckpt")
+            train(engine, [(x, y)])
+            norms.append(engine.last_grad_norm)
+        engine.load_checkpoint(tmp_path / "ckpt")
+        assert engine.last_grad_norm is None
+        for x, y in data[2:]:
+            train(engine, [(x, y)])
+            again.append(engine.last_grad_norm)
+    assert again == pytest.approx(norms[2:], rel=1e-6)
 
 
 def reference_mixed(dtype: torch.dtype, steps: int, data, scale: float = 1.0):

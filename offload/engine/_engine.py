@@ -28,7 +28,8 @@ hooks hand each final gradient to the gradient stream and, where the plan allows
 micro-batch), each sub-group whose gradients have all been sent to the optimizer thread during the rest of
 backward. ``engine.step()`` at an accumulation boundary checks for overflow (fp16), computes the global gradient
 norm for clipping, folds loss scale and clipping into one gradient divisor for the CPU Adam kernel, and updates
-the remaining sub-groups. Where the engine is in a step is :class:`Phase`, checked at every call.
+the remaining sub-groups; without clipping the kernel sums the norm as it updates (``last_grad_norm``). Where the
+engine is in a step is :class:`Phase`, checked at every call.
 
 With several ranks the layout gives this rank 1/N of every flat buffer; gradients are reduce-scattered to their
 owners (at the step in stage 1, after each backward in stage 2, in each hook in stage 3), updated parameters
@@ -119,7 +120,8 @@ class Engine:
         self._failure = ""  # what put the engine in Phase.FAILED
         self.global_steps = 0
         self.micro_steps = 0
-        self.last_grad_norm: float | None = None
+        self._grad_norm_value: float | None = None  # last_grad_norm, once known
+        self._norm_step: int | None = None  # a step whose norm its updates (still running) are summing
         self.scaler = LossScaler(cfg.fp16)
         self._hooks: list[Any] = []
         self._rank_dirs: list[Path] = []
@@ -441,11 +443,16 @@ class Engine:
             opt.finish()  # the previous step's update, which ran beside this forward/backward
             uploads = self.weights.apply_update(self._zero)
         grad_scale = self.scaler.scale * self.world_size  # the kernel divides: the mean over ranks
-        if self.config.fp16.enabled or self.config.gradient_clipping > 0:
+        self._norm_step = None
+        # the norm before any update: fp16's overflow check and clipping need it; a delayed update on several ranks
+        # would have it only inside the next step's collectives. Otherwise the updates sum it as they run.
+        before = self.config.fp16.enabled or self.config.gradient_clipping > 0 or (
+            plan.delayed and self.world_size > 1)
+        if before:
             opt.wait()
             norm = self._grad_norm()
             if not math.isfinite(norm):
-                self.last_grad_norm = norm
+                self._grad_norm_value = norm
                 if self.config.fp16.enabled:
                     self.scaler.update(True)
                     opt.skip()
@@ -453,7 +460,7 @@ class Engine:
                 raise FloatingPointError(f"gradient norm is {norm} at step {self.global_steps}: the loss or "
                                          "the model produced inf/NaN")
             norm /= grad_scale
-            self.last_grad_norm = norm
+            self._grad_norm_value = norm
             clip = self.config.gradient_clipping
             if clip > 0:
                 coef = clip / (norm + 1e-6)
@@ -468,6 +475,10 @@ class Engine:
             self._gate.arm()
         else:
             opt.step(grad_scale=grad_scale)
+        if not before:
+            self._norm_step, self._grad_norm_value = opt.step_count, None
+            if not (plan.delayed or self._gate is not None):  # the updates are done: the norm is known on every rank
+                self._take_norm()
         if self._gate is None:
             self.weights.after_step(self._zero)
         if self.config.fp16.enabled:
@@ -517,6 +528,34 @@ class Engine:
         self.optimizer.finish()
         for copy in self.weights.apply_update(self._zero):
             copy.wait()
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The global L2 norm of the last step's gradients (unscaled, before clipping; inf or nan where they
+        overflowed), the same on every rank; None before the first step. Without clipping or fp16 the updates sum
+        it as they run (the CPU Adam kernel squares each gradient it reads), so where ``step()`` returns before its
+        updates end (``plan().overlap_forward``, the delayed update) reading it waits for them: read it when you log,
+        not every step."""
+        if self._norm_step is not None:
+            self._check_open()
+            if self.optimizer.grad_squares(self._norm_step) is None:
+                self._finish_updates()
+            self._take_norm()
+        return self._grad_norm_value
+
+    def get_global_grad_norm(self) -> float | None:
+        """DeepSpeed's name for :attr:`last_grad_norm`."""
+        return self.last_grad_norm
+
+    def _take_norm(self) -> None:
+        """The norm of step ``_norm_step`` from what its updates summed, all-reduced over ranks (every rank is
+        here: at the end of a step whose updates ran inside it); None if some update of it never ran."""
+        squares = self.optimizer.grad_squares(self._norm_step)
+        self._norm_step = None
+        if self.world_size > 1:
+            assert squares is not None, "with several ranks a step's updates end inside it"
+            squares = self.comm.sum_float(squares)
+        self._grad_norm_value = None if squares is None else math.sqrt(squares)
 
     def _grad_norm(self) -> float:
         """The global norm: of this rank's share here, summed in squares over ranks (the same on every rank, so
@@ -635,7 +674,8 @@ class Engine:
 
     def load_training_state(self, state: TrainingState) -> None:
         self.global_steps, self.micro_steps = state.global_steps, state.micro_steps
-        self.optimizer.step_count = state.optimizer_steps
+        self.optimizer.restart_at(state.optimizer_steps)
+        self._norm_step = self._grad_norm_value = None  # the norm of a step the checkpoint does not hold
         self.scaler.load_state_dict(state.loss_scaler)
         for group, saved in zip(self.optimizer.param_groups, state.param_groups):
             group.update({k: tuple(v) if k == "betas" else v for k, v in saved.items()})
@@ -738,6 +778,7 @@ class Engine:
 
     def _fail(self, call: str, exc: BaseException) -> None:
         self.phase = Phase.FAILED
+        self._norm_step = None  # its updates may never end
         self._failure = f"{call} raised {type(exc).__name__}: {exc}"
 
     def _expect_trainable(self, call: str) -> None:
@@ -769,6 +810,8 @@ class Engine:
             try:
                 self._settle()
                 self.optimizer.finish()
+                if self._norm_step is not None:  # readable after close
+                    self._take_norm()
             except Exception:  # noqa: BLE001 - a failed step's error, raised already
                 if not failed:
                     raise

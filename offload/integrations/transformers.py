@@ -22,9 +22,9 @@ logging, callbacks, checkpoint rotation, RNG state. What changes is who holds th
   by the Trainer. The optimizer must be AdamW (``optim`` one of :data:`ADAMW`) or the config's ``optimizer``.
 * Each micro-batch's loss, normalised as the Trainer normalises it, goes to ``engine.backward``; the Trainer's
   optimizer step is ``engine.step()``, at the boundaries the Trainer decides (a short last window included).
-  Clipping and fp16 loss scaling are the engine's, and the logged ``grad_norm`` is its global norm when
-  ``max_grad_norm`` > 0; with clipping off it is not computed (the updates start during backward, before every
-  gradient is in) and logged as None, where the plain Trainer logs the norm anyway.
+  Clipping and fp16 loss scaling are the engine's, and the logged ``grad_norm`` is its global norm
+  (``engine.last_grad_norm``, read only on the steps that log: with clipping off the updates sum it as they run,
+  and reading it waits for those still running beside the next forward).
 * A parameter with no gradient in a step (a branch or expert the batches did not take) is updated with a zero
   gradient, as under DeepSpeed: its Adam moments and weight decay still move it, where torch's AdamW skips it.
 * Checkpoints (``save_steps``): the Trainer's folder gets the model as safetensors, the engine's checkpoint
@@ -356,7 +356,8 @@ class OffloadTrainer(Trainer):
         return None  # known after the step: logged from engine.last_grad_norm
 
     def _maybe_log_save_evaluate(self, tr_loss: Any, grad_norm: Any, *args: Any, **kwargs: Any) -> Any:
-        norm = self.engine.last_grad_norm if self.engine is not None else grad_norm
+        logs = self.control.should_log and self.state.global_step > getattr(self, "_globalstep_last_logged", -1)
+        norm = self.engine.last_grad_norm if self.engine is not None and logs else grad_norm
         return super()._maybe_log_save_evaluate(tr_loss, norm, *args, **kwargs)
 
     def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:

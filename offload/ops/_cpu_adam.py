@@ -234,8 +234,10 @@ def adam_step(
     bias_correction: bool = True,
     grad_scale: float = 1.0,
     out: torch.Tensor | None = None,
-) -> None:
-    """One Adam (``adamw_mode=False``) or AdamW update, in place, in a single pass over memory.
+) -> float:
+    """One Adam (``adamw_mode=False``) or AdamW update, in place, in a single pass over memory. Returns the sum of
+    the squares of ``grad / grad_scale``, taken in the same pass (the engine's gradient norm, without another read
+    of the gradients): summed per vector lane in fp32 over at most 1024 elements, then in double.
 
     ``param``, ``exp_avg`` and ``exp_avg_sq`` are contiguous fp32 CPU tensors with the same number of elements;
     ``grad`` is fp32, bf16 or fp16 and is divided by ``grad_scale`` as it is read (loss-scale unscaling and gradient
@@ -266,12 +268,11 @@ def adam_step(
     lr, beta1, beta2, eps, weight_decay = float(lr), float(beta1), float(beta2), float(eps), float(weight_decay)
     module = _native_module()
     if module is None:
-        _torch_adam_step(
+        return _torch_adam_step(
             param, grad, exp_avg, exp_avg_sq, out, lr, beta1, beta2, eps, weight_decay, adamw_mode,
             bias_correction1, bias_correction2, float(grad_scale),
         )  # fmt: skip
-        return
-    module.adam_step(
+    return module.adam_step(
         param.data_ptr(), grad.data_ptr(), _GRAD_CODES[grad.dtype], exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
         0 if out is None else out.data_ptr(), _NO_OUT if out is None else _OUT_CODES[out.dtype], n,
         lr, beta1, beta2, eps, weight_decay, bool(adamw_mode), bias_correction1, bias_correction2, float(grad_scale),
@@ -293,8 +294,9 @@ def _torch_adam_step(
     bias_correction1: float,
     bias_correction2: float,
     grad_scale: float,
-) -> None:
-    """The kernel's formula in torch ops, over chunks of the flat buffers (fp32 arithmetic, same order)."""
+) -> float:
+    """The kernel's formula in torch ops, over chunks of the flat buffers (fp32 arithmetic, same order); returns the
+    sum of the squares of the scaled gradient."""
     # Constants rounded to fp32 first, as the kernel does, so both paths see identical coefficients.
     def f32(x: float) -> float:
         return float(torch.tensor(x, dtype=torch.float32))
@@ -308,11 +310,13 @@ def _torch_adam_step(
     step_size = f32(lr / bias_correction1)
     flat = [t.view(-1) for t in (param, grad, exp_avg, exp_avg_sq)]
     out_flat = None if out is None else out.view(-1)
+    squares = 0.0
     for start in range(0, param.numel(), _TORCH_CHUNK):
         p, g_raw, m, v = (t[start : start + _TORCH_CHUNK] for t in flat)
         g = g_raw.float()
         if inv_grad_scale != 1.0:
             g = g * inv_grad_scale
+        squares += torch.linalg.vector_norm(g, dtype=torch.float64).item() ** 2
         if l2 != 0.0:
             g = g + p * l2
         if decay != 1.0:
@@ -323,6 +327,7 @@ def _torch_adam_step(
         p.sub_(m.mul(step_size).div_(denom))
         if out_flat is not None:
             out_flat[start : start + _TORCH_CHUNK].copy_(p)
+    return squares
 
 
 # Distance, within a 2 MiB huge page, between consecutive streams of one update (see host_stream_buffer).

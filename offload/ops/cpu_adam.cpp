@@ -4,7 +4,9 @@
 // exp_avg_sq (28 bytes at fp32 grads), plus optionally a bf16 / fp16 copy of the new parameter (2 more bytes).
 // Everything is done in a single streaming pass so each byte crosses the memory bus once; the optional low-precision
 // copy is written with full-cache-line non-temporal stores because nothing reads it back on this core (a regular
-// store would first read the line: 2 more bytes per element).
+// store would first read the line: 2 more bytes per element). The same pass sums the squares of the gradient it
+// used (after grad_scale), so the engine knows the gradient norm without reading the gradients again: per lane in
+// fp32 over at most kSquaresSpan elements, then in double.
 //
 // The file is compiled once per instruction set (see _cpu_adam.py): -mavx512f selects the 16-wide path, -mavx2 the
 // 8-wide one, neither the scalar one. All paths evaluate the same operations in the same order as torch's fused CPU
@@ -45,6 +47,8 @@ constexpr const char* kIsa = "scalar";
 constexpr int64_t kBlock = 64;
 // Below this many elements a call runs on the calling thread (waking the pool costs more than it saves).
 constexpr int64_t kParallelGrain = int64_t{1} << 16;
+// Vector iterations whose squares a lane sums in fp32 before they are added to the double total.
+constexpr int64_t kSquaresSpan = 32;
 
 inline uint32_t float_bits(float f) {
   uint32_t u;
@@ -119,6 +123,7 @@ struct Scalar {
   static F div(F a, F b) { return a / b; }
   static F fma(F a, F b, F c) { return std::fma(a, b, c); }
   static F sqrt(F a) { return std::sqrt(a); }
+  static double sum(F a) { return a; }
   static void fence() {}
 };
 
@@ -155,6 +160,13 @@ struct Vec {
   static F div(F a, F b) { return _mm512_div_ps(a, b); }
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static F sqrt(F a) { return _mm512_sqrt_ps(a); }
+  static double sum(F a) {
+    alignas(64) float lanes[kWidth];
+    _mm512_store_ps(lanes, a);
+    double total = 0.0;
+    for (const float x : lanes) total += x;
+    return total;
+  }
   static void fence() { _mm_sfence(); }
 };
 #elif defined(__AVX2__)
@@ -192,6 +204,13 @@ struct Vec {
   static F div(F a, F b) { return _mm256_div_ps(a, b); }
   static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static F sqrt(F a) { return _mm256_sqrt_ps(a); }
+  static double sum(F a) {
+    alignas(32) float lanes[kWidth];
+    _mm256_store_ps(lanes, a);
+    double total = 0.0;
+    for (const float x : lanes) total += x;
+    return total;
+  }
   static void fence() { _mm_sfence(); }
 };
 #else
@@ -249,12 +268,15 @@ struct Broadcast {
   F inv_grad_scale, l2, decay, lerp_coeff, beta2, sq_weight, bc2_sqrt, eps, step_size;
 };
 
-// Updates the V::kWidth elements at i in place and returns the new parameters.
+// Updates the V::kWidth elements at i in place, adds the squares of their gradients to ``squares`` and returns
+// the new parameters.
 template <class V, int GradType>
-inline typename V::F adam_vector(const Buffers& b, const Coefficients& c, const Broadcast<V>& k, int64_t i) {
+inline typename V::F adam_vector(const Buffers& b, const Coefficients& c, const Broadcast<V>& k, int64_t i,
+                                 typename V::F& squares) {
   using F = typename V::F;
   F param = V::load(b.param + i);
   F grad = V::mul(load_grad<V, GradType>(b.grad, i), k.inv_grad_scale);
+  squares = V::add(squares, V::mul(grad, grad));
   if (c.use_l2) grad = V::add(grad, V::mul(param, k.l2));
   param = V::mul(param, k.decay);
   // torch's lerp: start + w * (end - start) for small w, end - (1 - w) * (end - start) otherwise.
@@ -271,22 +293,30 @@ inline typename V::F adam_vector(const Buffers& b, const Coefficients& c, const 
 
 // Updates elements [begin, end) two vectors at a time, so that the low-precision copy of both goes out as one
 // full-width non-temporal store (a whole cache line with AVX-512). end - begin must be a multiple of 2 * kWidth.
+// Returns the sum of the squares of their gradients.
 template <class V, int GradType, int OutType>
-inline void update(const Buffers& b, const Coefficients& c, int64_t begin, int64_t end) {
+inline double update(const Buffers& b, const Coefficients& c, int64_t begin, int64_t end) {
   const Broadcast<V> k(c);
-  for (int64_t i = begin; i < end; i += 2 * V::kWidth) {
-    const auto lo = adam_vector<V, GradType>(b, c, k, i);
-    const auto hi = adam_vector<V, GradType>(b, c, k, i + V::kWidth);
-    if constexpr (OutType == kBFloat16) {
-      V::stream_pair(b.out + i, V::to_bf16(lo), V::to_bf16(hi));
-    } else if constexpr (OutType == kFloat16) {
-      V::stream_pair(b.out + i, V::to_fp16(lo), V::to_fp16(hi));
+  double total = 0.0;
+  for (int64_t span = begin; span < end; span += kSquaresSpan * 2 * V::kWidth) {
+    auto squares = V::set1(0.0f);
+    const int64_t span_end = std::min(end, span + kSquaresSpan * 2 * V::kWidth);
+    for (int64_t i = span; i < span_end; i += 2 * V::kWidth) {
+      const auto lo = adam_vector<V, GradType>(b, c, k, i, squares);
+      const auto hi = adam_vector<V, GradType>(b, c, k, i + V::kWidth, squares);
+      if constexpr (OutType == kBFloat16) {
+        V::stream_pair(b.out + i, V::to_bf16(lo), V::to_bf16(hi));
+      } else if constexpr (OutType == kFloat16) {
+        V::stream_pair(b.out + i, V::to_fp16(lo), V::to_fp16(hi));
+      }
     }
+    total += V::sum(squares);
   }
+  return total;
 }
 
 template <int GradType, int OutType>
-void update_range(const Buffers& b, const Coefficients& c, int64_t begin, int64_t end) {
+double update_range(const Buffers& b, const Coefficients& c, int64_t begin, int64_t end) {
   constexpr int64_t kStep = 2 * Vec::kWidth;
   int64_t head = begin;
   if constexpr (OutType != kNone) {
@@ -298,8 +328,11 @@ void update_range(const Buffers& b, const Coefficients& c, int64_t begin, int64_
   }
   const int64_t body_end = head + (end - head) / kStep * kStep;
   const Broadcast<Scalar> k(c);
+  double total = 0.0;
   const auto one = [&](int64_t i) {
-    const float param = adam_vector<Scalar, GradType>(b, c, k, i);
+    float squares = 0.0f;
+    const float param = adam_vector<Scalar, GradType>(b, c, k, i, squares);
+    total += squares;
     if constexpr (OutType == kBFloat16) {
       b.out[i] = float_to_bf16(param);
     } else if constexpr (OutType == kFloat16) {
@@ -307,21 +340,25 @@ void update_range(const Buffers& b, const Coefficients& c, int64_t begin, int64_
     }
   };
   for (int64_t i = begin; i < head; ++i) one(i);
-  update<Vec, GradType, OutType>(b, c, head, body_end);
+  total += update<Vec, GradType, OutType>(b, c, head, body_end);
   for (int64_t i = body_end; i < end; ++i) one(i);
   if constexpr (OutType != kNone) Vec::fence();
+  return total;
 }
 
 template <int GradType, int OutType>
-void run(const Buffers& b, const Coefficients& c, int64_t n) {
+double run(const Buffers& b, const Coefficients& c, int64_t n) {
   const int64_t blocks = (n + kBlock - 1) / kBlock;
-  at::parallel_for(0, blocks, kParallelGrain / kBlock, [&](int64_t first, int64_t last) {
-    update_range<GradType, OutType>(b, c, first * kBlock, std::min(n, last * kBlock));
-  });
+  return at::parallel_reduce(
+      0, blocks, kParallelGrain / kBlock, 0.0,
+      [&](int64_t first, int64_t last, double partial) {
+        return partial + update_range<GradType, OutType>(b, c, first * kBlock, std::min(n, last * kBlock));
+      },
+      [](double x, double y) { return x + y; });
 }
 
 template <int GradType>
-void dispatch_out(const Buffers& b, const Coefficients& c, int64_t n, int out_type) {
+double dispatch_out(const Buffers& b, const Coefficients& c, int64_t n, int out_type) {
   switch (out_type) {
     case kNone: return run<GradType, kNone>(b, c, n);
     case kBFloat16: return run<GradType, kBFloat16>(b, c, n);
@@ -330,11 +367,12 @@ void dispatch_out(const Buffers& b, const Coefficients& c, int64_t n, int out_ty
   }
 }
 
-void adam_step(uintptr_t param, uintptr_t grad, int grad_type, uintptr_t exp_avg, uintptr_t exp_avg_sq,
-               uintptr_t out, int out_type, int64_t n, double lr, double beta1, double beta2, double eps,
-               double weight_decay, bool adamw_mode, double bias_correction1, double bias_correction2,
-               double grad_scale) {
-  if (n <= 0) return;
+// Returns the sum of the squares of grad / grad_scale.
+double adam_step(uintptr_t param, uintptr_t grad, int grad_type, uintptr_t exp_avg, uintptr_t exp_avg_sq,
+                 uintptr_t out, int out_type, int64_t n, double lr, double beta1, double beta2, double eps,
+                 double weight_decay, bool adamw_mode, double bias_correction1, double bias_correction2,
+                 double grad_scale) {
+  if (n <= 0) return 0.0;
   Coefficients c;
   c.inv_grad_scale = static_cast<float>(1.0 / grad_scale);
   c.l2 = adamw_mode ? 0.0f : static_cast<float>(weight_decay);
@@ -364,5 +402,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Fused single-pass CPU Adam/AdamW kernel (see offload/ops/_cpu_adam.py for the Python contract).";
   m.attr("isa") = kIsa;
   m.def("adam_step", &adam_step, pybind11::call_guard<pybind11::gil_scoped_release>(),
-        "Update n elements in place. Addresses are raw pointers validated by the caller.");
+        "Update n elements in place; returns the sum of the squares of grad / grad_scale. Addresses are raw "
+        "pointers validated by the caller.");
 }

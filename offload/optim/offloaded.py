@@ -24,6 +24,7 @@ drains behind. An error on the stepper surfaces at the engine's next wait.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -90,6 +91,8 @@ class OffloadedAdam(torch.optim.Optimizer):
         self._jobs: dict[int, Any] = {}  # sub-group -> the queued job of its update in the step in progress
         self._uploaded: dict[int, Any] = {}  # sub-group -> the copy of its new parameters to the device (CUDA)
         self._ran: list[int] = []  # sub-groups in the order the stepper updated them (the next step reads ahead so)
+        # step -> the squared norms of the gradients its updates used so far (the newest two steps; stepper-written)
+        self._squares: dict[int, tuple[float | torch.Tensor, ...]] = {}
         self._launched = False
         self._in_backward = False
         self.grads = GradientBuffers(layout, store, Tier.DEVICE if placement is Tier.DEVICE else Tier.HOST,
@@ -299,6 +302,28 @@ class OffloadedAdam(torch.optim.Optimizer):
         """Waits for everything queued or launched, inside a step or not (``finish``)."""
         self.finish()
 
+    def restart_at(self, step_count: int) -> None:
+        """A checkpoint's step count (the stepper is idle): the sums of steps run before it are forgotten, so step
+        numbers taken again start from nothing."""
+        self.step_count = step_count
+        self._squares.clear()
+
+    def grad_squares(self, step: int) -> float | None:
+        """The sum over this rank's sub-groups of the squared norm of the gradients update ``step`` used (divided
+        by its ``grad_scale``), taken by the updates themselves; None until every sub-group's update of that step
+        has run (or for a step older than the one before the newest)."""
+        squares = self._squares.get(step, ())
+        if len(squares) < len(self.layout.sub_groups):
+            return None
+        return math.fsum(float(v) for v in squares)  # a device tensor (state on the GPU) is read here
+
+    def _count_squares(self, step: int, squares: float | torch.Tensor) -> None:
+        """On the stepper: one update's squared gradient norm. One assignment each, so the training thread reading
+        ``grad_squares`` sees a whole tuple; steps before the previous one are dropped."""
+        self._squares[step] = (*self._squares.get(step, ()), squares)
+        for old in [k for k in self._squares if k < step - 1]:
+            del self._squares[old]
+
     def _update(self, k: int, grad_scale: float, grad: torch.Tensor, step: int, waits: tuple[Any, ...],
                 after: Any, stream: Any, group: dict[str, Any]) -> None:
         """On the stepper: one sub-group's Adam update once its gradients have landed; ``after``: the point of the
@@ -323,6 +348,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         if self._fused:  # state on the device (no offload): torch's fused kernel, same arithmetic
             out = None
             with torch.cuda.stream(stream):  # ordered after the backward that wrote the gradients
+                squares = torch.linalg.vector_norm(grad, dtype=torch.float64).square() / grad_scale**2
                 self._fused_torch(master, exp_avg, exp_avg_sq, grad, group, grad_scale, step)
                 if self._on_updated is None:
                     target.copy_(master)
@@ -346,11 +372,14 @@ class OffloadedAdam(torch.optim.Optimizer):
             state = (master, grad, exp_avg, exp_avg_sq, out if lowp else None)
             lazy = [seg for seg in sg.segments if seg.param in self._lazy]
             if lazy:
-                self._lazy_step(sg, lazy, *state, hyper)
+                squares = self._lazy_step(sg, lazy, *state, hyper)
             else:
-                adam_step(*state[:4], out=state[4], **hyper)
+                squares = adam_step(*state[:4], out=state[4], **hyper)
+            if math.isinf(squares) and bool(torch.isfinite(grad).all()):  # the fp32 squares overflowed
+                squares = torch.linalg.vector_norm(grad, dtype=torch.float64).item() ** 2 / grad_scale**2
             if not lowp:
                 out.copy_(master)  # fp32 training: the new parameters are the masters
+        self._count_squares(step, squares)
         elapsed = time.perf_counter() - t
         self.adam_seconds += elapsed
         if self._in_backward:
@@ -365,19 +394,21 @@ class OffloadedAdam(torch.optim.Optimizer):
 
     def _lazy_step(self, sg: SubGroup, lazy: list[Any], master: torch.Tensor, grad: torch.Tensor,
                    exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, out: torch.Tensor | None,
-                   hyper: dict[str, Any]) -> None:
+                   hyper: dict[str, Any]) -> float:
         """Adam over a sub-group holding lazy parameters: dense between them; on each lazy segment, only the rows
         with a non-zero gradient, gathered into compact tensors, updated, and scattered back (the other rows keep
-        their parameter and moments, and their low-precision copy is the unchanged master rounded)."""
-        def dense(a: int, b: int) -> None:
-            if a < b:
-                adam_step(master[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b],
-                          out=None if out is None else out[a:b], **hyper)
+        their parameter and moments, and their low-precision copy is the unchanged master rounded). Returns the
+        squared gradient norm (the rows left out have none)."""
+        def dense(a: int, b: int) -> float:
+            if a >= b:
+                return 0.0
+            return adam_step(master[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b],
+                             out=None if out is None else out[a:b], **hyper)
 
-        pos = 0
+        pos, squares = 0, 0.0
         for seg in lazy:
             lo, hi = seg.flat_start - sg.start, seg.flat_start - sg.start + seg.numel
-            dense(pos, lo)
+            squares += dense(pos, lo)
             width = self._lazy[seg.param]
             first = seg.param_start  # element of the flattened parameter at ``lo``
             touched = torch.unique((first + grad[lo:hi].nonzero().reshape(-1)) // width)
@@ -389,13 +420,13 @@ class OffloadedAdam(torch.optim.Optimizer):
             if idx.numel():
                 parts = [t.index_select(0, idx) for t in (master, grad, exp_avg, exp_avg_sq)]
                 low = torch.empty(idx.numel(), dtype=out.dtype) if out is not None else None
-                adam_step(*parts, out=low, **hyper)
+                squares += adam_step(*parts, out=low, **hyper)
                 for t, part in zip((master, exp_avg, exp_avg_sq), (parts[0], parts[2], parts[3])):
                     t.index_copy_(0, idx, part)
                 if out is not None:
                     out.index_copy_(0, idx, low)
             pos = hi
-        dense(pos, sg.numel)
+        return squares + dense(pos, sg.numel)
 
     def _prefetch(self, current: int) -> None:
         """Starts reads of the sub-groups expected next, as far as free staging buffers allow."""
