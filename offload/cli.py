@@ -118,11 +118,14 @@ def _demo(args: argparse.Namespace) -> int:
                 moved = engine.stats()["bytes_moved"]
                 gb = " ".join(f"{k} {v / 1e9:.2f}GB" for k, v in sorted(moved.items()))
                 rate = step * args.batch * args.tokens / elapsed
+                norm = engine.last_grad_norm
+                norm_text = "-" if norm is None else f"{norm:.4f}"
                 if steps.disable:  # not a terminal: one plain line per step
-                    print(f"step {step:4d}/{args.steps}  loss {last:7.4f}  {rate:8.0f} tok/s  {gb}", file=sys.stderr,
-                          flush=True)
+                    print(f"step {step:4d}/{args.steps}  loss {last:7.4f}  grad norm {norm_text:>7}  {rate:8.0f} "
+                          f"tok/s  {gb}", file=sys.stderr, flush=True)
                 else:
-                    steps.set_postfix_str(f"loss {last:.4f}, {rate:.0f} tok/s, {gb}", refresh=False)
+                    steps.set_postfix_str(f"loss {last:.4f}, grad norm {norm_text}, {rate:.0f} tok/s, {gb}",
+                                          refresh=False)
                     steps.update()
             steps.close()
             total = time.perf_counter() - t_start
