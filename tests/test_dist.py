@@ -185,6 +185,7 @@ RUNS = [  # name, stage, optimizer state, accumulation, clipping
     ("s3-pnvme-host", 3, "cpu", 1, 0.0),  # pnvme: each rank's pieces of the parameters on its NVMe folder
     ("s3-pnvme-nvme-gas2-clip-persist", 3, "nvme", 2, 0.05),
     ("s3-nvme-gas2-clip-staged", 3, "nvme", 2, 0.05),  # staged: the CUDA path's gradient buckets, on the CPU
+    ("s2-device-staged", 2, "none", 1, 0.0),  # the state on the device, updated (and its norm summed) as on a GPU
 ]
 
 
@@ -410,7 +411,7 @@ def test_optimizer_state_per_rank_is_one_nth(world, two_ranks, three_ranks, tmp_
     with offload.initialize(make(), config(1, "cpu", tmp_path)) as single:
         whole = single.memory_report()["host"]["optimizer_state"]
     for name, stage, device, gas, clip in RUNS:
-        tier = "host" if device == "cpu" else "nvme"
+        tier = {"cpu": "host", "nvme": "nvme", "none": "device"}[device]
         for r in range(world):
             info = json.loads((out / f"{name}.rank{r}.json").read_text())
             mine = info["report"][tier]["optimizer_state"]
@@ -421,13 +422,13 @@ def test_optimizer_state_per_rank_is_one_nth(world, two_ranks, three_ranks, tmp_
 @pytest.mark.parametrize("world", [2, 3])
 def test_bytes_communicated_per_step(world, two_ranks, three_ranks):
     """Payload per step: the ZeRO paper's 2 x Psi for stages 1-2 (gradients reduced to their owners + parameters
-    all-gathered); gradients are reduced per micro-batch, so accumulating 2 costs 3 x Psi; clipping adds one 8-byte
-    all-reduce."""
+    all-gathered); gradients are reduced per micro-batch, so accumulating 2 costs 3 x Psi; the gradient norm adds
+    one 8-byte all-reduce."""
     out = two_ranks[0] if world == 2 else three_ranks
     for name, stage, device, gas, clip in RUNS:
         info = json.loads((out / f"{name}.rank0.json").read_text())
         comm, psi = info["comm"], 4 * info["flat_numel"]  # fp32 bytes of the padded flat parameters
-        last = comm["last_step"]["payload_bytes"] - (8 if clip else 0)
+        last = comm["last_step"]["payload_bytes"] - 8
         if stage < 3:  # each micro-batch's gradients reduced (the data, not the buffers' trailing padding), then
             # one all-gather of the padded parameters
             grads = last - psi
@@ -452,7 +453,9 @@ def test_stage_1_2_gradients_take_a_share_and_two_buckets(world, two_ranks, thre
             red, dev = info["reduce"], info["report"]["device"]
             assert red["peak_buffers"] <= 2 and red["buffer_bytes"] <= 2 * 4 * red["bucket_numel"], (name, red)
             frozen = 4 * (5 + 3) if name in SEEDED_BY_RANK else 0  # dist_worker's frozen parameter and buffer
-            assert dev["peak"] <= 4 * (info["flat_numel"] + largest) + red["buffer_bytes"] + frozen, \
+            # state on the device: it and this rank's gradient share (4 B an element) are there too
+            state = dev["optimizer_state"] + 4 * info["flat_numel"] // world if device == "none" else 0
+            assert dev["peak"] <= 4 * (info["flat_numel"] + largest) + red["buffer_bytes"] + frozen + state, \
                 (name, r, dev, red)
 
 
@@ -935,3 +938,40 @@ def test_a_vote_counts_failures_and_refuses_ranks_at_different_sites(tmp_path):
     got = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
     assert got[0] == {"count": 1, "elsewhere": "OutOfStep", "own": "OutOfStep", "after": 0}
     assert got[1] == {"count": 1, "elsewhere": "OutOfStep", "own": "its own error", "after": 0}
+
+
+NONFINITE_SCRIPT = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+import offload
+from models import batches, lm_loss, make
+engine = offload.initialize(make(), {cfg!r})
+(x, y), = batches(1, bsz=6)
+out = engine(x)
+out.register_hook(lambda g: g * float("inf"))  # a finite loss whose gradients are not
+engine.backward(lm_loss(out, y))
+try:
+    engine.step()
+except FloatingPointError as exc:
+    print("raised", exc, flush=True)
+else:
+    print("norm", engine.last_grad_norm, flush=True)
+engine.close()
+"""
+
+
+def test_delayed_update_without_clipping_trains_on_a_nonfinite_norm_on_several_ranks(tmp_path):
+    """Without clipping a non-finite gradient norm is reported (nan), not raised, on one rank and on two alike:
+    the delayed update on several ranks takes the norm before its update only to know it, as the updates would."""
+    cfg = config(2, "cpu", tmp_path / "nvme")
+    cfg["zero_optimization"]["offload_optimizer"]["delayed_update"] = True
+    script = tmp_path / "nonfinite.py"
+    script.write_text(NONFINITE_SCRIPT.format(tests=str(TESTS), cfg=cfg))
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    for cmd in ([sys.executable, str(script)],
+                [shutil.which("torchrun") or "torchrun", "--nproc-per-node", "2", "--master-port", str(free_port()),
+                 str(script)]):
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+        assert "raised" not in done.stdout and "norm nan" in done.stdout, (cmd[-1], done.stdout[-2000:])

@@ -129,10 +129,11 @@ def test_accumulation_and_clipping_match_torch(tmp_path, gas, clip, gradients):
 
 @pytest.mark.parametrize("device, gas", [("none", 1), ("cpu", 1), ("nvme", 2), ("cpu, overlap_forward", 1),
                                          ("cpu, overlap_step false", 2)])
-def test_grad_norm_without_clipping_matches_torch(tmp_path, device, gas):
+def test_grad_norm_without_clipping_matches_torch(tmp_path, device, gas, gradients):
     """Without clipping or fp16 the updates sum the gradient norm as they run (the CPU Adam kernel squares the
-    gradients it reads): ``last_grad_norm`` is each step's global norm all the same. With the updates still running
-    beside the next forward, reading it waits for them; a step nobody read is known after close."""
+    gradients it reads; with the state on the device, "staged", the CUDA path's fused update sums it there):
+    ``last_grad_norm`` is each step's global norm all the same. With the updates still running beside the next
+    forward, reading it waits for them; a step nobody read is known after close."""
     data = batches(5 * gas)
     device, _, variant = device.partition(", ")
     cfg = config(tmp_path, device, gradient_accumulation_steps=gas)
@@ -1477,3 +1478,43 @@ def test_lazy_sparse_gradients_need_offloaded_state(tmp_path):
         offload.initialize(make_bag(), cfg)
     with pytest.raises(ValueError, match="sparse_gradients must be true, false or \"lazy\""):
         offload.initialize(make_bag(), {"sparse_gradients": "yes"})
+
+
+@pytest.mark.parametrize("variant", ["overlap_forward", "delayed_update"])
+def test_grad_norm_survives_a_dropped_window(tmp_path, variant):
+    """A backward that raises before any update (the window is dropped, the engine idle again) leaves the norm of
+    the step before it known: its updates ran, so ``last_grad_norm`` is still that step's norm, not None."""
+    data, bad = batches(1), batches(1, seed=9)[0]
+    cfg = config(tmp_path, "cpu")
+    cfg["zero_optimization"]["offload_optimizer"][variant] = True
+    with offload.initialize(make(), cfg) as engine:
+        train(engine, data)
+        _FailInBackward.armed = True
+        try:
+            with pytest.raises(RuntimeError, match="injected error"):
+                engine.backward(lm_loss(_FailInBackward.apply(engine(bad[0])), bad[1]))
+        finally:
+            _FailInBackward.armed = False
+        assert engine.phase is offload.Phase.IDLE
+        norm = engine.last_grad_norm
+    want: list[float] = []
+    reference_fp32(1, data, norms=want)
+    assert norm == pytest.approx(want[0], rel=1e-5)
+
+
+def test_grad_norm_reads_after_a_close_that_raised(tmp_path, monkeypatch):
+    """The delayed update of the last step fails inside ``close()``: the norm of that step is unknown (None), and
+    reading it after the close neither raises nor waits."""
+    from offload.optim import offloaded
+
+    data = batches(2)
+    cfg = config(tmp_path, "cpu")
+    cfg["zero_optimization"]["offload_optimizer"]["delayed_update"] = True
+    engine = offload.initialize(make(), cfg)
+    train(engine, data[:1])
+    monkeypatch.setattr(offloaded, "adam_step", fails_on_call(offloaded.adam_step, 1, RuntimeError("injected")))
+    engine.backward(lm_loss(engine(data[1][0]), data[1][1]))
+    engine.step()
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.close()
+    assert engine.last_grad_norm is None

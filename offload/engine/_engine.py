@@ -120,7 +120,7 @@ class Engine:
         self._failure = ""  # what put the engine in Phase.FAILED
         self.global_steps = 0
         self.micro_steps = 0
-        self._grad_norm_value: float | None = None  # last_grad_norm, once known
+        self._grad_norm_value: float | torch.Tensor | None = None  # last_grad_norm once known (a tensor: on the GPU)
         self._norm_step: int | None = None  # a step whose norm its updates (still running) are summing
         self.scaler = LossScaler(cfg.fp16)
         self._hooks: list[Any] = []
@@ -457,8 +457,9 @@ class Engine:
                     self.scaler.update(True)
                     opt.skip()
                     return
-                raise FloatingPointError(f"gradient norm is {norm} at step {self.global_steps}: the loss or "
-                                         "the model produced inf/NaN")
+                if self.config.gradient_clipping > 0:  # else (a delayed update on several ranks) as the updates would
+                    raise FloatingPointError(f"gradient norm is {norm} at step {self.global_steps}: the loss or "
+                                             "the model produced inf/NaN")
             norm /= grad_scale
             self._grad_norm_value = norm
             clip = self.config.gradient_clipping
@@ -477,7 +478,7 @@ class Engine:
             opt.step(grad_scale=grad_scale)
         if not before:
             self._norm_step, self._grad_norm_value = opt.step_count, None
-            if not (plan.delayed or self._gate is not None):  # the updates are done: the norm is known on every rank
+            if self.world_size > 1:  # the updates are done (they end inside the step there): reduced on every rank
                 self._take_norm()
         if self._gate is None:
             self.weights.after_step(self._zero)
@@ -537,10 +538,12 @@ class Engine:
         updates end (``plan().overlap_forward``, the delayed update) reading it waits for them: read it when you log,
         not every step."""
         if self._norm_step is not None:
-            self._check_open()
-            if self.optimizer.grad_squares(self._norm_step) is None:
+            # a failed or closed engine does not wait (its updates may never end): what they summed, if whole
+            if self.phase not in (Phase.FAILED, Phase.CLOSED) and self.optimizer.grad_squares(self._norm_step) is None:
                 self._finish_updates()
             self._take_norm()
+        if isinstance(self._grad_norm_value, torch.Tensor):  # the state is on the GPU: read it now, once
+            self._grad_norm_value = float(self._grad_norm_value)
         return self._grad_norm_value
 
     def get_global_grad_norm(self) -> float | None:
@@ -549,9 +552,16 @@ class Engine:
 
     def _take_norm(self) -> None:
         """The norm of step ``_norm_step`` from what its updates summed, all-reduced over ranks (every rank is
-        here: at the end of a step whose updates ran inside it); None if some update of it never ran."""
+        here: at the end of a step whose updates ran inside it); None if some update of it never ran. One rank
+        takes it when it is read, so a step never waits for the device for it."""
         squares = self.optimizer.grad_squares(self._norm_step)
         self._norm_step = None
+        if isinstance(squares, torch.Tensor):  # on the GPU: all-reduced and rooted there, read on demand
+            if self.world_size > 1:
+                squares = squares.reshape(1)
+                self.comm.all_reduce(squares)
+            self._grad_norm_value = squares.reshape(()).sqrt()
+            return
         if self.world_size > 1:
             assert squares is not None, "with several ranks a step's updates end inside it"
             squares = self.comm.sum_float(squares)
@@ -777,8 +787,7 @@ class Engine:
             raise RuntimeError("the engine is closed")
 
     def _fail(self, call: str, exc: BaseException) -> None:
-        self.phase = Phase.FAILED
-        self._norm_step = None  # its updates may never end
+        self.phase = Phase.FAILED  # the last step's norm stays readable where its updates all ran (last_grad_norm)
         self._failure = f"{call} raised {type(exc).__name__}: {exc}"
 
     def _expect_trainable(self, call: str) -> None:

@@ -308,14 +308,20 @@ class OffloadedAdam(torch.optim.Optimizer):
         self.step_count = step_count
         self._squares.clear()
 
-    def grad_squares(self, step: int) -> float | None:
+    def grad_squares(self, step: int) -> float | torch.Tensor | None:
         """The sum over this rank's sub-groups of the squared norm of the gradients update ``step`` used (divided
         by its ``grad_scale``), taken by the updates themselves; None until every sub-group's update of that step
-        has run (or for a step older than the one before the newest)."""
+        has run (or for a step older than the one before the newest). With the state on a GPU, a 0-d float64
+        tensor there, summed on the compute stream: nothing here waits for the device."""
         squares = self._squares.get(step, ())
         if len(squares) < len(self.layout.sub_groups):
             return None
-        return math.fsum(float(v) for v in squares)  # a device tensor (state on the GPU) is read here
+        on_device = [v for v in squares if isinstance(v, torch.Tensor)]
+        total = math.fsum(v for v in squares if not isinstance(v, torch.Tensor))
+        if not on_device:
+            return total
+        with torch.cuda.stream(self.copies.current_stream()):  # the stream the updates summed them on
+            return torch.stack(on_device).sum(dtype=torch.float64) + total
 
     def _count_squares(self, step: int, squares: float | torch.Tensor) -> None:
         """On the stepper: one update's squared gradient norm. One assignment each, so the training thread reading
@@ -348,8 +354,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         if self._fused:  # state on the device (no offload): torch's fused kernel, same arithmetic
             out = None
             with torch.cuda.stream(stream):  # ordered after the backward that wrote the gradients
-                squares = torch.linalg.vector_norm(grad, dtype=torch.float64).square() / grad_scale**2
-                self._fused_torch(master, exp_avg, exp_avg_sq, grad, group, grad_scale, step)
+                squares = self._fused_torch(master, exp_avg, exp_avg_sq, grad, group, grad_scale, step)
                 if self._on_updated is None:
                     target.copy_(master)
                 else:  # parameters homed on NVMe: their new values go there through a host staging buffer
@@ -437,18 +442,21 @@ class OffloadedAdam(torch.optim.Optimizer):
                 break
 
     def _fused_torch(self, master: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor,
-                     group: dict[str, Any], grad_scale: float, step_number: int) -> None:
+                     group: dict[str, Any], grad_scale: float, step_number: int) -> torch.Tensor:
         """State on a CUDA device (no offload): torch's fused kernel does the same arithmetic. It always corrects
         for bias, by 1 - beta**step: without bias correction it is given an infinite step, where that is exactly 1
         (betas are below 1). Scalars are filled on the device: a tensor made from a Python number would be a
-        blocking copy, which waits for the compute stream."""
+        blocking copy, which waits for the compute stream. Returns the squared norm of grad / grad_scale, a 0-d
+        float64 tensor on the device (fp32 squares, as the CPU kernel's; no wider copy of the gradients)."""
         fn = torch._fused_adamw_ if group["adamw_mode"] else torch._fused_adam_
         grad = grad.float()  # the fused kernel takes one dtype for state and gradients
+        squares = torch.linalg.vector_norm(grad).double().square() / grad_scale**2
         on = dict(dtype=torch.float32, device=master.device)
         step = torch.full((), float(step_number) if group["bias_correction"] else float("inf"), **on)
         fn([master], [grad], [m], [v], [], [step], lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
            weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False, maximize=False,
            grad_scale=torch.full((), grad_scale, **on) if grad_scale != 1.0 else None)
+        return squares
 
     # state access (the stepper is idle whenever these run) ------------------------------------------------------
 
