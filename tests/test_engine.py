@@ -118,7 +118,10 @@ def test_accumulation_and_clipping_match_torch(tmp_path, gas, clip, gradients):
     model = make()
     cfg = config(tmp_path, "nvme", gradient_accumulation_steps=gas, gradient_clipping=clip)
     with offload.initialize(model, cfg) as engine:
-        train(engine, data, gas)
+        for m, (x, y) in enumerate(data):
+            engine.backward(lm_loss(engine(x), y))
+            engine.step()
+            assert engine.was_step_applied() is ((m + 1) % gas == 0)  # DeepSpeed's: no update between boundaries
         assert engine.global_steps == 6 and engine.micro_steps == 6 * gas
         if clip:
             assert engine.last_grad_norm > clip  # clipping was active
@@ -244,12 +247,15 @@ def test_fp16_dynamic_loss_scale_skips_overflow(tmp_path):
     cfg = config(tmp_path, "cpu", fp16={"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2,
                                         "hysteresis": 1})
     with offload.initialize(model, cfg) as engine:
+        assert not engine.was_step_applied()
         train(engine, data[:2])
         assert engine.scaler.scale == 512.0  # doubled after a clean window of 2
+        assert engine.was_step_applied()
         before = [p.detach().clone() for p in model.parameters()]
         x, y = data[2]
         engine.backward(lm_loss(engine(x), y) * float("inf"))
         engine.step()
+        assert not engine.was_step_applied()  # DeepSpeed's name for a skipped step
         assert engine.scaler.scale == 256.0 and engine.stats()["skipped_steps"] == 1
         assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # the step was skipped
         assert engine.global_steps == 2
@@ -1256,12 +1262,14 @@ def test_config_scheduler_steps_with_the_engine_and_resumes(tmp_path, delayed):
         "device": "cpu", **offload_opt}, "sub_group_size": 4096})
     model = make()
     with offload.initialize(model, cfg) as engine:
+        assert engine.get_lr() == [pytest.approx(warmup_lr(0, 1e-4, 4e-3, 3, 8))]
         train(engine, data[:4])
         engine.save_checkpoint(tmp_path / "ck")
     resumed = make(seed=5)
     with offload.initialize(resumed, cfg) as engine:
         engine.load_checkpoint(tmp_path / "ck")
         assert engine.lr_scheduler.last_epoch == 4
+        assert engine.get_lr() == [pytest.approx(warmup_lr(4, 1e-4, 4e-3, 3, 8))]  # DeepSpeed's name: the next lr
         train(engine, data[4:])
         engine.apply_delayed_update()
         state = engine.consolidated_state_dict()

@@ -122,6 +122,7 @@ class Engine:
         self.micro_steps = 0
         self._grad_norm_value: float | torch.Tensor | None = None  # last_grad_norm once known (a tensor: on the GPU)
         self._norm_step: int | None = None  # a step whose norm its updates (still running) are summing
+        self._applied = False  # the last step() updated the parameters (was_step_applied)
         self.scaler = LossScaler(cfg.fp16)
         self._hooks: list[Any] = []
         self._rank_dirs: list[Path] = []
@@ -416,6 +417,7 @@ class Engine:
             raise RuntimeError("engine.step() called before engine.backward(loss)" if self.micro_steps == 0 else
                                "engine.step() called twice without an engine.backward(loss) in between")
         self._expect("engine.step()", Phase.ACCUMULATING)
+        self._applied = False
         if not self.is_gradient_accumulation_boundary():
             return
         self.phase = Phase.STEP
@@ -487,6 +489,18 @@ class Engine:
         if self.lr_scheduler is not None:  # the next update's lr (the one launched above took its own already)
             self.lr_scheduler.step()
         self.global_steps += 1
+        self._applied = True
+
+    def was_step_applied(self) -> bool:
+        """DeepSpeed's: whether the last ``step()`` updated the parameters (False between accumulation boundaries,
+        for a step fp16's loss scaler skipped on overflow, and for one that raised). With the updates finishing
+        beside the next forward, "updated" means launched: they are in before any module reads them."""
+        return self._applied
+
+    def get_lr(self) -> list[float]:
+        """DeepSpeed's: each param group's learning rate, as the next update will take it (after the config's
+        scheduler or the caller's has stepped)."""
+        return [group["lr"] for group in self.optimizer.param_groups]
 
     def _comm_totals(self) -> dict[str, int]:
         return {"payload_bytes": sum(self.comm.payload_bytes.values()),
