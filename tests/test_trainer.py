@@ -196,7 +196,7 @@ def test_config_values_that_disagree_with_training_arguments_are_errors(tmp_path
 
 
 TWO_RANKS = textwrap.dedent("""
-    import json, os, sys
+    import json, os, pathlib, sys
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
     from offload.integrations.transformers import OffloadTrainer
@@ -212,6 +212,13 @@ TWO_RANKS = textwrap.dedent("""
         trainer = Trainer(model=model, args=args, train_dataset=data)
         trainer.train()
     else:
+        # the checkpoint of step 3 lands on an earlier run's (engine state v1), which rank 1 does not see (a shared
+        # filesystem's stale listing): the tag of the save must still be rank 0's, v2, on both ranks
+        args.save_strategy, args.save_steps = "steps", 3
+        pathlib.Path({out!r}, "checkpoint-3", "offload_state", "v1").mkdir(parents=True, exist_ok=True)
+        if os.environ["RANK"] == "1":
+            listing = pathlib.Path.iterdir
+            pathlib.Path.iterdir = lambda self: (p for p in listing(self) if p.name != "v1")
         cfg = {{"zero_optimization": {{"stage": 2, "offload_optimizer": {{"device": "nvme",
                                                                        "nvme_path": {nvme!r}}}}}}}
         trainer = OffloadTrainer(model=model, args=args, train_dataset=data, offload_config=cfg)
@@ -254,6 +261,9 @@ def test_two_ranks_under_torchrun_match_the_plain_trainer_with_ddp(tmp_path):
                               cwd=tmp_path)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
         results[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    state = tmp_path / "offload" / "checkpoint-3" / "offload_state"
+    assert (state / "latest").read_text().strip() == "v2" and sorted(p.name for p in state.iterdir()) == ["latest", "v2"]
+    assert {"index.0.json", "index.1.json"} <= {p.name for p in (state / "v2").iterdir()}  # both ranks' shards
     for key in ("loss", "grad_norm"):
         assert len(results["offload"][key]) == 3
         for a, b in zip(results["plain"][key], results["offload"][key]):

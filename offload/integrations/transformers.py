@@ -30,7 +30,8 @@ logging, callbacks, checkpoint rotation, RNG state. What changes is who holds th
 * Checkpoints (``save_steps``): the Trainer's folder gets the model as safetensors, the engine's checkpoint
   (fp32 masters, Adam moments, counters) under ``offload_state/`` and the scheduler; ``resume_from_checkpoint``
   restores them and continues bit-identically. A checkpoint folder of a plain Trainer resumes too (its weights;
-  the Adam state starts fresh, with a warning).
+  the Adam state starts fresh, with a warning). With several ranks, what the folder holds (the tag a save takes,
+  whether a resume finds the engine's state) is read by rank 0 for all: a shared filesystem may list it differently.
 * ``save_model`` writes ``config.json`` and the fp32 weights as ``model.safetensors`` (sharded with an index above
   ``save_max_shard_size``), streamed from wherever they live, one shard in RAM at a time.
 * A peft model (LoRA and the like) is saved as the Trainer saves one: the adapter alone, through peft's
@@ -182,6 +183,17 @@ def _fill_scheduler(section: Any, args: Any, max_steps: int) -> Any:
             if params.get(key) == "auto":
                 params[key] = value
     return section
+
+
+def _rank0s(engine: Any, value: int) -> int:
+    """``value`` as rank 0 has it (every rank calls this). Ranks read the checkpoint folder each for itself, and
+    what they see of a shared filesystem can differ (an NFS attribute cache): the tag a save writes and whether a
+    resume finds the engine's state are rank 0's, so every rank takes the same path through the collectives."""
+    if engine.world_size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=engine.comm.pg.device)
+    engine.comm.broadcast(t, 0)
+    return int(t.item())
 
 
 class _EngineOptimizer(torch.optim.Optimizer):
@@ -412,8 +424,9 @@ class OffloadTrainer(Trainer):
         # the Trainer may write a checkpoint folder again (a second run into one output_dir): a new tag, then the
         # old ones go once ``latest`` names it, so a crash in between leaves one loadable
         old = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("v")] if root.is_dir() else []
-        tag = f"v{1 + max((int(p.name[1:]) for p in old if p.name[1:].isdigit()), default=0)}"
-        self._ensure_engine().save_checkpoint(root, tag=tag, exclude_frozen_parameters=self._peft() is not None)
+        engine = self._ensure_engine()
+        tag = f"v{_rank0s(engine, 1 + max((int(p.name[1:]) for p in old if p.name[1:].isdigit()), default=0))}"
+        engine.save_checkpoint(root, tag=tag, exclude_frozen_parameters=self._peft() is not None)
         if self.args.should_save:
             for p in old:
                 shutil.rmtree(p, ignore_errors=True)
@@ -427,7 +440,7 @@ class OffloadTrainer(Trainer):
         if checkpoint is None:
             return
         engine, folder = self._ensure_engine(), Path(checkpoint)
-        if (folder / STATE_DIR / "latest").exists():
+        if _rank0s(engine, int((folder / STATE_DIR / "latest").exists())):
             engine.load_checkpoint(folder / STATE_DIR)
         else:
             log.warning("offload: %s holds no %s/ (written by a plain Trainer, or with save_only_model=True): "
