@@ -15,6 +15,10 @@ Targets (:func:`load_state_dict`):
   (read, patched and written back where the state lives on NVMe), and each parameter's low-precision home
   (device, host or NVMe) gets its new value; Adam's moments and the step count are left as they are. A module an
   open engine holds is loaded as that engine (its tensors are the engine's).
+
+Every tensor a load takes is checked against the model's shape, from the files' headers, before any is written:
+a checkpoint of another model changes nothing. A read that fails midway (an I/O error) leaves the parameters
+before it loaded whole (masters and homes) and the rest as they were.
 """
 
 from __future__ import annotations
@@ -94,13 +98,30 @@ class StateSource:
     def names(self) -> list[str]:
         return list(self._dict) if self._dict is not None else list(self._files)
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The shape stored under ``name``, from the file's header or mapping (no data read): a load checks every
+        tensor it takes before it writes any."""
+        if self._dict is not None:
+            return tuple(self._dict[name].shape)
+        path = self._shard(name)
+        if path.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt") as f:
+                return tuple(f.get_slice(name).get_shape())
+        return tuple(self._torch_file(path)[name].shape)
+
+    def _shard(self, name: str) -> Path:
+        path = self._files[name]
+        if not path.exists():
+            raise FileNotFoundError(f"checkpoint shard {path} (holding {name}) does not exist")
+        return path
+
     def get(self, name: str) -> torch.Tensor:
         """The tensor stored under ``name`` as a new CPU tensor of its stored dtype."""
         if self._dict is not None:
             return self._dict[name].detach().cpu()
-        path = self._files[name]
-        if not path.exists():
-            raise FileNotFoundError(f"checkpoint shard {path} (holding {name}) does not exist")
+        path = self._shard(name)
         if path.suffix == ".safetensors":
             from safetensors import safe_open
 
@@ -151,6 +172,16 @@ def _aliases(module: torch.nn.Module) -> dict[int, list[str]]:
     return out
 
 
+def _check_shapes(found: dict[str, str], src: StateSource, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Every tensor a load takes has the model's shape and its shard exists, checked before anything is written:
+    a load that fails on those fails with the model (and an engine's state) as it was."""
+    for first, hit in found.items():
+        shape = src.shape(hit)
+        if shape != tuple(tensors[first].shape):
+            raise ValueError(f"checkpoint tensor {hit} has shape {shape}, the model's is "
+                             f"{tuple(tensors[first].shape)}; nothing was loaded")
+
+
 def _checked(name: str, value: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     if tuple(value.shape) != tuple(shape):
         raise ValueError(f"checkpoint tensor {name} has shape {tuple(value.shape)}, the model's is {tuple(shape)}")
@@ -189,6 +220,7 @@ def _into_module(module: torch.nn.Module, src: StateSource, strict: bool) -> Loa
     aliases = _aliases(module)
     names = [ns[0] for ns in aliases.values()]
     found, result = _match_tied(names, aliases, src, strict)
+    _check_shapes(found, src, tensors)
     with torch.no_grad():
         for name, t in tensors.items():
             if name not in found or aliases[id(t)][0] != name:
@@ -228,6 +260,7 @@ def _into_engine(engine: "Engine", src: StateSource, strict: bool) -> LoadResult
     opt.wait()
     aliases = _aliases(module)
     found, result = _match_tied([ns[0] for ns in aliases.values()], aliases, src, strict)
+    _check_shapes(found, src, module.state_dict(keep_vars=True))
     key_of = {id(p): aliases[id(p)][0] for p in module.parameters()}
     left = [0] * len(layout.params)  # segments of each parameter on this rank not yet loaded
     for sg in layout.sub_groups:
@@ -254,16 +287,20 @@ def _into_engine(engine: "Engine", src: StateSource, strict: bool) -> LoadResult
             # only the sub-groups the source writes into are read (12 B a parameter from NVMe): an engine.gathered()
             # edit of one weight touches that weight's sub-groups, not the model's
             block = opt.read_state(sg) if any(given[seg.param] for seg in sg.segments) else None
-            for seg in sg.segments:
-                if block is not None and given[seg.param]:
-                    lo = seg.flat_start - sg.start
-                    v = value(seg.param).reshape(-1)
-                    block[lo : lo + seg.numel].copy_(v[seg.param_start : seg.param_start + seg.numel])
-                left[seg.param] -= 1
-                if left[seg.param] == 0:
-                    home(seg.param)
-            if block is not None:
-                opt.done_state(sg, dirty=True)
+            try:
+                for seg in sg.segments:
+                    if block is not None and given[seg.param]:
+                        lo = seg.flat_start - sg.start
+                        v = value(seg.param).reshape(-1)
+                        block[lo : lo + seg.numel].copy_(v[seg.param_start : seg.param_start + seg.numel])
+                    left[seg.param] -= 1
+                    if left[seg.param] == 0:
+                        home(seg.param)
+            finally:
+                # written back even when a tensor raised (a shape that differs, a missing shard): the parameters
+                # before it are whole (masters and homes) and a staged NVMe buffer is never left claimed
+                if block is not None:
+                    opt.done_state(sg, dirty=True)
         for i, segments in enumerate(counted):
             if segments == 0:
                 home(i)  # no piece of it on this rank: only its low-precision copy to set

@@ -1526,3 +1526,40 @@ def test_grad_norm_reads_after_a_close_that_raised(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="injected"):
         engine.close()
     assert engine.last_grad_norm is None
+
+
+def test_grad_norm_of_huge_gradients_with_the_state_on_the_device(tmp_path, monkeypatch):
+    """The fused update (state on the device, the CUDA path; STAGE_ON_CPU runs it on any machine) sums fp32 squares
+    and does not retry in float64, which would cost a float64 pass over every gradient on the GPU: gradients whose
+    squares overflow fp32 (a loss times 1e22) read as an inf norm, never as a wrong finite one, and train on."""
+    monkeypatch.setattr(offload.plan, "STAGE_ON_CPU", True)
+    data, scale = batches(2), 1e22
+    with offload.initialize(make(), config(tmp_path, "none")) as engine:
+        for x, y in data:
+            engine.backward(lm_loss(engine(x), y) * scale)
+            engine.step()
+            assert engine.last_grad_norm == math.inf
+        state = engine.consolidated_state_dict()
+    assert all(bool(v.isfinite().all()) for v in state.values())
+
+
+def test_a_step_that_raises_is_not_applied(tmp_path):
+    """``was_step_applied`` is False after any ``step()`` that raised, its checks included (called twice without a
+    backward, inside an ``engine.gathered()`` block): the updates of the step before are not this one's."""
+    data = batches(2)
+    with offload.initialize(make(), config(tmp_path, "cpu")) as engine:
+        train(engine, data[:1])
+        assert engine.was_step_applied()
+        with pytest.raises(RuntimeError, match="called twice without an engine.backward"):
+            engine.step()
+        assert not engine.was_step_applied()
+        train(engine, data[1:])
+        assert engine.was_step_applied()
+        x, y = data[0]
+        engine.backward(lm_loss(engine(x), y))
+        with engine.gathered([engine.module.tok.weight]):
+            with pytest.raises(RuntimeError, match="inside an engine.gathered"):
+                engine.step()
+        assert not engine.was_step_applied()
+        engine.step()
+        assert engine.was_step_applied()

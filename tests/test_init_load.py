@@ -280,3 +280,47 @@ def test_a_mismatched_checkpoint_is_named_or_reported(tmp_path):
         offload.load_state_dict(make(), bad)
     with pytest.raises(FileNotFoundError, match="holds no model.safetensors"):
         offload.load_state_dict(make(), tmp_path)
+
+
+@pytest.mark.parametrize("opt", ["nvme", "cpu"])
+def test_a_load_that_fails_midway_gives_its_staged_state_back(tmp_path, opt, monkeypatch):
+    """A tensor of the wrong shape fails the load before anything is written (shapes come from the source's
+    headers). A read that fails midway (here the source's 6th tensor) stops the load after it has read some
+    sub-groups: every staged block goes back (none stays claimed, holding an NVMe staging buffer), what was loaded
+    before it is kept whole (masters and homes), nothing of it or after it is, and the engine trains on."""
+    from offload import _load
+
+    cfg = config(tmp_path, opt, "none", sub_group_size=1000)
+    with offload.initialize(make(), cfg) as engine:
+        layout = engine.layout
+        names = {id(p): n for n, p in engine.module.named_parameters()}
+        order = [names[id(p)] for p in layout.params]
+        bad = order[len(order) // 2]
+        before = engine.consolidated_state_dict()
+        with pytest.raises(ValueError, match=f"checkpoint tensor {bad} has shape .*nothing was loaded"):
+            engine.load_state_dict({**pretrained(), bad: torch.zeros(3)}, strict=False)
+        assert all(torch.equal(v, before[k]) for k, v in engine.consolidated_state_dict().items())
+
+        source, reads, get = pretrained(), [], _load.StateSource.get
+
+        def failing_get(self, name):
+            reads.append(name)
+            if len(reads) == 6:
+                raise OSError(5, "Input/output error (injected)")
+            return get(self, name)
+
+        monkeypatch.setattr(_load.StateSource, "get", failing_get)
+        with pytest.raises(OSError, match="injected"):
+            engine.load_state_dict(source, strict=False)
+        monkeypatch.undo()
+        failed = order.index(reads[-1])
+        if opt == "nvme":
+            assert not [m.key for m in engine.optimizer.store._managed.values() if m.claimed]
+        state = engine.consolidated_state_dict()  # read from the tier: nothing written was only in a staged copy
+        params = dict(engine.module.named_parameters())
+        for name in order[:failed]:
+            assert torch.equal(state[name], source[name]), name
+            assert torch.equal(engine.read_parameter(params[name]), source[name]), name
+        for name in order[failed:]:
+            assert torch.equal(state[name], before[name]), name
+        train_steps(engine, batches(2, seed=3))

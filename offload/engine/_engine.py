@@ -409,6 +409,7 @@ class Engine:
     def step(self) -> None:
         """At an accumulation boundary: overflow check, clipping, the optimizer step; a no-op between micro-batches.
         Gradients are consumed (the next backward starts from zero)."""
+        self._applied = False  # first: a step() that raises, in its checks too, applied nothing (DeepSpeed's too)
         self._expect_trainable("engine.step()")
         if self._held:
             raise RuntimeError("engine.step() inside an engine.gathered() block: the update would change the "
@@ -417,7 +418,6 @@ class Engine:
             raise RuntimeError("engine.step() called before engine.backward(loss)" if self.micro_steps == 0 else
                                "engine.step() called twice without an engine.backward(loss) in between")
         self._expect("engine.step()", Phase.ACCUMULATING)
-        self._applied = False
         if not self.is_gradient_accumulation_boundary():
             return
         self.phase = Phase.STEP
