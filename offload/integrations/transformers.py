@@ -446,7 +446,7 @@ class OffloadTrainer(Trainer):
             log.warning("offload: %s holds no %s/ (written by a plain Trainer, or with save_only_model=True): "
                         "loading its model weights; the Adam moments start from zero", folder, STATE_DIR)
             self._load_weights(folder)
-        if self.lr_scheduler is not None and (folder / _SCHEDULER_FILE).exists():
+        if self.lr_scheduler is not None and _rank0s(engine, int((folder / _SCHEDULER_FILE).exists())):
             self.lr_scheduler.load_state_dict(torch.load(folder / _SCHEDULER_FILE, weights_only=True))
             for group, lr in zip(self.optimizer.param_groups, self.lr_scheduler.get_last_lr()):
                 group["lr"] = lr  # the schedule's lr for the next step (loading a schedule does not set it)
