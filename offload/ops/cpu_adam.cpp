@@ -123,7 +123,6 @@ struct Scalar {
   static F div(F a, F b) { return a / b; }
   static F fma(F a, F b, F c) { return std::fma(a, b, c); }
   static F sqrt(F a) { return std::sqrt(a); }
-  static double sum(F a) { return a; }
   static void fence() {}
 };
 
@@ -160,13 +159,6 @@ struct Vec {
   static F div(F a, F b) { return _mm512_div_ps(a, b); }
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static F sqrt(F a) { return _mm512_sqrt_ps(a); }
-  static double sum(F a) {
-    alignas(64) float lanes[kWidth];
-    _mm512_store_ps(lanes, a);
-    double total = 0.0;
-    for (const float x : lanes) total += x;
-    return total;
-  }
   static void fence() { _mm_sfence(); }
 };
 #elif defined(__AVX2__)
@@ -204,18 +196,21 @@ struct Vec {
   static F div(F a, F b) { return _mm256_div_ps(a, b); }
   static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static F sqrt(F a) { return _mm256_sqrt_ps(a); }
-  static double sum(F a) {
-    alignas(32) float lanes[kWidth];
-    _mm256_store_ps(lanes, a);
-    double total = 0.0;
-    for (const float x : lanes) total += x;
-    return total;
-  }
   static void fence() { _mm_sfence(); }
 };
 #else
 using Vec = Scalar;
 #endif
+
+// The sum of a vector's lanes, in double (a running total of squares).
+template <class V>
+double lane_sum(typename V::F a) {
+  float lanes[V::kWidth];
+  V::store(lanes, a);
+  double total = 0.0;
+  for (const float x : lanes) total += x;
+  return total;
+}
 
 // Per-call constants, already folded and rounded to fp32 exactly as torch's fused kernel does.
 struct Coefficients {
@@ -310,7 +305,7 @@ inline double update(const Buffers& b, const Coefficients& c, int64_t begin, int
         V::stream_pair(b.out + i, V::to_fp16(lo), V::to_fp16(hi));
       }
     }
-    total += V::sum(squares);
+    total += lane_sum<V>(squares);
   }
   return total;
 }
