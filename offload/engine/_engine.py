@@ -61,6 +61,7 @@ from .._precision import LossScaler
 from ..config import OffloadConfig
 from ..dist import Comm, GradPartition, ReduceBuckets, StartSync, agree_with_rank0, join
 from ..memory import CopyStreams, HeapTrim, TieredStore, prepare_nvme_path
+from ..ops import squared_norm
 from ..optim._layout import FlatLayout
 from ..optim._schedule import WarmupSchedule, build_scheduler
 from ..optim.offloaded import OffloadedAdam
@@ -98,6 +99,17 @@ class TrainingState:
     dtype: str = ""
     lr_scheduler: dict[str, Any] | None = None  # the config's scheduler (its state_dict: plain numbers)
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _squares(g: torch.Tensor) -> float:
+    """The sum of the squares of a gradient buffer: on the host in one native read of it (torch's norm would first
+    widen a bf16 buffer into an fp32 copy); on a GPU torch's norm, which widens as it reads."""
+    if g.device.type == "cpu":
+        return squared_norm(g)
+    n = torch.linalg.vector_norm(g, dtype=torch.float32).item()
+    if math.isinf(n) and bool(torch.isfinite(g).all()):  # the squares overflowed, not the gradients
+        n = torch.linalg.vector_norm(g, dtype=torch.float64).item()
+    return n * n
 
 
 class Engine:
@@ -584,15 +596,9 @@ class Engine:
     def _grad_norm(self) -> float:
         """The global norm: of this rank's share here, summed in squares over ranks (the same on every rank, so
         all skip an overflowing fp16 step together)."""
-        total = 0.0
         whole = self.optimizer.grads.whole
         assert whole is not None, "the gradient norm needs every gradient: the plan holds them whole"
-        for g in whole:
-            n = torch.linalg.vector_norm(g, dtype=torch.float32).item()
-            if math.isinf(n) and bool(torch.isfinite(g).all()):  # the squares overflowed, not the gradients
-                n = torch.linalg.vector_norm(g, dtype=torch.float64).item()
-            total += n * n
-        return math.sqrt(self.comm.sum_float(total))
+        return math.sqrt(self.comm.sum_float(math.fsum(_squares(g) for g in whole)))
 
     # parameters -------------------------------------------------------------------------------------------------
 

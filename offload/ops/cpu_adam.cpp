@@ -391,6 +391,51 @@ double adam_step(uintptr_t param, uintptr_t grad, int grad_type, uintptr_t exp_a
   }
 }
 
+// The sum of the squares of data[begin, end) * scale, summed as the update sums them (fp32 lanes, double totals).
+template <int GradType>
+double squares_range(const void* data, float scale, int64_t begin, int64_t end) {
+  const auto k = Vec::set1(scale);
+  const int64_t body_end = begin + (end - begin) / Vec::kWidth * Vec::kWidth;
+  double total = 0.0;
+  int64_t i = begin;
+  while (i < body_end) {
+    auto squares = Vec::set1(0.0f);
+    const int64_t span_end = std::min(body_end, i + kSquaresSpan * 2 * Vec::kWidth);
+    for (; i < span_end; i += Vec::kWidth) {
+      const auto x = Vec::mul(load_grad<Vec, GradType>(data, i), k);
+      squares = Vec::add(squares, Vec::mul(x, x));
+    }
+    total += lane_sum<Vec>(squares);
+  }
+  for (; i < end; ++i) {
+    const float x = load_grad<Scalar, GradType>(data, i) * scale;
+    total += x * x;
+  }
+  return total;
+}
+
+// A gradient norm's squares without an update (clipping and fp16 need the norm first): one read of the data, in
+// its own dtype (no widened copy), on every thread.
+double sum_squares(uintptr_t data, int type, int64_t n, double scale) {
+  if (n <= 0) return 0.0;
+  const auto* p = reinterpret_cast<const void*>(data);
+  const auto f = static_cast<float>(scale);
+  const auto reduce = [&](auto range) {
+    return at::parallel_reduce(
+        0, (n + kBlock - 1) / kBlock, kParallelGrain / kBlock, 0.0,
+        [&](int64_t first, int64_t last, double partial) {
+          return partial + range(p, f, first * kBlock, std::min(n, last * kBlock));
+        },
+        [](double x, double y) { return x + y; });
+  };
+  switch (type) {
+    case kFloat32: return reduce(squares_range<kFloat32>);
+    case kBFloat16: return reduce(squares_range<kBFloat16>);
+    case kFloat16: return reduce(squares_range<kFloat16>);
+    default: throw std::invalid_argument("cpu_adam: unknown data type code");
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -399,4 +444,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("adam_step", &adam_step, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "Update n elements in place; returns the sum of the squares of grad / grad_scale. Addresses are raw "
         "pointers validated by the caller.");
+  m.def("sum_squares", &sum_squares, pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "The sum of the squares of n elements times scale (fp32, bf16 or fp16 at a validated raw pointer).");
 }

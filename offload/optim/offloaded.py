@@ -35,7 +35,7 @@ from nvme_swapper import evict_pages
 from .._worker import Worker
 from ..config import OptimizerConfig
 from ..memory import CopyStreams, StagingRing, Tier, TieredStore, fmt_bytes, wait_all
-from ..ops import adam_step
+from ..ops import adam_step, squared_norm
 from ..plan import spare_writes
 from ._grad_buffers import GradientBuffers
 from ._layout import FlatLayout, Segment, SubGroup
@@ -380,8 +380,8 @@ class OffloadedAdam(torch.optim.Optimizer):
                 squares = self._lazy_step(sg, lazy, *state, hyper)
             else:
                 squares = adam_step(*state[:4], out=state[4], **hyper)
-            if math.isinf(squares) and bool(torch.isfinite(grad).all()):  # the fp32 squares overflowed
-                squares = torch.linalg.vector_norm(grad, dtype=torch.float64).item() ** 2 / grad_scale**2
+            if math.isinf(squares):  # the fp32 squares overflowed (summed again, scaled), or grad holds inf
+                squares = squared_norm(grad, 1.0 / grad_scale)
             if not lowp:
                 out.copy_(master)  # fp32 training: the new parameters are the masters
         self._count_squares(step, squares)
