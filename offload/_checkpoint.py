@@ -154,7 +154,7 @@ class _TensorFile:
 
     def read(self, name: str) -> torch.Tensor:
         entry = self.index[name]
-        out = torch.empty(entry["shape"], dtype=_DTYPES[entry["dtype"]])
+        out = torch.empty(entry["shape"], dtype=_DTYPES[entry["dtype"]], device="cpu")
         self.read_into(name, out)
         return out
 
@@ -469,7 +469,7 @@ class Checkpoint:
                              "its shards (a shard is missing or does not match meta.json)")
 
     def read(self, name: str) -> torch.Tensor:
-        out = torch.empty(self.shapes[name], dtype=self.dtypes[name])
+        out = torch.empty(self.shapes[name], dtype=self.dtypes[name], device="cpu")
         self.read_range(name, out.view(-1), 0)
         return out
 

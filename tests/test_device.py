@@ -61,6 +61,34 @@ def test_inputs_move_to_the_device_and_the_model_lives_there(tmp_path):
     assert all(p.device == DEVICE for p in model.parameters())  # close() leaves the model where it trained
 
 
+@pytest.mark.parametrize("state", ["cpu", "none"])
+def test_host_buffers_are_made_on_the_host_whatever_the_default_device(tmp_path, monkeypatch, state):
+    """Inside ``with torch.device("cuda")`` (the habit ``offload.init`` documents) or after
+    ``torch.set_default_device("cuda")``, a factory call without ``device=`` makes a CUDA tensor: the buffers the
+    engine means for the host (the CPU Adam kernel's warm-up at initialize, checkpoint reads, downloads, the staged
+    state of a device optimizer, checksums of the start-up sync) must name the CPU. The meta device stands in for
+    CUDA here, on every machine; ``state`` "none" keeps the optimizer state on the device (the CUDA path's fused
+    Adam, on the CPU through STAGE_ON_CPU)."""
+    monkeypatch.setattr(offload.plan, "STAGE_ON_CPU", True)
+    cfg = {"zero_optimization": {"sub_group_size": 4096, "offload_optimizer": {"device": state}}}
+    model, data = make(), batches(2)
+    with torch.device("meta"):
+        engine = offload.initialize(model, cfg)
+    with engine:
+        x, y = data[0]
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+        with torch.device("meta"):
+            assert engine.last_grad_norm is not None
+            engine.save_checkpoint(tmp_path / "ck")
+            engine.load_checkpoint(tmp_path / "ck")
+            weights = engine.consolidated_state_dict()
+        assert all(t.device.type == "cpu" and bool(t.isfinite().all()) for t in weights.values())
+        x, y = data[1]
+        engine.backward(lm_loss(engine(x), y))  # the state read back is whole
+        engine.step()
+
+
 def test_device_key_names_what_is_allowed(tmp_path):
     for bad in ("tpu", "cuda:x", "gpu", 3):
         with pytest.raises(ValueError, match=r"offload\.device must be \"auto\", \"cpu\", \"cuda\" or \"cuda:N\""):

@@ -58,7 +58,8 @@ def agree_with_rank0(module: torch.nn.Module, comm: Comm) -> StartSync:
         raise _structure_error(comm, signatures, heads, device)
     staging = _Staging(device)
     sums = _gather(comm, [_fingerprint(t, staging) for _, t in named], device)
-    differ = (sums != sums[0]).any(0) if (heads[:, 2] == heads[0, 2]).all() else torch.ones(len(named), dtype=bool)
+    differ = (sums != sums[0]).any(0) if (heads[:, 2] == heads[0, 2]).all() else \
+        torch.ones(len(named), dtype=bool, device="cpu")
     copied = [i for i in range(len(named)) if bool(differ[i]) and not named[i][1].is_meta]
     for i in copied:
         _broadcast(named[i][1], comm, staging)
@@ -143,7 +144,7 @@ def _fingerprint(t: torch.Tensor, staging: _Staging) -> int:
             part = staging.on(host, part.numel()).copy_(part)
         sums.append(_signed(tensor_checksum(part)))
     evict_pages(t)
-    return _signed(tensor_checksum(torch.tensor(sums, dtype=torch.int64)))
+    return _signed(tensor_checksum(torch.tensor(sums, dtype=torch.int64, device="cpu")))
 
 
 def _broadcast(t: torch.Tensor, comm: Comm, staging: _Staging) -> None:

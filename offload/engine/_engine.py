@@ -565,7 +565,7 @@ class Engine:
         not every step."""
         if self._norm_step is not None:
             # a failed or closed engine does not wait (its updates may never end): what they summed, if whole
-            if self.phase not in (Phase.FAILED, Phase.CLOSED) and self.optimizer.grad_squares(self._norm_step) is None:
+            if self.phase not in (Phase.FAILED, Phase.CLOSED) and not self.optimizer.squares_ready(self._norm_step):
                 self._finish_updates()
             self._take_norm()
         if isinstance(self._grad_norm_value, torch.Tensor):  # the state is on the GPU: read it now, once

@@ -154,7 +154,7 @@ class CopyStreams:
         """A new plain CPU tensor with ``src``'s values (blocking; for checkpoints and reads, not the hot path)."""
         if src.device.type == "cpu":
             return src.detach().clone()
-        out = torch.empty(src.shape, dtype=src.dtype)
+        out = torch.empty(src.shape, dtype=src.dtype, device="cpu")  # whatever default device the caller set
         self.to_host(out, src.detach().contiguous()).wait()
         return out
 

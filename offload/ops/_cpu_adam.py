@@ -326,7 +326,7 @@ def _torch_adam_step(
     sum of the squares of the scaled gradient."""
     # Constants rounded to fp32 first, as the kernel does, so both paths see identical coefficients.
     def f32(x: float) -> float:
-        return float(torch.tensor(x, dtype=torch.float32))
+        return float(torch.tensor(x, dtype=torch.float32, device="cpu"))
 
     inv_grad_scale = f32(1.0 / grad_scale)
     decay = f32(1.0 - lr * weight_decay) if adamw_mode else 1.0

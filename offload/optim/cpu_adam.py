@@ -128,7 +128,7 @@ class CPUAdam(torch.optim.Optimizer):
                 if not state:
                     continue
                 # A fresh tensor: the loaded one may still be a live optimizer's counter (state_dict() does not copy).
-                state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
+                state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32, device="cpu")
                 for slot, key in enumerate(("exp_avg", "exp_avg_sq"), start=1):
                     loaded = state[key]
                     if loaded.shape != p.shape:
@@ -160,7 +160,7 @@ class CPUAdam(torch.optim.Optimizer):
                     )
                 state = self.state[p]
                 if not state:
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32, device="cpu")
                     state["exp_avg"] = _zeros_state(p, slot=1)
                     state["exp_avg_sq"] = _zeros_state(p, slot=2)
                 state["step"] += 1

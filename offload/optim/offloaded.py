@@ -123,15 +123,15 @@ class OffloadedAdam(torch.optim.Optimizer):
             store.accounts[placement].reserve(
                 self._unfilled, f"optimizer state ({len(layout.sub_groups)} sub-groups, "
                 f"{fmt_bytes(self._unfilled)})", _FIX_HOST)
+        self._warm_kernel()  # before the stepper starts: a failure here leaves no thread behind
         self._stepper = Worker("offload-stepper", copies.device)
-        self._warm_kernel()
 
     @staticmethod
     def _warm_kernel() -> None:
         """Builds (first use on a machine) and loads the CPU Adam kernel now, not inside the first step."""
-        one = torch.zeros(1)
-        adam_step(one, torch.zeros(1), torch.zeros(1), torch.zeros(1), step=1, lr=0.0, beta1=0.9, beta2=0.999,
-                  eps=1e-8, weight_decay=0.0)
+        one = torch.zeros(1, device="cpu")  # CPU tensors whatever default device the caller set
+        adam_step(one, torch.zeros_like(one), torch.zeros_like(one), torch.zeros_like(one), step=1, lr=0.0,
+                  beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
 
     # setup ------------------------------------------------------------------------------------------------------
 
@@ -313,15 +313,19 @@ class OffloadedAdam(torch.optim.Optimizer):
         by its ``grad_scale``), taken by the updates themselves; None until every sub-group's update of that step
         has run (or for a step older than the one before the newest). With the state on a GPU, a 0-d float64
         tensor there, summed on the compute stream: nothing here waits for the device."""
-        squares = self._squares.get(step, ())
-        if len(squares) < len(self.layout.sub_groups):
+        if not self.squares_ready(step):
             return None
+        squares = self._squares[step]
         on_device = [v for v in squares if isinstance(v, torch.Tensor)]
         total = math.fsum(v for v in squares if not isinstance(v, torch.Tensor))
         if not on_device:
             return total
         with torch.cuda.stream(self.copies.current_stream()):  # the stream the updates summed them on
             return torch.stack(on_device).sum(dtype=torch.float64) + total
+
+    def squares_ready(self, step: int) -> bool:
+        """Every sub-group's update of ``step`` has summed its squares (``grad_squares`` has a value)."""
+        return len(self._squares.get(step, ())) >= len(self.layout.sub_groups)
 
     def _count_squares(self, step: int, squares: float | torch.Tensor) -> None:
         """On the stepper: one update's squared gradient norm. One assignment each, so the training thread reading
@@ -417,14 +421,14 @@ class OffloadedAdam(torch.optim.Optimizer):
             width = self._lazy[seg.param]
             first = seg.param_start  # element of the flattened parameter at ``lo``
             touched = torch.unique((first + grad[lo:hi].nonzero().reshape(-1)) // width)
-            cols = torch.arange(width)
+            cols = torch.arange(width, device="cpu")
             idx = (touched[:, None] * width + cols[None, :]).reshape(-1) - first
             idx = idx[(idx >= 0) & (idx < hi - lo)] + lo
             if out is not None:
                 out[lo:hi].copy_(master[lo:hi])
             if idx.numel():
                 parts = [t.index_select(0, idx) for t in (master, grad, exp_avg, exp_avg_sq)]
-                low = torch.empty(idx.numel(), dtype=out.dtype) if out is not None else None
+                low = torch.empty(idx.numel(), dtype=out.dtype, device="cpu") if out is not None else None
                 squares += adam_step(*parts, out=low, **hyper)
                 for t, part in zip((master, exp_avg, exp_avg_sq), (parts[0], parts[2], parts[3])):
                     t.index_copy_(0, idx, part)
@@ -476,7 +480,8 @@ class OffloadedAdam(torch.optim.Optimizer):
         if self.placement is Tier.NVME:
             return self.store.stage(self._key(sg))
         if self._fused:
-            self._staged[sg.index] = block = torch.empty(self._state[sg.index].shape, dtype=torch.float32)
+            self._staged[sg.index] = block = torch.empty(self._state[sg.index].shape, dtype=torch.float32,
+                                                         device="cpu")
             return block
         return self._state[sg.index]
 
