@@ -52,6 +52,21 @@ def native(monkeypatch: pytest.MonkeyPatch) -> str:
         pytest.skip(f"native kernel unavailable here: {exc}")
 
 
+@pytest.fixture(params=["widest", "avx2", "scalar", "torch"])
+def any_kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every implementation this CPU can run: the native kernel at each width it supports, and the torch path."""
+    if request.param == "torch":
+        monkeypatch.setenv(_cpu_adam.BACKEND_ENV, "torch")
+        return request.param
+    monkeypatch.setenv(_cpu_adam.BACKEND_ENV, "native")
+    monkeypatch.delenv(_cpu_adam.ISA_ENV, raising=False)
+    if request.param != "widest":
+        if request.param not in supported_isas():
+            pytest.skip(f"this CPU cannot run {request.param}")
+        monkeypatch.setenv(_cpu_adam.ISA_ENV, request.param)
+    return request.param
+
+
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     """Every element within TOL * max(1, |expected|)."""
     expected = expected.to(actual.dtype)
@@ -194,21 +209,10 @@ def test_grad_scale_divides_the_gradient(backend: str, grad_dtype: torch.dtype) 
     assert_close(v_c, v_ref, "exp_avg_sq")
 
 
-@pytest.mark.parametrize("isa", ["widest", "avx2", "scalar", "torch"])
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_returns_the_squared_norm_of_the_scaled_gradient(
-    monkeypatch: pytest.MonkeyPatch, isa: str, grad_dtype: torch.dtype
-) -> None:
+def test_returns_the_squared_norm_of_the_scaled_gradient(any_kernel: str, grad_dtype: torch.dtype) -> None:
     """The sum of squares the update takes in its pass (the engine's gradient norm) against float64, for every size
     class (scalar only, vector tails, several threads), every kernel width and the torch path."""
-    if isa == "torch":
-        monkeypatch.setenv(_cpu_adam.BACKEND_ENV, "torch")
-    else:
-        monkeypatch.setenv(_cpu_adam.BACKEND_ENV, "native")
-        if isa != "widest":
-            if isa not in supported_isas():
-                pytest.skip(f"this CPU cannot run {isa}")
-            monkeypatch.setenv(_cpu_adam.ISA_ENV, isa)
     for n in SIZES:
         grad = make_grads(n, 1, torch.float32)[0].to(grad_dtype)
         p, m, v = initial_params(n), torch.zeros(n), torch.zeros(n)
@@ -240,20 +244,11 @@ def test_squared_norm_property(n: int, offset: int, scale: float, grad_dtype: to
             assert adam_step(p, huge, m, v, step=2, weight_decay=0.0, **HP) == math.inf
 
 
-@pytest.mark.parametrize("isa", ["widest", "avx2", "scalar", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_squared_norm_alone_matches_float64(monkeypatch: pytest.MonkeyPatch, isa: str, dtype: torch.dtype) -> None:
+def test_squared_norm_alone_matches_float64(any_kernel: str, dtype: torch.dtype) -> None:
     """``squared_norm`` (the norm clipping and fp16 need before any update) against float64 for every size class,
     kernel width and the torch path; 2**24 + 3 elements too, where torch's own ``vector_norm(dtype=torch.float32)``
     on the CPU is off by about 1e-3 in the squares (its fp32 running sum; 3% in the norm at 2e8 bf16 elements)."""
-    if isa == "torch":
-        monkeypatch.setenv(_cpu_adam.BACKEND_ENV, "torch")
-    else:
-        monkeypatch.setenv(_cpu_adam.BACKEND_ENV, "native")
-        if isa != "widest":
-            if isa not in supported_isas():
-                pytest.skip(f"this CPU cannot run {isa}")
-            monkeypatch.setenv(_cpu_adam.ISA_ENV, isa)
     for n in [*SIZES, 2**24 + 3]:
         t = make_grads(n, 1, torch.float32)[0].to(dtype) if n < 2**24 else torch.randn(n).to(dtype)
         want = t.double().square().sum().item()
