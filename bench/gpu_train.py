@@ -89,7 +89,7 @@ PLACEMENTS = {  # name: (ZeRO stage, offload_optimizer.device, offload_param.dev
 LR = 3e-4
 
 
-def config_for(placement: str, work: Path, batch: int, dtype: str = "bf16") -> dict[str, Any]:
+def config_for(placement: str, work: Path, batch: int, dtype: str = "bf16", clip: float = 0.0) -> dict[str, Any]:
     stage, opt, par = PLACEMENTS[placement]
     # overlap_comm and contiguous_gradients as DeepSpeed's ZeRO-Offload tutorial sets them (DeepSpeed turns
     # overlap_comm on by default in stage 3 only; ours by default always): both frameworks get the same
@@ -105,7 +105,7 @@ def config_for(placement: str, work: Path, batch: int, dtype: str = "bf16") -> d
             zero["offload_param"]["nvme_path"] = str(work / "param")
     return {"train_micro_batch_size_per_gpu": batch, "bf16": {"enabled": dtype == "bf16"},
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01, "betas": [0.9, 0.95]}},
-            "zero_optimization": zero}
+            "gradient_clipping": clip, "zero_optimization": zero}
 
 
 def build(cfg: GPTConfig, dtype: torch.dtype, device: str | torch.device = "cpu") -> GPT:
@@ -150,9 +150,10 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         model = build(cfg, torch.float32, device)
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, betas=(0.9, 0.95),
                                 fused=device.type == "cuda")
-        step, close, parts = _plain_step(compiled(model), opt, device, low), (lambda: None), None
+        step = _plain_step(compiled(model), opt, device, low, spec.get("clip", 0.0))
+        close, parts = (lambda: None), None
     elif kind == "ours":
-        config = config_for(placement, work, spec["batch"], spec["dtype"])
+        config = config_for(placement, work, spec["batch"], spec["dtype"], spec.get("clip", 0.0))
         with offload.init(config):  # NVMe placements: the model is built in a file arena, never whole in RAM
             model = build(cfg, torch.float32)
         engine = offload.initialize(compiled(model), config)
@@ -160,7 +161,8 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         step, close, parts = _engine_step(engine), engine.close, _Parts(engine)
         estimate = _estimate_for(engine, cfg, placement)
     else:
-        step, close, parts = _deepspeed(cfg, placement, work, spec["batch"], spec["dtype"], bool(spec.get("compile")))
+        step, close, parts = _deepspeed(cfg, placement, work, spec["batch"], spec["dtype"], bool(spec.get("compile")),
+                                        spec.get("clip", 0.0))
     setup_rss = peak_rss()  # the model built and handed to its framework, before any step
     setup_gpu = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     times, losses, per_step = [], [], []
@@ -230,11 +232,14 @@ def _compute_step(model: GPT) -> Any:
     return step
 
 
-def _plain_step(model: GPT, opt: torch.optim.Optimizer, device: torch.device, dtype: torch.dtype) -> Any:
+def _plain_step(model: GPT, opt: torch.optim.Optimizer, device: torch.device, dtype: torch.dtype,
+                clip: float) -> Any:
     def step(x: torch.Tensor, y: torch.Tensor) -> float:
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
             loss = GPT.loss(model(x), y)
         loss.backward()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.item()
@@ -279,7 +284,7 @@ class _Parts:
 
 
 def _deepspeed(cfg: GPTConfig, placement: str, work: Path, batch: int, dtype: str,
-               compile_forward: bool) -> tuple[Any, Any, None]:
+               compile_forward: bool, clip: float) -> tuple[Any, Any, None]:
     import deepspeed  # noqa: PLC0415 - optional, imported only for its runs
 
     for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
@@ -290,7 +295,7 @@ def _deepspeed(cfg: GPTConfig, placement: str, work: Path, batch: int, dtype: st
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
     deepspeed.init_distributed()
     model = build(cfg, torch.bfloat16 if dtype == "bf16" else torch.float32)
-    ds_config = config_for(placement, work, batch, dtype)
+    ds_config = config_for(placement, work, batch, dtype, clip)
     zero = ds_config["zero_optimization"]
     if zero["offload_optimizer"]["device"] == "nvme":  # DeepSpeed's own advice for NVMe: sub-groups of 1e8 (its
         zero["sub_group_size"] = int(1e8)  # default, 1e9, is one sub-group for a 1B model: nothing to pipeline),
@@ -421,6 +426,9 @@ def main() -> None:
                     "ratios (a shared machine's slow spells then hit ours and the baseline alike)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the model in every run (plain torch, "
                     "compute bound, ours, DeepSpeed's engine.compile())")
+    ap.add_argument("--clip", type=float, default=0.0, help="gradient clipping for every framework alike (0: off; "
+                    "transformers' Trainer clips at 1.0 by default, which stops the optimizer from overlapping "
+                    "backward: the norm must be known first)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per run")
     ap.add_argument("--build-timeout", type=float, default=420, help="seconds for DeepSpeed to build its ops "
                     "(CPU Adam; AIO with NVMe placements) before the runs, once")
@@ -451,10 +459,12 @@ def main() -> None:
                                                 ("no CUDA", device.type != "cuda")) if lacking))
     dtype = args.dtype if args.dtype != "auto" else "bf16" if fast_bf16(device) else "fp32"
     base = {"model": cfg.__dict__, "batch": args.batch, "tokens": args.tokens, "steps": args.steps,
-            "warmup": args.warmup, "nvme_dir": args.nvme_dir, "dtype": dtype, "compile": args.compile}
+            "warmup": args.warmup, "nvme_dir": args.nvme_dir, "dtype": dtype, "compile": args.compile,
+            "clip": args.clip}
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (no CUDA)"
     print(f"gpu bench: GPT {layers} x {width}, {n / 1e9:.3g}B parameters, {args.batch} x {args.tokens} tokens, "
-          f"on {name}, {dtype}{', compiled' if args.compile else ''}; "
+          f"on {name}, {dtype}{', compiled' if args.compile else ''}"
+          f"{f', clipping at {args.clip:g}' if args.clip > 0 else ''}; "
           f"DeepSpeed {'beside ours' if has_ds else f'not run ({no_ds})'}", flush=True)
     printed: list[str] = []  # the summary lines of what ran so far
     _on_sigterm(printed)
@@ -477,7 +487,8 @@ def main() -> None:
         summary = _rounds_summary(runs, bounds, n, max(1, min(args.rounds, 1 + runs[-1]["round"])))
         printed[:] = summary["lines"]
         out.write_text(json.dumps({"model": {**cfg.__dict__, "params": n, "batch": args.batch, "tokens": args.tokens},
-                                   "device": name, "dtype": dtype, "compile": args.compile, "bounds": bounds,
+                                   "device": name, "dtype": dtype, "compile": args.compile, "clip": args.clip,
+                                   "bounds": bounds,
                                    "runs": runs,
                                    "summary": {k: v for k, v in summary.items() if k != "lines"},
                                    "complete": complete}, indent=2,

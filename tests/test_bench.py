@@ -92,7 +92,7 @@ def test_bench_gpu_runs_each_placement_in_its_own_process(tmp_path, capsys):
     scratch.mkdir()
     rc = main(["bench", "gpu", "--out", str(results), "--layers", "1", "--width", "64", "--vocab", "256",
                "--tokens", "16", "--batch", "2", "--steps", "2", "--warmup", "1",
-               "--placements", "plain,opt-host,opt-host-overlap",
+               "--placements", "plain,opt-host,opt-host-overlap", "--clip", "1e-3",
                "--deepspeed", "off", "--nvme-dir", str(scratch)])
     assert rc == 0, capsys.readouterr()
     data = json.loads((results / "gpu_train.json").read_text())
@@ -101,6 +101,8 @@ def test_bench_gpu_runs_each_placement_in_its_own_process(tmp_path, capsys):
     assert all(r["status"] == "ok" for r in runs.values())
     ours, plain = runs["offload", "opt-host"], runs["torch", "plain"]
     assert ours["losses"][0] == pytest.approx(plain["losses"][0], rel=1e-2)  # the same model and first batch
+    # --clip reaches our engine (its plan says why the update waits for backward) and is recorded
+    assert data["clip"] == 1e-3 and "gradient clipping needs the global norm first" in ours["engine"]["plan"]
     assert ours["parts"]["adam"] > 0 and ours["host_peak_rss"] >= ours["host_setup_rss"] > ours["host_base_rss"] > 0
     assert all(data["summary"][f"host_estimate/{p}"]["setup_rss_ratio"] > 0 for p in ("opt-host", "opt-host-overlap"))
     assert data["bounds"]["compute"]["status"] == "ok" and data["bounds"]["pcie"]["both"] > 0
