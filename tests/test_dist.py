@@ -907,8 +907,8 @@ def test_the_start_sync_reads_strided_and_expanded_tensors():
 
 
 VOTES = textwrap.dedent("""
-    import json
-    from offload.dist import Comm, OutOfStep, join
+    import json, os
+    from offload.dist import Comm, CommError, OutOfStep, join
     comm = Comm(join(30, "cpu"))
     r, got = comm.rank, {}
     got["count"] = comm.vote("a", ValueError("mine") if r == 1 else None)
@@ -921,6 +921,13 @@ VOTES = textwrap.dedent("""
         except ValueError:
             got[name] = "its own error"
     got["after"] = comm.vote("f", None)
+    if r == 1:  # gone before the next vote: rank 0's own error goes with the group's failure
+        print(json.dumps(got), flush=True)
+        os._exit(0)
+    try:
+        comm.vote("g", ValueError("mine at g"))
+    except CommError as exc:
+        got["gone"] = [str(exc).split("; ")[-1], repr(exc.__cause__)]
     print(json.dumps(got))
     comm.close()
 """)
@@ -929,14 +936,16 @@ VOTES = textwrap.dedent("""
 def test_a_vote_counts_failures_and_refuses_ranks_at_different_sites(tmp_path):
     """``Comm.vote``: the number of ranks that failed at one site; ranks that meet from different sites (one
     failed after an operation's collectives had started and voted while the others were still inside it) all
-    raise, a rank with an error of its own raising that, and the next vote is in step again."""
+    raise, a rank with an error of its own raising that, and the next vote is in step again. A rank gone before a
+    vote fails the group: the CommError of a rank that had failed there itself names that error and chains it."""
     port = free_port()
     procs = [subprocess.Popen([sys.executable, "-c", VOTES], env=env_for(r, 2, port), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for r in range(2)]
     outs = [p.communicate(timeout=120) for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
     got = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
-    assert got[0] == {"count": 1, "elsewhere": "OutOfStep", "own": "OutOfStep", "after": 0}
+    assert got[0] == {"count": 1, "elsewhere": "OutOfStep", "own": "OutOfStep", "after": 0,
+                      "gone": ["this rank had failed at 'g' before: ValueError: mine at g", "ValueError('mine at g')"]}
     assert got[1] == {"count": 1, "elsewhere": "OutOfStep", "own": "its own error", "after": 0}
 
 

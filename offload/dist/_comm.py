@@ -152,7 +152,13 @@ class Comm:
         codes = [float(crc & 0xFFFF), float(crc >> 16)]  # 16-bit halves: their sums and squares' sums are exact
         t = torch.tensor([*codes, *(c * c for c in codes), float(error is not None)], dtype=torch.float64,
                          device=self._scalar_device)
-        self.all_reduce(t)
+        try:
+            self.all_reduce(t)
+        except CommError as exc:  # the group failed under the vote: this rank's own error goes with it
+            if error is None:
+                raise
+            raise CommError(f"{exc}; this rank had failed at {site!r} before: {type(error).__name__}: "
+                            f"{error}") from error
         *sums, failed = t.tolist()
         # Cauchy-Schwarz: the sum's square is world x the sum of squares only when every rank sent the same code
         if any(sums[k] * sums[k] != sums[k + 2] * self.world_size for k in range(2)):
