@@ -168,6 +168,15 @@ class Comm:
                             "after the collectives of an operation had started (see its error)")
         return int(failed)
 
+    def rank0s(self, values: list[int]) -> list[int]:
+        """``values`` as rank 0 has them (a collective; every rank passes as many): what each rank read for itself
+        (a shared folder's listing, a comparison) becomes one answer, so all take the same path."""
+        if self.world_size == 1:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.int64, device=self._scalar_device)
+        self.broadcast(t, 0)
+        return t.tolist()
+
     def sum_float(self, value: float) -> float:
         """The sum over ranks of one float64 number (gradient norms)."""
         if self.world_size == 1:

@@ -153,11 +153,10 @@ class Gathered:
     def _agree(self, flags: list[int], *, all_ranks: bool) -> list[int]:
         """``flags`` made the same on every rank: set where any rank set it, or as rank 0 set it."""
         comm = self.engine.comm
+        if not all_ranks:
+            return comm.rank0s(flags)
         t = torch.tensor(flags, dtype=torch.int64, device=comm.pg.device)
-        if all_ranks:
-            comm.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-        else:
-            comm.broadcast(t, 0)
+        comm.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
         return t.tolist()
 
     def _names(self) -> dict[int, str]:

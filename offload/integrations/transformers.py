@@ -185,17 +185,6 @@ def _fill_scheduler(section: Any, args: Any, max_steps: int) -> Any:
     return section
 
 
-def _rank0s(engine: Any, value: int) -> int:
-    """``value`` as rank 0 has it (every rank calls this). Ranks read the checkpoint folder each for itself, and
-    what they see of a shared filesystem can differ (an NFS attribute cache): the tag a save writes and whether a
-    resume finds the engine's state are rank 0's, so every rank takes the same path through the collectives."""
-    if engine.world_size == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.int64, device=engine.comm.pg.device)
-    engine.comm.broadcast(t, 0)
-    return int(t.item())
-
-
 class _EngineOptimizer(torch.optim.Optimizer):
     """The optimizer the Trainer's loop holds: ``step()`` is ``engine.step()``, and its param_groups are the
     engine's own (an LR scheduler sets the lr the CPU Adam kernel reads). Gradients never sit in ``.grad``, so
@@ -425,7 +414,10 @@ class OffloadTrainer(Trainer):
         # old ones go once ``latest`` names it, so a crash in between leaves one loadable
         old = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("v")] if root.is_dir() else []
         engine = self._ensure_engine()
-        tag = f"v{_rank0s(engine, 1 + max((int(p.name[1:]) for p in old if p.name[1:].isdigit()), default=0))}"
+        # each rank lists the folder itself, and a shared filesystem may show them different listings (an NFS
+        # attribute cache): the tag, and below what a resume finds, are rank 0's (Comm.rank0s)
+        newest = max((int(p.name[1:]) for p in old if p.name[1:].isdigit()), default=0)
+        tag = f"v{engine.comm.rank0s([1 + newest])[0]}"
         engine.save_checkpoint(root, tag=tag, exclude_frozen_parameters=self._peft() is not None)
         if self.args.should_save:
             for p in old:
@@ -440,13 +432,15 @@ class OffloadTrainer(Trainer):
         if checkpoint is None:
             return
         engine, folder = self._ensure_engine(), Path(checkpoint)
-        if _rank0s(engine, int((folder / STATE_DIR / "latest").exists())):
+        state, schedule = engine.comm.rank0s([(folder / STATE_DIR / "latest").exists(),
+                                              (folder / _SCHEDULER_FILE).exists()])
+        if state:
             engine.load_checkpoint(folder / STATE_DIR)
         else:
             log.warning("offload: %s holds no %s/ (written by a plain Trainer, or with save_only_model=True): "
                         "loading its model weights; the Adam moments start from zero", folder, STATE_DIR)
             self._load_weights(folder)
-        if self.lr_scheduler is not None and _rank0s(engine, int((folder / _SCHEDULER_FILE).exists())):
+        if self.lr_scheduler is not None and schedule:
             self.lr_scheduler.load_state_dict(torch.load(folder / _SCHEDULER_FILE, weights_only=True))
             for group, lr in zip(self.optimizer.param_groups, self.lr_scheduler.get_last_lr()):
                 group["lr"] = lr  # the schedule's lr for the next step (loading a schedule does not set it)
