@@ -182,12 +182,6 @@ def _check_shapes(found: dict[str, str], src: StateSource, tensors: Mapping[str,
                              f"{tuple(tensors[first].shape)}; nothing was loaded")
 
 
-def _checked(name: str, value: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    if tuple(value.shape) != tuple(shape):
-        raise ValueError(f"checkpoint tensor {name} has shape {tuple(value.shape)}, the model's is {tuple(shape)}")
-    return value
-
-
 def load_state_dict(target: "torch.nn.Module | Engine", source: str | os.PathLike[str] | Mapping[str, torch.Tensor],
                     *, strict: bool = True) -> LoadResult:
     """Loads ``source`` into ``target`` tensor by tensor (see the module docstring). With ``strict`` (the
@@ -225,7 +219,7 @@ def _into_module(module: torch.nn.Module, src: StateSource, strict: bool) -> Loa
         for name, t in tensors.items():
             if name not in found or aliases[id(t)][0] != name:
                 continue
-            value = _checked(found[name], src.get(found[name]), t.shape)
+            value = src.get(found[name])
             t.data.copy_(value)
             evict_pages(t)
     return result
@@ -274,7 +268,7 @@ def _into_engine(engine: "Engine", src: StateSource, strict: bool) -> LoadResult
         nonlocal current
         if current[0] != i:
             p, key = layout.params[i], key_of[id(layout.params[i])]
-            current = (i, _checked(found[key], src.get(found[key]), p.shape) if key in found else None)
+            current = (i, src.get(found[key]) if key in found else None)
         return current[1]
 
     def home(i: int) -> None:
@@ -309,8 +303,8 @@ def _into_engine(engine: "Engine", src: StateSource, strict: bool) -> LoadResult
         for p in module.parameters():
             key = key_of[id(p)]
             if id(p) not in trainable and key in found:
-                engine.write_parameter(p, _checked(found[key], src.get(found[key]), p.shape))
+                engine.write_parameter(p, src.get(found[key]))
         for name, b in module.named_buffers():
             if name in found:
-                b.copy_(engine.copies.upload(_checked(found[name], src.get(found[name]), b.shape)))
+                b.copy_(engine.copies.upload(src.get(found[name])))
     return result
