@@ -5,8 +5,9 @@ over the same buffers the update uses: the kernel should reach at least 90% of t
 ``torch.optim.AdamW(fused=True)``, and write a bf16 copy of the new parameters for much less than a separate
 ``copy_`` costs. The gradient norm clipping needs before an update (``squared_norm``, one read of bf16 gradients)
 is timed beside torch's ``vector_norm(dtype=torch.float32)``, which first widens them into an fp32 copy, and both
-are compared with a float64 sum. Every variant runs on the same memory, one call each in round-robin order for several rounds (the
-first round is a warm-up), and the median is reported: the host is shared, so single samples are noisy.
+are compared with a float64 sum. Every variant runs on the same memory, one call each in round-robin order for
+several rounds (the first round is a warm-up), and the median is reported: the host is shared, so single samples
+are noisy.
 
     python bench/cpu_adam.py [--params 100000000] [--repeats 7] [--threads 1,2] [--out results/cpu_adam.json]
 """

@@ -143,6 +143,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     work = Path(spec["work"])
     low = torch.bfloat16 if spec["dtype"] == "bf16" else torch.float32
     compiled = torch.compile if spec.get("compile") else (lambda m: m)  # --compile: every framework's forward
+    clip = spec.get("clip", 0.0)  # --clip: every framework's gradient clipping
     if kind == "compute":
         model = build(cfg, low, device)
         step, close, parts = _compute_step(compiled(model)), (lambda: None), None
@@ -150,10 +151,9 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         model = build(cfg, torch.float32, device)
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, betas=(0.9, 0.95),
                                 fused=device.type == "cuda")
-        step = _plain_step(compiled(model), opt, device, low, spec.get("clip", 0.0))
-        close, parts = (lambda: None), None
+        step, close, parts = _plain_step(compiled(model), opt, device, low, clip), (lambda: None), None
     elif kind == "ours":
-        config = config_for(placement, work, spec["batch"], spec["dtype"], spec.get("clip", 0.0))
+        config = config_for(placement, work, spec["batch"], spec["dtype"], clip)
         with offload.init(config):  # NVMe placements: the model is built in a file arena, never whole in RAM
             model = build(cfg, torch.float32)
         engine = offload.initialize(compiled(model), config)
@@ -162,7 +162,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         estimate = _estimate_for(engine, cfg, placement)
     else:
         step, close, parts = _deepspeed(cfg, placement, work, spec["batch"], spec["dtype"], bool(spec.get("compile")),
-                                        spec.get("clip", 0.0))
+                                        clip)
     setup_rss = peak_rss()  # the model built and handed to its framework, before any step
     setup_gpu = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     times, losses, per_step = [], [], []

@@ -262,7 +262,8 @@ def test_two_ranks_under_torchrun_match_the_plain_trainer_with_ddp(tmp_path):
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
         results[name] = json.loads((tmp_path / f"{name}.json").read_text())
     state = tmp_path / "offload" / "checkpoint-3" / "offload_state"
-    assert (state / "latest").read_text().strip() == "v2" and sorted(p.name for p in state.iterdir()) == ["latest", "v2"]
+    assert (state / "latest").read_text().strip() == "v2"
+    assert sorted(p.name for p in state.iterdir()) == ["latest", "v2"]
     assert {"index.0.json", "index.1.json"} <= {p.name for p in (state / "v2").iterdir()}  # both ranks' shards
     for key in ("loss", "grad_norm"):
         assert len(results["offload"][key]) == 3
