@@ -344,8 +344,8 @@ def _write_shard(engine: "Engine", tmp: Path, frozen: bool) -> dict[str, dict[st
     tensors, index_name = _shard_names(rank)
     # A local failure (a full disk, a failed read of the optimizer state) is kept for save()'s vote, not raised at
     # once: stage 3's frozen parameters are gathered from every rank's piece below, and a rank that left early would
-    # hang the others. A failed read of a piece itself is raised: its gather did not run, so the ranks are out of
-    # step, and the others fail at comm_timeout naming this rank.
+    # hang the others. A failed read of a piece raises on every rank at that parameter's read (they vote before its
+    # gather: ParamShards.read).
     error: OSError | ValueError | None = None
     f: _TensorFile | None = None
     try:
@@ -364,7 +364,7 @@ def _write_shard(engine: "Engine", tmp: Path, frozen: bool) -> dict[str, dict[st
         for name, t in others.items():
             if not _read_is_collective(engine, t) and (rank != 0 or error is not None):
                 continue
-            value = _host_value(engine, t)  # a failed read raises here: its gather did not run (see below)
+            value = _host_value(engine, t)  # a failed read raises here, on every rank (see above)
             if rank == 0 and error is None:
                 try:
                     f.write(name, value)
@@ -646,7 +646,17 @@ def _gather_masters(engine: "Engine", masters: dict[int, torch.Tensor | None],
             if not hits:
                 continue
             kept = any(masters[i] is not None for _, _, i, _ in hits)
-            block = opt.read_state(sg)
+            block, error = None, None
+            try:
+                block = opt.read_state(sg)
+            except Exception as exc:  # noqa: BLE001 - a failed read (an NVMe error, a checksum): raised below, once
+                error = exc  # every rank knows, so none waits in this sub-group's gathers until comm_timeout
+            failed = comm.vote(f"read of sub-group {sg.index}'s state", error)
+            if error is not None:
+                raise error
+            if failed:
+                raise RuntimeError(f"reading the model's tensors: {failed} other rank(s) failed to read their state "
+                                   f"of sub-group {sg.index} (see their errors)")
             try:
                 for c0 in range(rel0, rel1, GATHER_CHUNK):
                     c1 = min(c0 + GATHER_CHUNK, rel1)

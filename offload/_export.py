@@ -94,8 +94,9 @@ def write_safetensors(out: str | os.PathLike[str], sizes: list[tuple[str, int]],
     shard (a collective), ``writer`` True on the one that writes, and ``vote(site, error)`` (how many ranks
     failed: :meth:`~offload.dist.Comm.vote`) after the folder is made, after each shard's read and write and after
     the commit. A failure there (a full disk on the writer, a rank short of memory for a shard) is then raised on
-    every rank at once, its own error where it happened, so no rank waits in the next shard's gathers. A failure
-    inside a read's collectives leaves the ranks out of step: the others raise at their next vote
+    every rank at once, its own error where it happened, so no rank waits in the next shard's gathers; a read
+    votes before each of its gathers too (a failed read of a sub-group's state or of a piece). A failure after a
+    read's collectives had started leaves the ranks out of step: the others raise at their next vote
     (``OutOfStep``), or fail at comm_timeout naming that rank when their next collective is not a vote.
 
     Crash safety: every new file is written and fsynced under a temporary name first. A single file then replaces

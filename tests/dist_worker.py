@@ -85,7 +85,10 @@ def run(spec: dict, r: dict, rank: int, world: int, out: Path) -> None:
     aligned, host_value = _checkpoint.aligned_tensor, _checkpoint._host_value
     from offload.dist import ParamShards
 
-    read_buffers = ParamShards._read_buffers
+    read_buffers, wait, shard_read = ParamShards._read_buffers, ParamShards._wait, ParamShards.read
+    from offload.optim.offloaded import OffloadedAdam
+
+    read_state = OffloadedAdam.read_state
     if r.get("fail_save") == "oom" and rank == 1:
         reads = []
 
@@ -117,6 +120,34 @@ def run(spec: dict, r: dict, rank: int, world: int, out: Path) -> None:
             return value
 
         _checkpoint._host_value = fails_after
+    elif r.get("fail_save") == "piece-read" and rank == 1:
+        piece_reads, inside = [], []
+
+        def reading(self, i):
+            inside.append(i)
+            try:
+                return shard_read(self, i)
+            finally:
+                inside.pop()
+
+        def failing_wait(self, handles, src, dst):  # a save's second piece read: done, then reported failed
+            wait(self, handles, src, dst)
+            if inside:
+                piece_reads.append(handles)
+                if len(piece_reads) == 2:
+                    raise OSError(errno.EIO, "Input/output error (injected)")
+
+        ParamShards._wait, ParamShards.read = failing_wait, reading
+    elif r.get("fail_save") == "read-state" and rank == 1:
+        state_reads = []
+
+        def failing_read(self, sg):
+            state_reads.append(sg)
+            if len(state_reads) == 2:
+                raise OSError(errno.EIO, "Input/output error (injected)")
+            return read_state(self, sg)
+
+        OffloadedAdam.read_state = failing_read
     elif r.get("fail_save") == "safetensors" and rank == 0:
         calls = []
 
@@ -208,7 +239,8 @@ def run(spec: dict, r: dict, rank: int, world: int, out: Path) -> None:
     finally:
         os.rename, _checkpoint._TensorFile.write, _export._write_tmp = rename, write, write_tmp
         _checkpoint.aligned_tensor, _checkpoint._host_value = aligned, host_value
-        ParamShards._read_buffers = read_buffers
+        ParamShards._read_buffers, OffloadedAdam.read_state = read_buffers, read_state
+        ParamShards._wait, ParamShards.read = wait, shard_read
         engine.close()
         if ref is not None:
             ref.close()

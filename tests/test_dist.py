@@ -254,7 +254,10 @@ def two_ranks(tmp_path_factory):
               "save": str(tmp / "ckpt-oom"), "config": config(3, "cpu", tmp / "nvme")},
              {"name": "gather-failsave", "steps": 2, "gas": 1, "frozen_base": True, "save_after": 1,
               "fail_save": "ckpt-after-gather", "save": str(tmp / "ckpt-gather"),
-              "config": config(3, "cpu", tmp / "nvme")}]
+              "config": config(3, "cpu", tmp / "nvme")},
+             {"name": "pieceread-failsave", "steps": 2, "gas": 1, "frozen_base": True, "save_after": 1,
+              "fail_save": "piece-read", "save": str(tmp / "ckpt-pieceread"),
+              "config": config(3, "cpu", tmp / "nvme", param="nvme")}]
     runs += [{"name": "export-frozen", "steps": 2, "gas": 1, "frozen_base": True, "safetensors": str(tmp / "st"),
               "config": config(3, "cpu", tmp / "nvme", param="nvme")},
              {"name": "export-failsave", "steps": 2, "gas": 1, "fail_save": "safetensors",
@@ -262,7 +265,9 @@ def two_ranks(tmp_path_factory):
              {"name": "export-nomem", "steps": 2, "gas": 1, "fail_save": "masters",
               "safetensors": str(tmp / "st-nomem"), "config": config(2, "cpu", tmp / "nvme")},
              {"name": "export-desync", "steps": 2, "gas": 1, "frozen_base": True, "fail_save": "after-gather",
-              "safetensors": str(tmp / "st-desync"), "config": config(3, "cpu", tmp / "nvme")}]
+              "safetensors": str(tmp / "st-desync"), "config": config(3, "cpu", tmp / "nvme")},
+             {"name": "export-readfail", "steps": 2, "gas": 1, "fail_save": "read-state",
+              "safetensors": str(tmp / "st-readfail"), "config": config(2, "nvme", tmp / "nvme")}]
     return launch(tmp, 2, runs), tmp / "ckpt"
 
 
@@ -596,7 +601,8 @@ def test_a_rank_short_of_device_memory_for_a_frozen_gather_fails_the_save_on_eve
     info = [json.loads((out / f"oom-failsave.rank{r}.json").read_text()) for r in range(2)]
     assert info[1]["save_error"].startswith("GatherRefused") and "rank 1: out of device memory" in \
         info[1]["save_error"], info[1]
-    assert info[0]["save_error"].startswith("GatherRefused") and "1 other rank(s) ran out" in info[0]["save_error"]
+    assert info[0]["save_error"].startswith("GatherRefused") and "1 other rank(s) could not gather" in \
+        info[0]["save_error"], info[0]
     assert all(i["steps"] == 2 for i in info)
     assert list((tmp / "ckpt-oom").iterdir()) == []
     # rank 1 fails (a RuntimeError) right after a frozen parameter's gather: it votes on its shard while rank 0
@@ -607,6 +613,15 @@ def test_a_rank_short_of_device_memory_for_a_frozen_gather_fails_the_save_on_eve
     assert info[0]["save_error"].startswith("OutOfStep"), info[0]
     assert all(i["steps"] == 2 for i in info)
     assert list((tmp / "ckpt-gather").iterdir()) == []
+    # the parameters' pieces on NVMe: rank 1's read of its piece of the second frozen parameter fails (EIO). The
+    # ranks vote before that parameter's gather: rank 1 raises its error, rank 0 that rank 1 could not gather it
+    # (before, rank 0 waited in the gather until comm_timeout), nothing is left and both train on
+    info = [json.loads((out / f"pieceread-failsave.rank{r}.json").read_text()) for r in range(2)]
+    assert info[1]["save_error"] == "OSError: [Errno 5] Input/output error (injected)", info[1]
+    assert info[0]["save_error"].startswith("GatherRefused") and "1 other rank(s) could not gather" in \
+        info[0]["save_error"], info[0]
+    assert all(i["steps"] == 2 for i in info)
+    assert list((tmp / "ckpt-pieceread").iterdir()) == []
 
 
 def test_a_safetensors_export_on_two_ranks_and_one_that_fails_on_rank_0(two_ranks):
@@ -648,6 +663,15 @@ def test_a_safetensors_export_on_two_ranks_and_one_that_fails_on_rank_0(two_rank
     assert info[1]["save_error"].startswith("OutOfStep"), info[1]
     assert all(i["steps"] == 2 for i in info)
     assert list((tmp / "st-desync").iterdir()) == []
+    # rank 1's read of its optimizer state fails (an NVMe error) in the second sub-group's gathers: both ranks fail
+    # there at once (before, rank 0 waited in that sub-group's all-gather until comm_timeout), nothing is left, and
+    # both train on and consolidate the same model
+    info = [json.loads((out / f"export-readfail.rank{r}.json").read_text()) for r in range(2)]
+    assert info[1]["save_error"] == "OSError: [Errno 5] Input/output error (injected)", info[1]
+    assert info[0]["save_error"].startswith("RuntimeError") and "1 other rank(s) failed to read their state of " \
+        "sub-group" in info[0]["save_error"], info[0]
+    assert all(i["steps"] == 2 for i in info)
+    assert list((tmp / "st-readfail").iterdir()) == []
 
 
 @pytest.mark.parametrize("stage", [2, 3])

@@ -209,16 +209,23 @@ class ParamShards:
                 break
             self.issue_next()
             staging = self._arena.take(piece)
+        reads = self._start_reads(i, staging)
+        pending = _PieceRead(self, out, inp, dst, staging, reads)
+        self._queue.append(pending)
+        return pending
+
+    def _start_reads(self, i: int, staging: torch.Tensor) -> list[SwapHandle]:
+        """Starts reading this rank's piece of parameter ``i`` into ``staging`` (a piece lent by the arena, given
+        back if a read fails to start) and zeroes its padding; returns the reads' handles."""
+        assert self._swap is not None and self._arena is not None
         try:
             reads = start_all(functools.partial(self._swap.read, self._key(i, start), staging[start : start + n])
                               for start, n in self._parts[i])
         except BaseException:
-            self._arena.give(staging)  # the newest piece, no read left on it
+            self._arena.give(staging)  # no read left on it
             raise
         staging[sum(n for _, n in self._parts[i]) :].zero_()
-        pending = _PieceRead(self, out, inp, dst, staging, reads.handles)
-        self._queue.append(pending)
-        return pending
+        return reads.handles
 
     def _gather(self, out: torch.Tensor, inp: torch.Tensor, source: torch.Tensor,
                 dst: torch.Tensor) -> tuple[_Gathered, Copy]:
@@ -277,23 +284,50 @@ class ParamShards:
 
     def read(self, i: int) -> torch.Tensor:
         """Parameter ``i``'s full value as a new host tensor in its shape (a collective). Its device buffers lie
-        outside the budget (a read is not a step's), so the ranks first agree that each could allocate them."""
-        p = self.params[i]
+        outside the budget (a read is not a step's), and an NVMe piece is read before its gather starts: the ranks
+        first agree that each could allocate the buffers and read its piece, so either failure raises on every
+        rank at the same read and none waits in a gather the others never start."""
+        p, r, piece = self.params[i], self.comm.rank, self.piece[i]
+        self.issue_all()  # fetches queued before this read (prefetches) gather first, on every rank alike
         error: Exception | None = None
+        allocated = False  # the error, if any, is the piece's read (else the allocator's)
+        staging: torch.Tensor | None = None
         try:
             dst, out = self._read_buffers(i)
+            allocated = True
+            if self._swap is not None:
+                assert self._arena is not None
+                taken = self._arena.take(piece, block=True)  # no fetch queued: every piece comes back
+                reads = self._start_reads(i, taken)  # (given back if they fail to start)
+                staging = taken
+                self._wait(reads, Tier.NVME, Tier.HOST)
         except Exception as exc:  # noqa: BLE001 - before any collective: raised below, once every rank knows (a
             error = exc  # CPU device's allocator raises a plain RuntimeError)
-        short = self.comm.vote(f"read of parameter {i}", error)
-        if short:
-            nbytes = p.numel() * self.dtype.itemsize
+        failed = self.comm.vote(f"read of parameter {i}", error)
+        if failed:
+            if staging is not None:
+                assert self._arena is not None
+                self._arena.give(staging)
+            shape = tuple(p.shape)
+            if error is None:
+                raise GatherRefused(f"rank {r}: {failed} other rank(s) could not gather parameter {i} of shape "
+                                    f"{shape} for a read (out of device memory, or a failed read of their piece: "
+                                    "see their errors)")
+            if allocated:
+                raise error
             raise GatherRefused(
-                f"rank {self.comm.rank}: " + (f"out of device memory ({error})" if error is not None else
-                                              f"{short} other rank(s) ran out of device memory") +
-                f" for the {2 * nbytes / 2**20:.1f} MiB that gathering parameter {i} of shape {tuple(p.shape)} "
-                "for a read takes; free device memory (torch.cuda.empty_cache(), a smaller batch before the "
-                "save) and retry") from error
-        self.fetch(i, dst, out).wait()
+                f"rank {r}: out of device memory ({error}) for the {2 * p.numel() * self.dtype.itemsize / 2**20:.1f} "
+                f"MiB that gathering parameter {i} of shape {shape} for a read takes; free device memory "
+                "(torch.cuda.empty_cache(), a smaller batch before the save) and retry") from error
+        copy: Copy = DONE
+        try:
+            gathered, copy = self._gather(out, out[r * piece : (r + 1) * piece],
+                                          self.pieces[i] if staging is None else staging[:piece], dst)
+            gathered.wait()
+        finally:
+            if staging is not None:
+                assert self._arena is not None
+                self._arena.give(staging, busy=copy)
         return self.copies.download(dst).view(p.shape)
 
     def _read_buffers(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
