@@ -61,16 +61,22 @@ def test_inputs_move_to_the_device_and_the_model_lives_there(tmp_path):
     assert all(p.device == DEVICE for p in model.parameters())  # close() leaves the model where it trained
 
 
-@pytest.mark.parametrize("state", ["cpu", "none"])
+@pytest.mark.parametrize("state", ["cpu", "none", "nvme"])
 def test_host_buffers_are_made_on_the_host_whatever_the_default_device(tmp_path, monkeypatch, state):
     """Inside ``with torch.device("cuda")`` (the habit ``offload.init`` documents) or after
     ``torch.set_default_device("cuda")``, a factory call without ``device=`` makes a CUDA tensor: the buffers the
     engine means for the host (the CPU Adam kernel's warm-up at initialize, checkpoint reads, downloads, the staged
     state of a device optimizer, checksums of the start-up sync) must name the CPU. The meta device stands in for
     CUDA here, on every machine; ``state`` "none" keeps the optimizer state on the device (the CUDA path's fused
-    Adam, on the CPU through STAGE_ON_CPU)."""
+    Adam, on the CPU through STAGE_ON_CPU); "nvme": stage 3 with the optimizer and the parameters on NVMe (the
+    swap engine's staging, the parameters' fetches, the update's writes), edited in a gathered block and exported."""
     monkeypatch.setattr(offload.plan, "STAGE_ON_CPU", True)
     cfg = {"zero_optimization": {"sub_group_size": 4096, "offload_optimizer": {"device": state}}}
+    if state == "nvme":
+        cfg = {"zero_optimization": {"stage": 3, "sub_group_size": 4096, "stage3_max_live_parameters": 8192,
+                                     "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "nvme")},
+                                     "offload_param": {"device": "nvme", "nvme_path": str(tmp_path / "nvme")}},
+               "aio": {"block_size": 1 << 16}}
     model, data = make(), batches(2)
     with torch.device("meta"):
         engine = offload.initialize(model, cfg)
@@ -82,7 +88,10 @@ def test_host_buffers_are_made_on_the_host_whatever_the_default_device(tmp_path,
             assert engine.last_grad_norm is not None
             engine.save_checkpoint(tmp_path / "ck")
             engine.load_checkpoint(tmp_path / "ck")
+            with engine.gathered(model.head.weight):
+                model.head.weight.data.mul_(0.5)
             weights = engine.consolidated_state_dict()
+            engine.save_safetensors(tmp_path / "st")
         assert all(t.device.type == "cpu" and bool(t.isfinite().all()) for t in weights.values())
         x, y = data[1]
         engine.backward(lm_loss(engine(x), y))  # the state read back is whole
