@@ -11,8 +11,18 @@ peak RSS, GPU peak and pinned memory are the run's own, and an out-of-memory run
   opt+params-nvme  ZeRO-Infinity: Adam state and parameters on NVMe
 
 (``--dtype fp32``, the default on a CPU without native bf16, where torch's bf16 matmuls are ~100x slower: fp32
-parameters everywhere and no autocast.) Each run by this library and, when ``deepspeed`` is importable (never a
-dependency), by DeepSpeed with the same keys (``overlap_comm`` and ``contiguous_gradients`` on for both, as
+parameters everywhere and no autocast.) Each run by this library and by the peers that implement the placement
+(none is a dependency; each runs where it can, and ``--deepspeed``/``--fsdp``/``--torchao off`` leave it out):
+
+  deepspeed  every placement but opt-host-overlap, when ``deepspeed`` is importable and CUDA is there
+  fsdp       opt+params-host: torch's FSDP2 (``fully_shard`` per block and at the root) with ``CPUOffloadPolicy``
+             (fp32 parameters, gradients and torch's fused AdamW on the host, bf16 compute through its
+             ``MixedPrecisionPolicy``); on one rank, NCCL on CUDA and gloo on a CPU
+  torchao    opt-host: torchao's ``CPUOffloadOptimizer`` around torch's fused AdamW (fp32 parameters on the device
+             under bf16 autocast, the fp32 state and the step on the host), when ``torchao`` is importable and CUDA
+             is there (it supports nothing else)
+
+DeepSpeed gets the same keys (``overlap_comm`` and ``contiguous_gradients`` on for both, as
 DeepSpeed's ZeRO-Offload tutorial sets them; with Adam state on NVMe DeepSpeed also gets its own advice, sub-groups
 of 1e8 and pipelined reads and writes). DeepSpeed's ops (CPU Adam, AIO) are built first, in a run of their own with
 ``--build-timeout``, so no placement pays for or times out in the compile. Per run: median step time (forward +
@@ -38,6 +48,7 @@ arena as modules are built) and set no size: every size is derived from the budg
 
     python bench/gpu_train.py [--params 1e9 | --layers L --width W] [--tokens 512] [--batch 4] [--steps 5]
                               [--warmup 2] [--placements plain,opt-host,...] [--deepspeed auto|off]
+                              [--fsdp auto|off] [--torchao auto|off]
                               [--rounds 1] [--compile] [--nvme-dir DIR] [--timeout 900] [--build-timeout 420]
                               [--out results/gpu_train.json]
 
@@ -86,6 +97,9 @@ PLACEMENTS = {  # name: (ZeRO stage, offload_optimizer.device, offload_param.dev
     # default), so one run shows what that buys
     "opt-host-overlap": (2, "cpu", "none"),
 }
+# the placements each peer framework implements
+PEERS = {"deepspeed": set(PLACEMENTS) - {"plain", "opt-host-overlap"}, "fsdp": {"opt+params-host"},
+         "torchao": {"opt-host"}}
 LR = 3e-4
 
 
@@ -160,6 +174,10 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         del model
         step, close, parts = _engine_step(engine), engine.close, _Parts(engine)
         estimate = _estimate_for(engine, cfg, placement)
+    elif kind == "fsdp":
+        step, close, parts = _fsdp(cfg, device, low, compiled, clip)
+    elif kind == "torchao":
+        step, close, parts = _torchao(cfg, device, low, compiled, clip)
     else:
         step, close, parts = _deepspeed(cfg, placement, work, spec["batch"], spec["dtype"], bool(spec.get("compile")),
                                         clip)
@@ -287,12 +305,7 @@ def _deepspeed(cfg: GPTConfig, placement: str, work: Path, batch: int, dtype: st
                compile_forward: bool, clip: float) -> tuple[Any, Any, None]:
     import deepspeed  # noqa: PLC0415 - optional, imported only for its runs
 
-    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
-        os.environ.setdefault(name, value)
-    if "MASTER_PORT" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    _one_rank_env()
     deepspeed.init_distributed()
     model = build(cfg, torch.bfloat16 if dtype == "bf16" else torch.float32)
     ds_config = config_for(placement, work, batch, dtype, clip)
@@ -316,6 +329,59 @@ def _deepspeed(cfg: GPTConfig, placement: str, work: Path, batch: int, dtype: st
         engine.step()
         return loss.item()
     return step, (lambda: None), None
+
+
+def _one_rank_env() -> None:
+    """The environment of a one-rank process group (a peer framework that expects a launcher)."""
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(name, value)
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+
+
+def _fsdp(cfg: GPTConfig, device: torch.device, low: torch.dtype, compiled: Any, clip: float) -> tuple[Any, Any, None]:
+    """FSDP2 with CPU offload, as its documentation sets it up: each block and then the root ``fully_shard``-ed,
+    the fp32 parameters (and their gradients) on the host, pinned on CUDA, the optimizer stepping there (torch's
+    fused CPU AdamW), the compute in ``low`` (``MixedPrecisionPolicy``), gradients reduced in fp32."""
+    import torch.distributed as dist  # noqa: PLC0415
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard  # noqa: PLC0415
+
+    _one_rank_env()
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    model = build(cfg, torch.float32)
+    policy = {"offload_policy": CPUOffloadPolicy(pin_memory=cuda),
+              "mp_policy": MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)}
+    for block in model.blocks:
+        fully_shard(block, **policy)
+    fully_shard(model, **policy)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, betas=(0.9, 0.95), fused=True)
+    forward = compiled(model)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> float:
+        loss = GPT.loss(forward(x), y)
+        loss.backward()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+    return step, dist.destroy_process_group, None
+
+
+def _torchao(cfg: GPTConfig, device: torch.device, low: torch.dtype, compiled: Any,
+             clip: float) -> tuple[Any, Any, None]:
+    """torchao's CPU-offload optimizer as its README sets it up: the model (fp32) on the device, torch's fused
+    AdamW on the host copies, gradients copied out on a side stream as they arrive; bf16 through autocast."""
+    from torchao.optim import CPUOffloadOptimizer  # noqa: PLC0415 - optional, imported only for its runs
+
+    model = build(cfg, torch.float32, device)
+    opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, weight_decay=0.01, betas=(0.9, 0.95))
+    return _plain_step(compiled(model), opt, device, low, clip), (lambda: None), None
 
 
 def _build_deepspeed_ops(nvme: bool) -> dict[str, Any]:
@@ -420,6 +486,11 @@ def main() -> None:
                     "speed (offload._device.fast_bf16), else fp32")
     ap.add_argument("--deepspeed", choices=["auto", "off"], default="auto",
                     help="auto: DeepSpeed beside ours when it is importable and CUDA is there")
+    ap.add_argument("--fsdp", choices=["auto", "off"], default="auto",
+                    help="auto: torch's FSDP2 with CPU offload beside ours in opt+params-host")
+    ap.add_argument("--torchao", choices=["auto", "off"], default="auto",
+                    help="auto: torchao's CPUOffloadOptimizer beside ours in opt-host, when it is importable and CUDA "
+                    "is there")
     ap.add_argument("--nvme-dir", default=None, help="where swap files go (default: a temporary directory)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run every placement this many times, round-robin, and quote the median of each round's "
@@ -454,9 +525,11 @@ def main() -> None:
         Path(args.nvme_dir).mkdir(parents=True, exist_ok=True)
     device = offload.default_device()
     has_ds = args.deepspeed == "auto" and _importable("deepspeed") and device.type == "cuda"
-    no_ds = ("--deepspeed off" if args.deepspeed == "off" else  # why it sits out, said in the header
-             ", ".join(why for why, lacking in (("not importable", not _importable("deepspeed")),
-                                                ("no CUDA", device.type != "cuda")) if lacking))
+    no_ds = _why_not(args.deepspeed, "deepspeed", device)  # why it sits out, said in the header
+    # torchao copies each gradient to the host as backward makes it, so a clip after backward would not reach the
+    # step: it sits out clipped runs rather than run unclipped
+    has_ao = args.torchao == "auto" and _importable("torchao") and device.type == "cuda" and args.clip == 0
+    peers = {"deepspeed": has_ds, "fsdp": args.fsdp == "auto", "torchao": has_ao}  # who runs beside ours
     dtype = args.dtype if args.dtype != "auto" else "bf16" if fast_bf16(device) else "fp32"
     base = {"model": cfg.__dict__, "batch": args.batch, "tokens": args.tokens, "steps": args.steps,
             "warmup": args.warmup, "nvme_dir": args.nvme_dir, "dtype": dtype, "compile": args.compile,
@@ -465,7 +538,10 @@ def main() -> None:
     print(f"gpu bench: GPT {layers} x {width}, {n / 1e9:.3g}B parameters, {args.batch} x {args.tokens} tokens, "
           f"on {name}, {dtype}{', compiled' if args.compile else ''}"
           f"{f', clipping at {args.clip:g}' if args.clip > 0 else ''}; "
-          f"DeepSpeed {'beside ours' if has_ds else f'not run ({no_ds})'}", flush=True)
+          f"DeepSpeed {'beside ours' if has_ds else f'not run ({no_ds})'}; FSDP2 "
+          f"{'beside ours' if peers['fsdp'] else 'not run (--fsdp off)'}; torchao "
+          f"{'beside ours' if has_ao else 'not run (' + _why_not(args.torchao, 'torchao', device, args.clip) + ')'}",
+          flush=True)
     printed: list[str] = []  # the summary lines of what ran so far
     _on_sigterm(printed)
     bounds = {"compute": launch({**base, "kind": "compute", "placement": "compute"}, args.timeout),
@@ -477,7 +553,7 @@ def main() -> None:
         built = bounds["deepspeed_build"]
         print(f"  DeepSpeed's ops (CPU Adam{', AIO' if nvme else ''}): {built['status']}"
               + (f", built in {built['seconds']:.0f} s" if "seconds" in built else ""), flush=True)
-        has_ds = built["status"] == "ok"  # else each DeepSpeed run would fail the same way, at its time limit
+        peers["deepspeed"] = built["status"] == "ok"  # else each DeepSpeed run would fail alike, at its time limit
     runs: list[dict[str, Any]] = []
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -498,7 +574,7 @@ def main() -> None:
     order = [(r, p) for r in range(args.rounds) for p in placements]
     for rnd, placement in progress(order, "placements"):
         kinds = ["plain"] if placement == "plain" else \
-            ["ours"] + (["deepspeed"] if has_ds and placement != "opt-host-overlap" else [])
+            ["ours"] + [peer for peer, on in peers.items() if on and placement in PEERS[peer]]
         for kind in kinds:
             result = launch({**base, "kind": kind, "placement": placement}, args.timeout)
             runs.append({"framework": {"plain": "torch", "ours": "offload"}.get(kind, kind), "placement": placement,
@@ -524,6 +600,15 @@ def _on_sigterm(lines: list[str]) -> None:
         print("\nstopped (SIGTERM); measured so far:" + "".join(f"\n{line}" for line in lines), flush=True)
         os._exit(143)
     signal.signal(signal.SIGTERM, handler)
+
+
+def _why_not(flag: str, module: str, device: torch.device, clip: float = 0.0) -> str:
+    """Why a peer that needs CUDA and an importable module sits out, for the header (``clip``: torchao's)."""
+    if flag == "off":
+        return f"--{module} off"
+    return ", ".join(why for why, lacking in (("not importable", not _importable(module)),
+                                              ("no CUDA", device.type != "cuda"),
+                                              ("--clip: no clipping reaches its step", clip > 0)) if lacking)
 
 
 def _importable(name: str) -> bool:
@@ -604,17 +689,19 @@ def _summary(runs: list[dict[str, Any]], bounds: dict[str, Any], n: int) -> dict
                      f"{beside['step_seconds']:.3f} s = {out['speedup_vs_deepspeed/opt-host-overlap']:.2f}x")
     plain = ok.get(("torch", "plain"))
     for placement in ("opt-host", "opt-host-overlap", "opt+params-host", "opt-nvme", "opt+params-nvme"):
-        r, ds = ok.get(("offload", placement)), ok.get(("deepspeed", placement))
+        r = ok.get(("offload", placement))
         if r and plain:
             ratios = {"host_peak_rss": r["host_peak_rss"] / plain["host_peak_rss"],
                       "step": r["step_seconds"] / plain["step_seconds"]}
             out[f"vs_plain/{placement}"] = ratios
             lines.append(f"  {placement}: host peak RSS {ratios['host_peak_rss']:.2f}x plain torch's, step "
                          f"{ratios['step']:.2f}x")
-        if r and ds:
-            out[f"speedup_vs_deepspeed/{placement}"] = ds["step_seconds"] / r["step_seconds"]
-            lines.append(f"  {placement}: DeepSpeed {ds['step_seconds']:.3f} s / ours {r['step_seconds']:.3f} s = "
-                         f"{ds['step_seconds'] / r['step_seconds']:.2f}x")
+        for peer, name in (("deepspeed", "DeepSpeed"), ("fsdp", "FSDP2"), ("torchao", "torchao")):
+            other = ok.get((peer, placement))
+            if r and other:
+                out[f"speedup_vs_{peer}/{placement}"] = other["step_seconds"] / r["step_seconds"]
+                lines.append(f"  {placement}: {name} {other['step_seconds']:.3f} s / ours {r['step_seconds']:.3f} s "
+                             f"= {other['step_seconds'] / r['step_seconds']:.2f}x")
         if r and "estimate" in r:
             e, report = r["estimate"], r["engine"]["memory_report"]
             store_peak = report["host"]["peak"]

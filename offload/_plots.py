@@ -230,7 +230,8 @@ def plot_gpu(data: dict[str, Any], out: Path) -> list[Path]:
         raise ValueError("gpu_train JSON has no successful run to plot")
     placements = list(dict.fromkeys(r["placement"] for r in runs))
     frameworks = list(dict.fromkeys(r["framework"] for r in runs))
-    colors = {"offload": COLORS["compute"], "deepspeed": COLORS["adam"], "torch": COLORS["io"]}
+    colors = {"offload": COLORS["compute"], "deepspeed": COLORS["adam"], "torch": COLORS["io"],
+              "fsdp": COLORS["stalled"], "torchao": "#8172b3"}
     fig, (ax, lax) = plt.subplots(1, 2, figsize=(12, 4.5))
     width = 0.8 / len(frameworks)
     for j, fw in enumerate(frameworks):

@@ -87,20 +87,26 @@ def test_bench_train_writes_json_and_plots(tmp_path, capsys):
 
 def test_bench_gpu_runs_each_placement_in_its_own_process(tmp_path, capsys):
     """On a CPU machine the GPU bench is a smoke run (device tier in host memory); with CUDA the same command
-    measures the GPU. Every run trains the same batches; the bounds are measured beside them."""
+    measures the GPU. Every run trains the same batches; the bounds are measured beside them, and FSDP2 with CPU
+    offload beside ours where it implements the placement (parameters and optimizer on the host)."""
     results, scratch = tmp_path / "results", tmp_path / "scratch"
     scratch.mkdir()
     rc = main(["bench", "gpu", "--out", str(results), "--layers", "1", "--width", "64", "--vocab", "256",
                "--tokens", "16", "--batch", "2", "--steps", "2", "--warmup", "1",
-               "--placements", "plain,opt-host,opt-host-overlap", "--clip", "1e-3",
+               "--placements", "plain,opt-host,opt-host-overlap,opt+params-host", "--clip", "1e-3",
                "--deepspeed", "off", "--nvme-dir", str(scratch)])
     assert rc == 0, capsys.readouterr()
     data = json.loads((results / "gpu_train.json").read_text())
     runs = {(r["framework"], r["placement"]): r for r in data["runs"]}
-    assert set(runs) == {("torch", "plain"), ("offload", "opt-host"), ("offload", "opt-host-overlap")}
+    assert set(runs) == {("torch", "plain"), ("offload", "opt-host"), ("offload", "opt-host-overlap"),
+                         ("offload", "opt+params-host"), ("fsdp", "opt+params-host")}
     assert all(r["status"] == "ok" for r in runs.values())
     ours, plain = runs["offload", "opt-host"], runs["torch", "plain"]
     assert ours["losses"][0] == pytest.approx(plain["losses"][0], rel=1e-2)  # the same model and first batch
+    # FSDP2 trains the same model on the same batches, clipped alike: the same losses (fp32 here)
+    assert runs["fsdp", "opt+params-host"]["losses"] == pytest.approx(runs["offload", "opt+params-host"]["losses"],
+                                                                       rel=1e-3)
+    assert data["summary"]["speedup_vs_fsdp/opt+params-host"] > 0
     # --clip reaches our engine (its plan says why the update waits for backward) and is recorded
     assert data["clip"] == 1e-3 and "gradient clipping needs the global norm first" in ours["engine"]["plan"]
     assert ours["parts"]["adam"] > 0 and ours["host_peak_rss"] >= ours["host_setup_rss"] > ours["host_base_rss"] > 0
