@@ -398,6 +398,11 @@ class Checkpoint:
     (start in the flattened tensor, element count, shard) and reads are re-cut across them."""
 
     def __init__(self, root: Path, tag: str | None) -> None:
+        if root.exists() and not root.is_dir():
+            raise NotADirectoryError(f"{root} is a file, not a checkpoint folder: save_checkpoint writes a folder "
+                                     "(a `latest` file and one folder per tag); pass that folder")
+        if tag is None and (root / "meta.json").exists() and not (root / "latest").exists():
+            root, tag = root.parent, root.name  # the folder of one tag, given by its own path
         if tag is None:
             try:
                 tag = (root / "latest").read_text().strip()

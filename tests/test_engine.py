@@ -824,6 +824,20 @@ def test_optimizer_state_four_times_host_budget_on_nvme(tmp_path):
     assert stats["bytes_moved"]["host->nvme"] >= state_bytes * 16  # ... and wrote it (plus the initial write)
 
 
+def test_a_model_without_values_or_in_float64_is_refused_before_anything_moves(tmp_path):
+    """A model built on the meta device (``init_empty_weights``' habit) has nothing to train from; a float64 one
+    would be rounded to fp32 masters and then fail on its own float64 inputs. Both are named at initialize, and
+    the model is left as it was."""
+    with torch.device("meta"):
+        empty = make()
+    with pytest.raises(ValueError, match=r"parameter 'pos' is on the meta device .* offload\.init"):
+        offload.initialize(empty, config(tmp_path, "cpu"))
+    double = make().double()
+    with pytest.raises(ValueError, match=r"parameter 'pos' is float64; .*\(model\.float\(\)\)"):
+        offload.initialize(double, config(tmp_path, "cpu"))
+    assert all(p.dtype == torch.float64 and p.device.type == "cpu" for p in double.parameters())
+
+
 def test_budgets_that_cannot_fit_fail_at_initialize(tmp_path):
     with pytest.raises(offload.BudgetExceeded, match=r"host tier: .* offload.host_memory_budget"):
         offload.initialize(make(), config(tmp_path, "cpu", offload={"host_memory_budget": "64KiB"}))
@@ -1026,6 +1040,11 @@ def test_checkpoint_errors(tmp_path):
             engine.save_checkpoint(engine_dir, tag="t")
         with pytest.raises(ValueError, match="plain name"):
             engine.save_checkpoint(engine_dir, tag="../evil")
+        # the folder save_checkpoint returns (one tag's) loads as that tag; a file is named as not a folder
+        engine.save_checkpoint(engine_dir, tag="u")
+        assert engine.load_checkpoint(engine_dir / "t") == "t"
+        with pytest.raises(NotADirectoryError, match=f"{engine_dir / 't' / 'meta.json'} is a file, not a checkpoint"):
+            engine.load_checkpoint(engine_dir / "t" / "meta.json")
     with offload.initialize(make(d=48), config(tmp_path, "cpu")) as other:
         with pytest.raises(ValueError, match="does not match the model"):
             other.load_checkpoint(engine_dir)

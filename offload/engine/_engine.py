@@ -122,6 +122,7 @@ class Engine:
         if not isinstance(model, torch.nn.Module):
             raise ValueError(f"initialize: model must be a torch.nn.Module, got {type(model).__name__}")
         self.module = unwrap_compiled(model)  # what hooks, names and checkpoints see
+        _check_tensors(self.module)
         if holding(self.module) is not None:
             raise ValueError("initialize: this model is held by an engine that is still open (its hooks and "
                              "parameters are that engine's); close it first (engine.close(), or `with "
@@ -940,6 +941,25 @@ def _to_device(value: Any, device: torch.device) -> Any:
         except TypeError:  # a mapping that cannot be built from a dict
             return moved
     return value
+
+
+def _check_tensors(module: torch.nn.Module) -> None:
+    """Refuses, before anything moves, what the engine cannot train: a tensor on the meta device (no values to
+    train from) and a float64 trainable parameter (the masters are fp32; rounding it silently would change the
+    model, and its float64 inputs would then meet fp32 weights)."""
+    for kind, named in (("parameter", module.named_parameters()), ("buffer", module.named_buffers())):
+        for name, t in named:
+            if t.is_meta:
+                raise ValueError(
+                    f"initialize: {kind} {name!r} is on the meta device (it has no values): build the model inside "
+                    "`with offload.init(config):` and load its weights with offload.load_state_dict(model, path), "
+                    "or give it values first (model.to_empty(device='cpu') and its own initialisation, or "
+                    "load_state_dict(..., assign=True))")
+            if kind == "parameter" and t.requires_grad and t.dtype == torch.float64:
+                raise ValueError(
+                    f"initialize: parameter {name!r} is float64; the engine keeps fp32 master weights and computes "
+                    "in bf16, fp16 or fp32 (the config's bf16/fp16 sections): convert the model first "
+                    "(model.float()), and its inputs with it")
 
 
 def _param_groups(module: torch.nn.Module, param_groups: Iterable[dict[str, Any]] | None

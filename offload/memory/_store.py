@@ -22,7 +22,6 @@ import collections
 import errno
 import os
 import shutil
-import stat
 import tempfile
 import time
 from dataclasses import dataclass
@@ -84,13 +83,13 @@ def prepare_nvme_path(path: str | os.PathLike[str], key: str) -> Path:
     if root.is_symlink():
         raise ValueError(f"{key} {str(root)!r} is a symlink (to {os.readlink(root)!r}); swap files are not written "
                          "through symlinks: give the real directory")
+    if root.exists() and not root.is_dir():
+        raise ValueError(f"{key} {str(root)!r} exists and is not a directory; give a directory")
     try:
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as exc:
         raise OSError(exc.errno, f"{key}: cannot create {root}: {os.strerror(exc.errno or errno.EIO)}; give a "
                       "writable directory", str(root)) from None
-    if not stat.S_ISDIR(root.lstat().st_mode):
-        raise ValueError(f"{key} {str(root)!r} exists and is not a directory; give a directory")
     try:
         fd, probe = tempfile.mkstemp(prefix=".probe-", dir=root)
     except OSError as exc:
