@@ -263,10 +263,22 @@ def save(engine: "Engine", root: Path, tag: str, frozen: bool = True) -> Path:
     return final
 
 
+def make_folder(path: Path, what: str, mode: int = 0o777) -> None:
+    """``path`` made (with its parents) for ``what`` (the call that writes there); an OSError names both and the
+    fix, where pathlib's names only the first missing parent."""
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(f"{what}: {path} is a file, not a folder; give a folder")
+    try:
+        path.mkdir(mode=mode, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OSError(exc.errno, f"{what}: cannot create {path}: {os.strerror(exc.errno or 5)}; give a folder "
+                      "this process can write", str(path)) from None
+
+
 def _prepare(root: Path, tag: str, tmp: Path) -> float:
     """Rank 0: the checkpoint folder made and the temporary directory ``tmp`` created empty (those of dead
     processes that saved this tag removed); 1.0 when the tag exists already, else 0.0."""
-    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    make_folder(root, "save_checkpoint", 0o700)
     if (root / tag).exists():
         return 1.0
     shutil.rmtree(tmp, ignore_errors=True)
@@ -698,7 +710,7 @@ def export(root: Path, out: Path, tag: str | None = None) -> tuple[str, int]:
             state[key] = cache[entry]
     finally:
         ck.close()
-    out.parent.mkdir(parents=True, exist_ok=True)
+    make_folder(out.parent, "export")
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     torch.save(state, tmp)
     os.replace(tmp, out)

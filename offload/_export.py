@@ -6,7 +6,8 @@ shard, ``metadata.total_size``). Only one shard's tensors are in memory at a tim
 exports in shard-sized pieces. Tied tensors are written once, under the name transformers keeps (not a
 ``_tied_weights_keys`` target; else the first), and ``from_pretrained`` ties the others again.
 
-Files are written and fsynced under temporary names before any is renamed into place (see
+The files follow the umask, as ``save_pretrained``'s do (an export is the artifact others load; checkpoints stay
+private). Files are written and fsynced under temporary names before any is renamed into place (see
 :func:`write_safetensors`): a crash leaves the old export, the new one, or none that loads, never a mix. Sources: a
 live :class:`~offload.Engine` (:func:`save_engine`, the fp32 master weights) or a checkpoint folder
 (:func:`save_checkpoint_folder`, what ``python -m offload export`` runs).
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 
+from ._checkpoint import make_folder
 from .config import parse_bytes
 from .dist import CommError
 
@@ -59,6 +61,7 @@ def _write_tmp(folder: Path, name: str, tensors: dict[str, torch.Tensor] | None,
     try:
         if tensors is not None:
             save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
+            os.chmod(tmp, 0o666 & ~_umask())  # safetensors makes its file 0600: an export is read by others
         else:
             tmp.write_text(text)
         fd = os.open(tmp, os.O_RDONLY)
@@ -74,6 +77,19 @@ def _write_tmp(folder: Path, name: str, tensors: dict[str, torch.Tensor] | None,
             raise OSError(int(code.group(1) or code.group(2)), f"writing {folder / name}: {exc}") from exc
         raise
     return tmp
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it (Linux reports it in /proc; elsewhere set and put back)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -135,7 +151,7 @@ def write_safetensors(out: str | os.PathLike[str], sizes: list[tuple[str, int]],
                                "this export was committed")
 
     try:
-        agree(lambda: folder.mkdir(parents=True, exist_ok=True), "create the folder")
+        agree(lambda: make_folder(folder, "save_safetensors"), "create the folder")
         for name, shard in zip(names, shards):
             got: list[dict[str, torch.Tensor]] = []
             agree(lambda: got.append(read(shard)), f"read the tensors of {name}", everyone=True)

@@ -54,6 +54,18 @@ def _demo_config(args: argparse.Namespace, swap: Path, bf16: bool) -> dict[str, 
     }
 
 
+def _user_config(path: str, swap: Path) -> dict[str, Any]:
+    """``--config``: the user's JSON, with the demo's swap folder as the nvme_path of a section on NVMe that names
+    none (the folder the demo makes and removes)."""
+    config = read_json(path)
+    zero = config.get("zero_optimization") if isinstance(config, dict) else None
+    for name in ("offload_optimizer", "offload_param"):
+        section = zero.get(name) if isinstance(zero, dict) else None
+        if isinstance(section, dict) and section.get("device") == "nvme" and not section.get("nvme_path"):
+            section["nvme_path"] = str(swap / name)
+    return config
+
+
 def demo(args: argparse.Namespace) -> int:
     """Trains the demo model; SIGTERM (a timeout, a job scheduler) ends it like Ctrl-C, through the cleanup that
     closes the engine and removes the swap folder."""
@@ -72,12 +84,21 @@ def _demo(args: argparse.Namespace) -> int:
     import offload
     from offload.models import GPT, GPTConfig, synthetic_batches
 
+    from ._checkpoint import make_folder
+
+    for flag in ("layers", "width", "vocab", "tokens", "batch", "steps"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag} must be at least 1, got {getattr(args, flag)}")
+    heads = max(1, args.width // 64)
+    if args.width % heads:
+        raise ValueError(f"--width {args.width} does not split into {heads} attention heads (one per 64): give a "
+                         f"multiple of {heads}, e.g. {args.width - args.width % heads}")
     torch.manual_seed(args.seed)
-    cfg = GPTConfig(vocab_size=args.vocab, context=max(args.tokens, 16), layers=args.layers,
-                    heads=max(1, args.width // 64), width=args.width)
+    cfg = GPTConfig(vocab_size=args.vocab, context=max(args.tokens, 16), layers=args.layers, heads=heads,
+                    width=args.width)
     n = cfg.num_parameters
     root = Path(args.swap_dir) if args.swap_dir else Path(tempfile.gettempdir())
-    root.mkdir(parents=True, exist_ok=True)
+    make_folder(root, "--swap-dir")
     need = 16 * n + 12 * n // 4 * 4  # state + parameters + staging spares, generously
     free = shutil.disk_usage(root).free
     if args.placement == "nvme" and need > free * 0.9:
@@ -87,15 +108,19 @@ def _demo(args: argparse.Namespace) -> int:
     swap = Path(tempfile.mkdtemp(prefix="offload-demo-", dir=root))
     try:
         bf16 = fast_bf16(default_device())
-        config = read_json(args.config) if args.config else _demo_config(args, swap, bf16)
+        config = _user_config(args.config, swap) if args.config else _demo_config(args, swap, bf16)
         with offload.initialize(GPT(cfg), config) as engine:
             budget = engine.memory_report()["device"]["budget"]
-            param_bytes = engine.plan().dtype_bytes
+            plan = engine.plan()
+            param_bytes = plan.dtype_bytes
             state = (12 + param_bytes) * n  # parameters, fp32 master weights and moments
             print(f"offload demo: GPT {cfg.layers} layers x {cfg.width} wide, {n / 1e6:.1f}M parameters; "
                   f"parameters + Adam state = {fmt_bytes(state)}, device budget {fmt_bytes(budget)}"
                   + (f" ({state / budget:.1f}x smaller)" if budget else "")
-                  + f"; placement: {args.placement}; {str(engine.dtype).removeprefix('torch.')}"
+                  + f"; optimizer state on {plan.optimizer_tier.value}, parameters on {plan.param_tier.value}"
+                  + (f" (from {args.config}: its placement, budgets and lr, not --placement, --device-budget "
+                     "and --lr)" if args.config else "")
+                  + f"; {str(engine.dtype).removeprefix('torch.')}"
                   + ("" if bf16 or args.config else " (no native bf16 on this CPU: fp32 is ~100x faster here)")
                   + f"; swap under {swap}")
             data = synthetic_batches(cfg.vocab_size, args.batch, args.tokens, args.seed)
@@ -141,7 +166,7 @@ def _demo(args: argparse.Namespace) -> int:
     print(f"  host peak = {report['host']['peak'] / state:.2f} x the {fmt_bytes(state)} of parameters and optimizer "
           "state")
     if swap_files:
-        offloaded = report["nvme"]["optimizer_state"] + (param_bytes * n if args.placement == "nvme" else 0)
+        offloaded = report["nvme"]["optimizer_state"] + (param_bytes * n if plan.param_tier.value == "nvme" else 0)
         print(f"  swap files {fmt_bytes(swap_files)} = {swap_files / offloaded:.2f} x the {fmt_bytes(offloaded)} "
               "offloaded to NVMe")
     stall, adam = stats["stall_seconds"], stats["adam_seconds"]
@@ -348,6 +373,10 @@ def export_command(args: argparse.Namespace) -> int:
     index above --max-shard-size) that from_pretrained and offload.load_state_dict read, or one torch file."""
     out = Path(args.out)
     fmt = args.format if args.format != "auto" else "torch" if out.suffix in _TORCH_SUFFIXES else "safetensors"
+    if fmt == "safetensors" and out.suffix == ".safetensors":
+        raise ValueError(f"{out} names a file, but a safetensors export is a folder (model.safetensors, or shards and "
+                         "their index, as from_pretrained reads them): give a folder, e.g. "
+                         f"{out.with_suffix('')}")
     if parse_bytes(args.max_shard_size, "--max-shard-size") <= 0:
         raise ValueError(f"--max-shard-size must be positive, got {args.max_shard_size!r}")
     if fmt == "torch":

@@ -34,6 +34,37 @@ def test_module_entry_point_and_bad_input(tmp_path):
     assert done.returncode == 2 and "--device-budget must be a byte count" in done.stderr
 
 
+def test_demo_and_export_flags_are_checked_before_any_work(tmp_path, capsys):
+    """Sizes below 1, a width the heads do not split, a file as the swap folder and a ``.safetensors`` name for a
+    safetensors export (a folder) each get a one-line error naming the flag or path."""
+    (tmp_path / "file").write_text("x")
+    for flags, message in ((["--steps", "0"], "--steps must be at least 1, got 0"),
+                           (["--tokens", "-3"], "--tokens must be at least 1, got -3"),
+                           (["--width", "129"], "--width 129 does not split into 2 attention heads"),
+                           (["--swap-dir", str(tmp_path / "file")], f"--swap-dir: {tmp_path / 'file'} is a file")):
+        assert main(["demo", *flags]) == 2
+        assert message in capsys.readouterr().err, flags
+    assert main(["export", str(tmp_path), str(tmp_path / "model.safetensors")]) == 2
+    assert f"{tmp_path / 'model.safetensors'} names a file, but a safetensors export is a folder" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "model.safetensors").exists()
+
+
+def test_demo_with_a_config_reports_its_placement_and_lends_it_the_swap_folder(tmp_path, capsys):
+    """``--config`` without an nvme_path for its NVMe section trains with the demo's own swap folder (removed at
+    the end), and the header names the config's placement, not --placement's default."""
+    cfg = tmp_path / "ds.json"
+    cfg.write_text('{"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, '
+                   '"offload_param": {"device": "nvme"}}, "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}}}')
+    swap = tmp_path / "swap"
+    rc = main(["demo", "--config", str(cfg), "--steps", "3", "--layers", "1", "--width", "64", "--vocab", "128",
+               "--swap-dir", str(swap)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "optimizer state on host, parameters on nvme (from" in out and "swap files" in out
+    assert list(swap.iterdir()) == []
+
+
 def test_estimate_command(tmp_path, capsys):
     rc = main(["estimate", "--params", "3e9", "--gpu-mem", "24GiB", "--host-mem", "24GiB", "--nvme-free", "80GB"])
     out = capsys.readouterr().out

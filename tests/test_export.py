@@ -62,6 +62,15 @@ def test_export_errors(tmp_path):
             engine.save_safetensors(tmp_path, max_shard_size="lots")
         with pytest.raises(ValueError, match="max_shard_size must be positive"):
             engine.save_safetensors(tmp_path, max_shard_size=0)
+        # a folder that cannot be made, or a file where the folder goes, is named with the call that wanted it
+        (tmp_path / "file").write_text("x")
+        with pytest.raises(NotADirectoryError, match=f"save_safetensors: {tmp_path / 'file'} is a file"):
+            engine.save_safetensors(tmp_path / "file")
+        with pytest.raises(OSError, match=f"save_safetensors: cannot create {tmp_path / 'file' / 'sub'}: "):
+            engine.save_safetensors(tmp_path / "file" / "sub")
+        with pytest.raises(OSError, match=f"save_checkpoint: cannot create {tmp_path / 'file' / 'ck'}: "):
+            engine.save_checkpoint(tmp_path / "file" / "ck")
+        assert (tmp_path / "file").read_text() == "x"
 
 
 def test_tied_weights_keep_the_name_transformers_keeps():

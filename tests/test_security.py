@@ -1,4 +1,5 @@
-"""Security: what the library creates is private (files 0600, directories 0700, whatever the umask), a checkpoint is
+"""Security: what the library creates is private (files 0600, directories 0700, whatever the umask) but for the
+safetensors export (the artifact others load: it follows the umask, as save_pretrained's files do), a checkpoint is
 never unpickled, nothing is written outside the configured directories, and nvme_path is checked at initialize
 (created 0700 when missing; a symlink, a file, an unwritable or a too-small filesystem refused with the path named).
 """
@@ -65,6 +66,20 @@ def test_files_0600_directories_0700_even_with_umask_0(tmp_path, umask_zero):
         kept = engine.directory
     assert mode(kept) == 0o700 and {f.name: mode(f) for f in kept.iterdir()} == {"swap.0": 0o600,
                                                                                    "manifest.json": 0o600}
+
+
+def test_a_safetensors_export_follows_the_umask(tmp_path):
+    """safetensors writes its file 0600; an export is read by others (from_pretrained on a shared machine), so its
+    files get what the umask gives, like the index beside them and torch.save's."""
+    old = os.umask(0o027)
+    try:
+        with offload.initialize(make(), nvme_config(tmp_path / "nvme")) as engine:
+            files = engine.save_safetensors(tmp_path / "one") + engine.save_safetensors(tmp_path / "shards",
+                                                                                         max_shard_size="20KB")
+    finally:
+        os.umask(old)
+    assert len(files) > 3 and {f.name.split("-")[0] for f in files} >= {"model.safetensors", "model"}
+    assert all(mode(f) == 0o640 for f in files), {f.name: oct(mode(f)) for f in files}
 
 
 class Payload:
