@@ -1012,6 +1012,33 @@ def test_checkpoint_resume_is_bit_identical(tmp_path, monkeypatch, device, dtype
         assert torch.equal(p, q)
 
 
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_zero_grad_drops_an_unfinished_window_and_refuses_a_started_one(tmp_path, device):
+    """A loop interrupted after the first micro-batch of a window of 2: ``engine.zero_grad()`` drops it, and the
+    run that follows is bit-identical to one that never saw it (the micro-batch count included). After the last
+    micro-batch's backward the updates have started: zero_grad refuses, naming step(), which still completes it."""
+    data = batches(5)
+    cfg = config(tmp_path, device, gradient_accumulation_steps=2)
+    with offload.initialize(make(), cfg) as engine:
+        train(engine, data[:4])
+        expected = engine.consolidated_state_dict()
+    with offload.initialize(make(), cfg) as engine:
+        engine.zero_grad()  # idle: nothing to drop
+        x, y = data[4]
+        engine.backward(lm_loss(engine(x), y))
+        engine.zero_grad()
+        assert engine.micro_steps == 0 and engine.is_gradient_accumulation_boundary()
+        train(engine, data[:2])
+        for x, y in data[2:4]:
+            engine.backward(lm_loss(engine(x), y))
+        with pytest.raises(RuntimeError, match=r"updates have started .* engine\.step\(\)"):
+            engine.zero_grad()
+        engine.step()
+        got = engine.consolidated_state_dict()
+    for k in expected:
+        assert torch.equal(got[k], expected[k]), k
+
+
 def test_a_checkpoint_inside_an_accumulation_window_is_refused(tmp_path):
     """A checkpoint holds no gradients: saved mid-window, a resume silently lost the window's first micro-batches
     (probed: parameters 0.013 off an uninterrupted run). Refused, naming where to save; at the boundary it works."""

@@ -414,3 +414,88 @@ def test_save_pretrained_of_the_wrapped_model_round_trips(tmp_path, placement):
     back = GPT2LMHeadModel.from_pretrained(str(tmp_path / "saved")).to(DEVICE).eval()
     with torch.no_grad():
         assert torch.equal(back(input_ids=data[2]["input_ids"][None].to(DEVICE)).logits.float().cpu(), want)
+
+
+def _matches(plain: Trainer, ours: OffloadTrainer, keys=("loss", "grad_norm", "learning_rate")) -> None:
+    for key in keys:
+        ref, got = logged(plain, key), logged(ours, key)
+        assert len(ref) == len(got) > 0, key
+        for step, (a, b) in enumerate(zip(ref, got)):
+            assert math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-7), (key, step, a, b)
+
+
+def test_a_subclass_create_optimizer_and_arguments_set_after_construction_are_used(tmp_path):
+    """Trainer's documented customisation, a subclass's ``create_optimizer`` (here a 10x lr for the last block, as
+    LoRA+ raises the lr of some weights), gives the engine its groups; and TrainingArguments changed after
+    construction (as a hyperparameter search's trial sets them) reach the engine built at train(). Before, the
+    override was never called and the engine kept the arguments of construction, both without a word."""
+    def custom(base):
+        class Custom(base):
+            def create_optimizer(self, model=None):
+                if self.optimizer is None:
+                    named = list(self.model.named_parameters())
+                    last = [p for n, p in named if n.startswith("transformer.h.1.")]
+                    rest = [p for n, p in named if not n.startswith("transformer.h.1.")]
+                    self.optimizer = torch.optim.AdamW(
+                        [{"params": rest}, {"params": last, "lr": 10 * self.args.learning_rate}],
+                        lr=self.args.learning_rate, weight_decay=self.args.weight_decay, betas=(0.9, 0.95))
+                return self.optimizer
+        return Custom
+
+    data = dataset(12)
+    runs = []
+    for cls, extra in ((Trainer, {}), (OffloadTrainer, {"offload_config": {"zero_optimization": {
+            "offload_optimizer": {"device": "cpu"}}}})):
+        model = gpt2().to(DEVICE) if cls is Trainer else gpt2()
+        trainer = custom(cls)(model=model, args=arguments(tmp_path / cls.__name__, max_steps=3), train_dataset=data,
+                              **extra)
+        trainer.args.learning_rate, trainer.args.weight_decay, trainer.args.max_grad_norm = 5e-3, 0.5, 0.1
+        trainer.train()
+        runs.append(trainer)
+    plain, ours = runs
+    try:
+        assert [g["lr"] for g in ours.optimizer.param_groups] == [g["lr"] for g in plain.optimizer.param_groups]
+        assert ours.engine.config.gradient_clipping == 0.1
+        _matches(plain, ours)
+    finally:
+        ours.close()
+
+
+def test_an_interrupted_train_leaves_no_half_window_and_delayed_updates_are_in_after_train(tmp_path):
+    """A train() interrupted after the first micro-batch of a window (Ctrl-C) and run again: the plain Trainer's
+    model.zero_grad() drops that micro-batch's gradients, and the engine's window is dropped alike (before, the
+    next window added to it). With the delayed update, the model after train() holds the last update (before, the
+    update stayed on the host: generate() or model.save_pretrained() used the step before)."""
+    from transformers import TrainerCallback
+
+    class Interrupt(TrainerCallback):
+        armed = True
+
+        def on_substep_end(self, *args, **kwargs):
+            if self.armed:
+                self.armed = False
+                raise KeyboardInterrupt("after micro-batch 1 of 2")
+
+    data = dataset(16)
+    runs = []
+    for cls, extra in ((Trainer, {}), (OffloadTrainer, {"offload_config": {"zero_optimization": {
+            "offload_optimizer": {"device": "cpu"}}}})):
+        model = gpt2().to(DEVICE) if cls is Trainer else gpt2()
+        trainer = cls(model=model, args=arguments(tmp_path / cls.__name__, max_steps=3, max_grad_norm=0.0),
+                      train_dataset=data, callbacks=[Interrupt()], **extra)
+        with pytest.raises(KeyboardInterrupt):
+            trainer.train()
+        trainer.train()
+        runs.append(trainer)
+    plain, ours = runs
+    try:
+        _matches(plain, ours, keys=("loss", "grad_norm"))
+    finally:
+        ours.close()
+    delayed = {"zero_optimization": {"offload_optimizer": {"device": "cpu", "delayed_update": True}}}
+    with OffloadTrainer(model=gpt2(), args=arguments(tmp_path / "delayed", max_steps=3), train_dataset=data,
+                        offload_config=delayed) as trainer:
+        trainer.train()
+        masters = trainer.engine.consolidated_state_dict()
+        for name, p in trainer.model.named_parameters():
+            assert torch.equal(p.detach().cpu().float(), masters[name].to(p.dtype).float()), name

@@ -142,6 +142,7 @@ class Engine:
         self._seen_micro: set[int] = set()  # parameters with a gradient in this micro-batch
         self._last_micro = True
         self._boundary: bool | None = None  # set_gradient_accumulation_boundary's override
+        self._window_start = (0, 0)  # micro_steps and sub_groups_overlapped when the open window began
         self._held = 0  # engine.gathered() blocks open
         self.lr_scheduler: WarmupSchedule | None = None
         self.store: TieredStore | None = None
@@ -324,6 +325,8 @@ class Engine:
         self._last_micro = self._boundary if self._boundary is not None else self.micro_steps % gas == gas - 1
         divisor = gas if scale_wrt_gas else 1
         first, queued = self.phase is Phase.IDLE, self.optimizer.sub_groups_overlapped
+        if first:
+            self._window_start = (self.micro_steps, queued)
         self.phase = Phase.BACKWARD
         self.optimizer.begin_backward()
         self.grads.begin_micro_batch()
@@ -356,6 +359,23 @@ class Engine:
                 self.phase = Phase.IDLE
         self.phase = Phase.ACCUMULATING
         self.micro_steps += 1
+
+    def zero_grad(self) -> None:
+        """Drops the gradients of an unfinished accumulation window (a loop interrupted between backward and
+        step), as ``model.zero_grad()`` does for a plain model, so the next window starts afresh; nothing to do
+        after a step. Refused once the window's updates have started (its last micro-batch's backward starts them
+        unless clipping or fp16 must see every gradient first): ``step()`` finishes them."""
+        self._expect("engine.zero_grad()", Phase.IDLE, Phase.ACCUMULATING)
+        if self.phase is Phase.IDLE:
+            return
+        micro, queued = self._window_start
+        if self.optimizer.sub_groups_overlapped != queued:
+            raise RuntimeError("engine.zero_grad(): this window's updates have started (its last micro-batch's "
+                               "backward ran them beside backward), so its gradients are partly applied; call "
+                               "engine.step() to finish the step, or load a checkpoint")
+        self._discard_window()
+        self.micro_steps = micro
+        self.phase = Phase.IDLE
 
     def _check_finite(self, loss: torch.Tensor) -> None:
         """bf16/fp32: a non-finite loss would make every gradient NaN and Adam would write NaN into the masters and

@@ -15,8 +15,10 @@ logging, callbacks, checkpoint rotation, RNG state. What changes is who holds th
   optimizer state and parameters live. Keys the TrainingArguments also set (micro-batch size, accumulation steps,
   clipping, fp16/bf16, the optimizer's lr/betas/eps/weight_decay, the device) may be absent or ``"auto"`` and are
   then taken from the TrainingArguments; a value given in both that differs is an error naming both. The engine is
-  built (``offload.initialize``) when training or evaluation starts, with the Trainer's two parameter groups
-  (no weight decay for biases and norms).
+  built (``offload.initialize``) when training or evaluation starts, from the TrainingArguments as they are then
+  (a hyperparameter search's trial sets them), with the Trainer's two parameter groups (no weight decay for biases
+  and norms), or the groups of the torch Adam/AdamW a subclass's ``create_optimizer`` makes (their lr, betas, eps
+  and weight decay; the engine's AdamW does the steps).
 * The learning-rate schedule is the TrainingArguments' (``lr_scheduler_type``, warm-up), or the config's
   ``scheduler`` (WarmupLR / WarmupDecayLR; ``"auto"`` values from the TrainingArguments and the step count), stepped
   by the Trainer. The optimizer must be AdamW (``optim`` one of :data:`ADAMW`) or the config's ``optimizer``.
@@ -42,8 +44,11 @@ logging, callbacks, checkpoint rotation, RNG state. What changes is who holds th
 One process per GPU (torchrun), as with DeepSpeed; the engine's collectives replace DDP, and ``save_model`` and
 checkpoints are collective (every rank calls them, as the Trainer does; rank 0 writes into a folder all ranks see).
 ``torch_compile=True`` compiles the model as with a plain Trainer. An fp16 step skipped for overflow does not
-advance the schedule; with ``delayed_update`` evaluation applies the update in flight first; a model swapped in by
-``model_init`` gets a new engine.
+advance the schedule; a model swapped in by ``model_init`` gets a new engine; a ``train()`` interrupted inside an
+accumulation window (Ctrl-C) drops that window's gradients when training starts again (``engine.zero_grad()``), as
+the Trainer's ``model.zero_grad()`` does. With ``delayed_update``, evaluation applies the update in flight first, so
+the step after an evaluation runs undelayed (runs with different ``eval_steps`` differ slightly), and ``train()``
+returns with the last update in the model.
 """
 
 from __future__ import annotations
@@ -209,6 +214,24 @@ class _EngineOptimizer(torch.optim.Optimizer):
         return None
 
 
+def _groups_of(optimizer: Any) -> list[dict[str, Any]]:
+    """The engine's parameter groups from a torch Adam/AdamW a subclass's ``create_optimizer`` made: each group's
+    parameters, lr, betas, eps and weight decay (Adam's weight decay is L2: ``adamw_mode`` False)."""
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        raise ValueError(f"create_optimizer made a {type(optimizer).__name__}: OffloadTrainer trains with the "
+                         "engine's Adam/AdamW, taking the groups (params, lr, betas, eps, weight_decay) of a torch "
+                         "Adam or AdamW that create_optimizer makes; make one of those")
+    adamw = isinstance(optimizer, torch.optim.AdamW) or optimizer.defaults.get("decoupled_weight_decay", False)
+    groups = []
+    for i, g in enumerate(optimizer.param_groups):
+        if g.get("amsgrad") or g.get("maximize"):
+            raise ValueError(f"create_optimizer's group {i} sets amsgrad or maximize, which the engine's Adam does "
+                             "not do")
+        groups.append({"params": list(g["params"]), "lr": float(g["lr"]), "betas": tuple(g["betas"]),
+                       "eps": float(g["eps"]), "weight_decay": float(g["weight_decay"]), "adamw_mode": adamw})
+    return groups
+
+
 class OffloadTrainer(Trainer):
     """transformers' ``Trainer`` training through the offload engine; see the module docstring."""
 
@@ -224,7 +247,8 @@ class OffloadTrainer(Trainer):
         if self.args.n_gpu > 1:
             raise ValueError(f"OffloadTrainer runs one process per GPU, and this process sees {self.args.n_gpu}: "
                              "launch with torchrun --nproc_per_node N (or set CUDA_VISIBLE_DEVICES)")
-        self.offload_config, self._scheduler_section = trainer_config(offload_config, self.args)
+        self._offload_source = offload_config  # resolved against self.args again for each engine built
+        self.offload_config, self._scheduler_section = trainer_config(offload_config, self.args)  # checked now
         self.save_max_shard_size = save_max_shard_size
         if self.args.save_on_each_node:
             raise ValueError("OffloadTrainer saves from every rank into one folder all ranks see (as the engine's "
@@ -233,6 +257,7 @@ class OffloadTrainer(Trainer):
         self.engine: Engine | None = None
         self._finalizer: Any = None
         self._closed = False
+        self._creating = False  # a subclass's create_optimizer is running (see _groups)
 
     def close(self) -> None:
         """Stops the engine (its threads, swap files and buffers); the model keeps its trained parameters, and a
@@ -250,10 +275,12 @@ class OffloadTrainer(Trainer):
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """transformers' ``train``; when it returns, the last step's updates are in the model (with
-        ``offload_optimizer.overlap_forward`` they could still be finishing)."""
+        ``offload_optimizer.overlap_forward`` they could still be finishing; with ``delayed_update`` the last one
+        waited on the host)."""
         out = super().train(*args, **kwargs)
         if self.engine is not None:
             self.engine.finish_step()
+            self.engine.apply_delayed_update()
         return out
 
     # the engine -------------------------------------------------------------------------------------------------
@@ -268,27 +295,44 @@ class OffloadTrainer(Trainer):
         """``initialize`` puts the model on the device (parameters homed off the device stay there)."""
 
     def _ensure_engine(self) -> Engine:
-        """The engine of ``self.model``, built on first use; a new one when the Trainer swapped the model
-        (``model_init``, hyperparameter search)."""
+        """The engine of ``self.model``, built on first use from the TrainingArguments as they are then (a
+        hyperparameter search's trial sets them); a new one when the Trainer swapped the model (``model_init``)."""
         if self._closed:
             raise RuntimeError("this OffloadTrainer was closed: build a new one to train on")
         if self.engine is not None and self.engine.module is not self.model:
             self._finalizer()
             self.engine = None
         if self.engine is None:
-            decay = set(self.get_decay_parameter_names(self.model))
-            named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-            wd = self.offload_config.optimizer.weight_decay
-            groups = [{"params": [p for n, p in named if n in decay], "weight_decay": wd},
-                      {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
-            # both groups even when one is empty (a LoRA adapter has no biases): the schedule's state then has the
-            # plain Trainer's shape, so either resumes from the other's checkpoint
-            self.engine = initialize(self.model, self.offload_config, param_groups=groups)
-            # threads, buffers and swap files go with the trainer even if close() is never called
-            self._finalizer = weakref.finalize(self, self.engine.close)
+            self.offload_config, self._scheduler_section = trainer_config(self._offload_source, self.args)
+            groups = self._groups()
+            if self.engine is None:  # (a subclass's create_optimizer may have built it, through this class's)
+                self.engine = initialize(self.model, self.offload_config, param_groups=groups)
+                # threads, buffers and swap files go with the trainer even if close() is never called
+                self._finalizer = weakref.finalize(self, self.engine.close)
         if not isinstance(self.optimizer, _EngineOptimizer) or self.optimizer.engine is not self.engine:
             self.optimizer = _EngineOptimizer(self.engine)
         return self.engine
+
+    def _groups(self) -> list[dict[str, Any]]:
+        """The engine's parameter groups: those of the optimizer a subclass's ``create_optimizer`` makes (Trainer's
+        documented hook: their lr, betas, eps and weight decay per group; it must be torch's Adam or AdamW, and
+        only its groups are used), else the Trainer's two (no weight decay for biases and norms)."""
+        if type(self).create_optimizer is not OffloadTrainer.create_optimizer and not self._creating:
+            self._creating = True
+            try:
+                self.optimizer = None
+                made = self.create_optimizer(self.model)
+            finally:
+                self._creating = False
+            if not isinstance(made, _EngineOptimizer):
+                return _groups_of(made)
+        decay = set(self.get_decay_parameter_names(self.model))
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        wd = self.offload_config.optimizer.weight_decay
+        # both groups even when one is empty (a LoRA adapter has no biases): the schedule's state then has the
+        # plain Trainer's shape, so either resumes from the other's checkpoint
+        return [{"params": [p for n, p in named if n in decay], "weight_decay": wd},
+                {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
 
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
         self._ensure_engine()
@@ -309,7 +353,7 @@ class OffloadTrainer(Trainer):
         if self._created_lr_scheduler:
             self.lr_scheduler = None
             self._created_lr_scheduler = False
-        self._ensure_engine()
+        self._ensure_engine().zero_grad()  # an interrupted train()'s half window goes, as model.zero_grad() does
         self.accelerator._optimizers.append(self.optimizer)  # its step_was_skipped gates the LR step
         self.create_scheduler(num_training_steps=max_steps)
         self.model_wrapped = self._compiled() if self.args.torch_compile else self.model
