@@ -190,6 +190,9 @@ def _load_model(spec: str) -> torch.nn.Module:
 
             path = Path(spec) / "config.json" if Path(spec).is_dir() else Path(spec)
             data = json.loads(path.read_text())
+            if not isinstance(data, dict) or "model_type" not in data:
+                raise ValueError(f"--model {path}: a transformers config.json names its architecture under "
+                                 "\"model_type\" (e.g. \"llama\"); this one has none")
             cfg = transformers.AutoConfig.for_model(**data)
             return transformers.AutoModelForCausalLM.from_config(cfg)
         module, _, name = spec.partition(":")
@@ -198,12 +201,22 @@ def _load_model(spec: str) -> torch.nn.Module:
         return getattr(importlib.import_module(module), name)()
 
 
+def _memory(text: str | None, flag: str) -> int | None:
+    """A machine's memory or disk from a flag; a bare number below 1 MiB is taken for a unit left out."""
+    if not text:
+        return None
+    n = parse_bytes(text, flag)
+    if n < 1 << 20:
+        raise ValueError(f"{flag} {text} is {n} bytes: give a unit, e.g. {text}GiB")
+    return n
+
+
 def estimate_command(args: argparse.Namespace) -> int:
     from .planner import best, config_for, estimate, table
 
     if args.gpus < 1:
         raise ValueError(f"--gpus must be at least 1, got {args.gpus}")
-    gpu_mem = parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None
+    gpu_mem = _memory(args.gpu_mem, "--gpu-mem")
     if gpu_mem is None and torch.cuda.is_available():  # initialize's device budget there: sizes derive from it
         gpu_mem = torch.cuda.get_device_properties(0).total_memory
         print(f"--gpu-mem: {fmt_bytes(gpu_mem)}, this machine's {torch.cuda.get_device_name(0)} (the budget "
@@ -211,8 +224,7 @@ def estimate_command(args: argparse.Namespace) -> int:
     kw = dict(gpus=args.gpus, sub_group_size=None if args.sub_group_size is None else int(args.sub_group_size),
               buffer_count=args.buffer_count,
               gradient_clipping=args.gradient_clipping, gpu_mem=gpu_mem,
-              host_mem=parse_bytes(args.host_mem, "--host-mem") if args.host_mem else None,
-              nvme_free=parse_bytes(args.nvme_free, "--nvme-free") if args.nvme_free else None)
+              host_mem=_memory(args.host_mem, "--host-mem"), nvme_free=_memory(args.nvme_free, "--nvme-free"))
     if args.largest_param is not None and args.model:
         raise ValueError("--largest-param goes with --params (a --model's parameters are known)")
     if args.model:

@@ -186,7 +186,8 @@ class Plan:
 
     def describe(self) -> str:
         """What was chosen and why, one line per decision."""
-        budgets = ", ".join(f"{t.value} {fmt_bytes(b)}" for t, b in self.budgets.items())
+        budgets = ", ".join(f"{t.value} " + ("the nvme_path's free space, less 5%" if b is None and t is Tier.NVME
+                                            else fmt_bytes(b)) for t, b in self.budgets.items())
         lines = [f"device {self.device}, {self.world_size} rank(s) (this is rank {self.rank}), ZeRO stage "
                  f"{self.stage}, partition {self.partition.value}, {str(self.dtype).replace('torch.', '')} "
                  f"parameters and gradients",
@@ -306,7 +307,10 @@ def choose_sizes(model: ModelSizes, *, optimizer_tier: Tier, param_tier: Tier, d
         largest, total = max(homed, default=0), sum(homed)
         persistent = sum(s for s in model.offloaded if s <= persistence_threshold) + model.buffers
         device = budgets.get(Tier.DEVICE)
-        if max_live is None and device is None:
+        if max_live is None and not homed:
+            why["window"] = (f"none: every parameter stays on the device (none has more than the persistence "
+                             f"threshold's {persistence_threshold:,} elements)")
+        elif max_live is None and device is None:
             max_live = min(total, max(total // 8, largest + largest // 4))
             why["window"] = (f"{max_live:,} elements: an eighth of the offloaded parameters (no device budget), at "
                              "least the largest with a quarter of it to spare for prefetch")

@@ -48,6 +48,12 @@ def test_demo_and_export_flags_are_checked_before_any_work(tmp_path, capsys):
     assert f"{tmp_path / 'model.safetensors'} names a file, but a safetensors export is a folder" in \
         capsys.readouterr().err
     assert not (tmp_path / "model.safetensors").exists()
+    assert main(["estimate", "--params", "3e9", "--gpu-mem", "24"]) == 2  # 24 bytes: a unit left out
+    assert "--gpu-mem 24 is 24 bytes: give a unit, e.g. 24GiB" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text('{"hidden_size": 64}')
+    assert main(["estimate", "--model", str(tmp_path)]) == 2
+    assert f'--model {tmp_path / "config.json"}: a transformers config.json names its architecture under ' \
+        '"model_type"' in capsys.readouterr().err
 
 
 def test_demo_with_a_config_reports_its_placement_and_lends_it_the_swap_folder(tmp_path, capsys):
