@@ -193,6 +193,10 @@ def test_config_values_that_disagree_with_training_arguments_are_errors(tmp_path
     with pytest.raises(ValueError, match=r"leave out optimizers"):
         OffloadTrainer(model=gpt2(), args=args, train_dataset=dataset(4),
                        optimizers=(torch.optim.SGD(gpt2().parameters(), lr=0.1), None))
+    # TrainingArguments(deepspeed=...) needs deepspeed installed to be built: set after, as it would read
+    args.deepspeed = "ds.json"
+    with pytest.raises(ValueError, match=r"TrainingArguments.deepspeed = 'ds.json': .* offload_config="):
+        OffloadTrainer(model=gpt2(), args=args, train_dataset=dataset(4))
 
 
 TWO_RANKS = textwrap.dedent("""

@@ -243,6 +243,11 @@ class OffloadTrainer(Trainer):
                              "TrainingArguments or the config's \"scheduler\": leave out optimizers=(...)")
         if kwargs.get("optimizer_cls_and_kwargs") is not None:
             raise ValueError("OffloadTrainer builds the optimizer itself: leave out optimizer_cls_and_kwargs")
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if getattr(training_args, "deepspeed", None):
+            raise ValueError(f"TrainingArguments.deepspeed = {training_args.deepspeed!r}: OffloadTrainer trains "
+                             "through the offload engine, not DeepSpeed; pass that JSON as offload_config= (its "
+                             "DeepSpeed-shaped keys are read) and leave deepspeed unset")
         super().__init__(*args, **kwargs)
         if self.args.n_gpu > 1:
             raise ValueError(f"OffloadTrainer runs one process per GPU, and this process sees {self.args.n_gpu}: "
@@ -426,7 +431,7 @@ class OffloadTrainer(Trainer):
         """A folder ``from_pretrained`` loads: config.json and the fp32 weights as (sharded) safetensors, streamed
         from the engine (a peft model: its adapter, as the Trainer saves it); with several ranks every rank takes
         part and rank 0 writes."""
-        if self.engine is None:
+        if self.engine is None or state_dict is not None:  # (a state dict given: written as the Trainer writes it)
             return super()._save(output_dir, state_dict)
         out = Path(output_dir if output_dir is not None else self.args.output_dir)
         model, adapter = self.model, self._peft()
