@@ -672,6 +672,7 @@ def _gather_masters(engine: "Engine", masters: dict[int, torch.Tensor | None],
             if error is not None:
                 raise error
             if failed:
+                opt.done_state(sg, dirty=False)
                 raise RuntimeError(f"reading the model's tensors: {failed} other rank(s) failed to read their state "
                                    f"of sub-group {sg.index} (see their errors)")
             try:

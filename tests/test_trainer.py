@@ -436,7 +436,7 @@ def test_a_subclass_create_optimizer_and_arguments_set_after_construction_are_us
     def custom(base):
         class Custom(base):
             def create_optimizer(self, model=None):
-                if self.optimizer is None:
+                if self.optimizer is None:  # every parameter, the frozen one too: torch's AdamW takes it
                     named = list(self.model.named_parameters())
                     last = [p for n, p in named if n.startswith("transformer.h.1.")]
                     rest = [p for n, p in named if not n.startswith("transformer.h.1.")]
@@ -451,6 +451,7 @@ def test_a_subclass_create_optimizer_and_arguments_set_after_construction_are_us
     for cls, extra in ((Trainer, {}), (OffloadTrainer, {"offload_config": {"zero_optimization": {
             "offload_optimizer": {"device": "cpu"}}}})):
         model = gpt2().to(DEVICE) if cls is Trainer else gpt2()
+        model.transformer.wpe.weight.requires_grad_(False)
         trainer = custom(cls)(model=model, args=arguments(tmp_path / cls.__name__, max_steps=3), train_dataset=data,
                               **extra)
         trainer.args.learning_rate, trainer.args.weight_decay, trainer.args.max_grad_norm = 5e-3, 0.5, 0.1
@@ -503,3 +504,27 @@ def test_an_interrupted_train_leaves_no_half_window_and_delayed_updates_are_in_a
         masters = trainer.engine.consolidated_state_dict()
         for name, p in trainer.model.named_parameters():
             assert torch.equal(p.detach().cpu().float(), masters[name].to(p.dtype).float()), name
+
+
+def test_a_train_interrupted_after_its_updates_started_says_how_to_go_on(tmp_path):
+    """Ctrl-C between a window's last backward (which started its updates) and the optimizer step: the next
+    train() cannot drop that window and says so, naming the resume and engine.step(); a resume from the checkpoint
+    before it trains on to the end."""
+    from transformers import TrainerCallback
+
+    class Interrupt(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                raise KeyboardInterrupt("before the optimizer step")
+
+    cfg = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}
+    args = arguments(tmp_path / "run", max_steps=3, max_grad_norm=0.0, save_strategy="steps", save_steps=1)
+    with OffloadTrainer(model=gpt2(), args=args, train_dataset=dataset(16), callbacks=[Interrupt()],
+                        offload_config=cfg) as trainer:
+        with pytest.raises(KeyboardInterrupt):
+            trainer.train()
+        with pytest.raises(RuntimeError, match=r"resume from a checkpoint .* trainer\.engine\.step\(\)"):
+            trainer.train()
+        trainer.callback_handler.pop_callback(Interrupt)
+        trainer.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-1"))
+        assert trainer.state.global_step == trainer.engine.global_steps == 3

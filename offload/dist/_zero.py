@@ -292,39 +292,37 @@ class ParamShards:
         error: Exception | None = None
         allocated = False  # the error, if any, is the piece's read (else the allocator's)
         staging: torch.Tensor | None = None
-        try:
-            dst, out = self._read_buffers(i)
-            allocated = True
-            if self._swap is not None:
-                assert self._arena is not None
-                taken = self._arena.take(piece, block=True)  # no fetch queued: every piece comes back
-                reads = self._start_reads(i, taken)  # (given back if they fail to start)
-                staging = taken
-                self._wait(reads, Tier.NVME, Tier.HOST)
-        except Exception as exc:  # noqa: BLE001 - before any collective: raised below, once every rank knows (a
-            error = exc  # CPU device's allocator raises a plain RuntimeError)
-        failed = self.comm.vote(f"read of parameter {i}", error)
-        if failed:
-            if staging is not None:
-                assert self._arena is not None
-                self._arena.give(staging)
-            shape = tuple(p.shape)
-            if error is None:
-                raise GatherRefused(f"rank {r}: {failed} other rank(s) could not gather parameter {i} of shape "
-                                    f"{shape} for a read (out of device memory, or a failed read of their piece: "
-                                    "see their errors)")
-            if allocated:
-                raise error
-            raise GatherRefused(
-                f"rank {r}: out of device memory ({error}) for the {2 * p.numel() * self.dtype.itemsize / 2**20:.1f} "
-                f"MiB that gathering parameter {i} of shape {shape} for a read takes; free device memory "
-                "(torch.cuda.empty_cache(), a smaller batch before the save) and retry") from error
         copy: Copy = DONE
         try:
+            try:
+                dst, out = self._read_buffers(i)
+                allocated = True
+                if self._swap is not None:
+                    assert self._arena is not None
+                    taken = self._arena.take(piece, block=True)  # no fetch queued: every piece comes back
+                    reads = self._start_reads(i, taken)  # (given back if they fail to start)
+                    staging = taken
+                    self._wait(reads, Tier.NVME, Tier.HOST)
+            except Exception as exc:  # noqa: BLE001 - before any collective: raised below, once every rank knows
+                error = exc  # (a CPU device's allocator raises a plain RuntimeError)
+            failed = self.comm.vote(f"read of parameter {i}", error)
+            if failed:
+                shape = tuple(p.shape)
+                if error is None:
+                    raise GatherRefused(f"rank {r}: {failed} other rank(s) could not gather parameter {i} of shape "
+                                        f"{shape} for a read (out of device memory, or a failed read of their "
+                                        "piece: see their errors)")
+                if allocated:
+                    raise error
+                raise GatherRefused(
+                    f"rank {r}: out of device memory ({error}) for the "
+                    f"{2 * p.numel() * self.dtype.itemsize / 2**20:.1f} MiB that gathering parameter {i} of shape "
+                    f"{shape} for a read takes; free device memory (torch.cuda.empty_cache(), a smaller batch "
+                    "before the save) and retry") from error
             gathered, copy = self._gather(out, out[r * piece : (r + 1) * piece],
                                           self.pieces[i] if staging is None else staging[:piece], dst)
             gathered.wait()
-        finally:
+        finally:  # the piece comes back however the read ended (a vote that raised, an interrupt included)
             if staging is not None:
                 assert self._arena is not None
                 self._arena.give(staging, busy=copy)

@@ -67,7 +67,7 @@ import torch
 from transformers import Trainer
 
 from ..config import OffloadConfig, OptimizerConfig, SchedulerConfig, read_json
-from ..engine import Engine, initialize
+from ..engine import Engine, Phase, initialize
 from ..optim._schedule import WarmupSchedule
 
 __all__ = ["ADAMW", "OffloadTrainer", "trainer_config"]
@@ -227,7 +227,9 @@ def _groups_of(optimizer: Any) -> list[dict[str, Any]]:
         if g.get("amsgrad") or g.get("maximize"):
             raise ValueError(f"create_optimizer's group {i} sets amsgrad or maximize, which the engine's Adam does "
                              "not do")
-        groups.append({"params": list(g["params"]), "lr": float(g["lr"]), "betas": tuple(g["betas"]),
+        # frozen parameters in a group (AdamW(model.parameters())) are no more trained there than by torch's AdamW
+        groups.append({"params": [p for p in g["params"] if p.requires_grad], "lr": float(g["lr"]),
+                       "betas": tuple(g["betas"]),
                        "eps": float(g["eps"]), "weight_decay": float(g["weight_decay"]), "adamw_mode": adamw})
     return groups
 
@@ -329,6 +331,7 @@ class OffloadTrainer(Trainer):
                 made = self.create_optimizer(self.model)
             finally:
                 self._creating = False
+            made = made if made is not None else self.optimizer  # (an override may only set self.optimizer)
             if not isinstance(made, _EngineOptimizer):
                 return _groups_of(made)
         decay = set(self.get_decay_parameter_names(self.model))
@@ -358,7 +361,9 @@ class OffloadTrainer(Trainer):
         if self._created_lr_scheduler:
             self.lr_scheduler = None
             self._created_lr_scheduler = False
-        self._ensure_engine().zero_grad()  # an interrupted train()'s half window goes, as model.zero_grad() does
+        engine = self._ensure_engine()
+        if resume_from_checkpoint is None:  # (a resume's load drops the window, and takes a FAILED engine too)
+            self._drop_window(engine)
         self.accelerator._optimizers.append(self.optimizer)  # its step_was_skipped gates the LR step
         self.create_scheduler(num_training_steps=max_steps)
         self.model_wrapped = self._compiled() if self.args.torch_compile else self.model
@@ -368,6 +373,20 @@ class OffloadTrainer(Trainer):
             setattr(self.callback_handler, attr, getattr(self, attr))
         self.callback_handler.train_dataloader = train_dataloader
         return self.model_wrapped, train_dataloader
+
+    @staticmethod
+    def _drop_window(engine: Engine) -> None:
+        """An interrupted train()'s half window goes, as the Trainer's ``model.zero_grad()`` drops a plain model's
+        gradients; one whose updates had started cannot be undone, and the error says how to go on."""
+        if engine.phase is not Phase.ACCUMULATING:
+            return
+        try:
+            engine.zero_grad()
+        except RuntimeError as exc:
+            raise RuntimeError("the last train() was interrupted after its window's last backward, whose updates "
+                               "had started: resume from a checkpoint (train(resume_from_checkpoint=...)), or "
+                               "apply that step first with trainer.engine.step() (the Trainer's step count and "
+                               "schedule do not count it)") from exc
 
     def _compiled(self) -> torch.nn.Module:
         """``torch_compile=True``: the model compiled as accelerate compiles it for a plain Trainer (backend and mode
