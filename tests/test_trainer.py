@@ -138,6 +138,7 @@ def test_saved_folder_loads_with_from_pretrained(tmp_path, shard):
         trainer.save_model(str(tmp_path / "saved"))
         files = sorted(p.name for p in (tmp_path / "saved").iterdir())
         assert "config.json" in files
+        assert json.loads((tmp_path / "saved" / "config.json").read_text())["dtype"] == "float32"  # the masters
         if shard is None:
             assert "model.safetensors" in files
         else:
@@ -528,3 +529,62 @@ def test_a_train_interrupted_after_its_updates_started_says_how_to_go_on(tmp_pat
         trainer.callback_handler.pop_callback(Interrupt)
         trainer.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-1"))
         assert trainer.state.global_step == trainer.engine.global_steps == 3
+
+
+REMOTE_MODEL = textwrap.dedent("""
+    import torch
+    from transformers import PretrainedConfig, PreTrainedModel
+
+    class TinyConfig(PretrainedConfig):
+        model_type = "tiny-remote"
+
+        def __init__(self, vocab=64, width=16, **kw):
+            self.vocab, self.width = vocab, width
+            super().__init__(**kw)
+
+    class TinyModel(PreTrainedModel):
+        config_class = TinyConfig
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.emb = torch.nn.Embedding(config.vocab, config.width)
+            self.out = torch.nn.Linear(config.width, config.vocab)
+            self.post_init()
+
+        def forward(self, input_ids, labels=None):
+            logits = self.out(self.emb(input_ids))
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()) if labels is not None \\
+                else None
+            return {"loss": loss, "logits": logits}
+""")
+
+
+def test_save_model_of_a_remote_code_model_carries_its_code_and_full_eval_keeps_the_engine(tmp_path):
+    """A model built with trust_remote_code (its class from a modelling file beside its config): save_model copies
+    that file and the config's auto_map as save_pretrained does, so the folder loads back the same way. And
+    bf16_full_eval on an fp32 run: the Trainer would cast the model for evaluation, taking its parameters from the
+    engine (evaluate() raised); the engine's model evaluates in its own dtype instead."""
+    from transformers import AutoConfig, AutoModel
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "modeling_tiny.py").write_text(REMOTE_MODEL)
+    (src / "config.json").write_text(json.dumps({
+        "model_type": "tiny-remote", "vocab": VOCAB, "width": 16, "architectures": ["TinyModel"],
+        "auto_map": {"AutoConfig": "modeling_tiny.TinyConfig", "AutoModel": "modeling_tiny.TinyModel"}}))
+    torch.manual_seed(0)
+    model = AutoModel.from_config(AutoConfig.from_pretrained(str(src), trust_remote_code=True), trust_remote_code=True)
+    val = dataset(8, seed=5)
+    with OffloadTrainer(model=model, args=arguments(tmp_path / "run", max_steps=2, bf16_full_eval=True),
+                        train_dataset=dataset(8), eval_dataset=val,
+                        offload_config={"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}) as trainer:
+        before = trainer.evaluate()["eval_loss"]
+        trainer.train()
+        after = trainer.evaluate()["eval_loss"]
+        trainer.save_model(str(tmp_path / "saved"))
+        want = trainer.engine.consolidated_state_dict()
+        assert trainer.engine.dtype == torch.float32 and math.isfinite(before) and after != before
+    assert (tmp_path / "saved" / "modeling_tiny.py").exists()
+    loaded = AutoModel.from_pretrained(str(tmp_path / "saved"), trust_remote_code=True)
+    for name, p in loaded.state_dict().items():
+        assert torch.equal(p, want[name]), name

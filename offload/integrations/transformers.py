@@ -48,7 +48,8 @@ advance the schedule; a model swapped in by ``model_init`` gets a new engine; a 
 accumulation window (Ctrl-C) drops that window's gradients when training starts again (``engine.zero_grad()``), as
 the Trainer's ``model.zero_grad()`` does. With ``delayed_update``, evaluation applies the update in flight first, so
 the step after an evaluation runs undelayed (runs with different ``eval_steps`` differ slightly), and ``train()``
-returns with the last update in the model.
+returns with the last update in the model. ``fp16_full_eval``/``bf16_full_eval`` do not cast the model (that would
+take it from the engine): evaluation computes in the engine's dtype (the config's or TrainingArguments' bf16/fp16).
 """
 
 from __future__ import annotations
@@ -437,7 +438,14 @@ class OffloadTrainer(Trainer):
         self._ensure_engine().apply_delayed_update()  # the delayed update's newest parameters, not the step before
         if not any(m is self.model for m in self.accelerator._models):
             self.accelerator._models.append(self.model)
-        return super().evaluation_loop(*args, **kwargs)
+        # fp16_full_eval / bf16_full_eval: the Trainer would cast the model (model.to(dtype)), taking its parameters
+        # from the engine; the engine's model already computes in its training dtype, and evaluates in it
+        full = (self.args.fp16_full_eval, self.args.bf16_full_eval)
+        self.args.fp16_full_eval = self.args.bf16_full_eval = False
+        try:
+            return super().evaluation_loop(*args, **kwargs)
+        finally:
+            self.args.fp16_full_eval, self.args.bf16_full_eval = full
 
     # saving and resuming ----------------------------------------------------------------------------------------
 
@@ -465,6 +473,11 @@ class OffloadTrainer(Trainer):
         config = getattr(model, "config", None)
         if adapter is None and config is not None and hasattr(config, "save_pretrained"):
             config.architectures = [type(model).__name__]
+            config.dtype = "float32"  # the weights written: the fp32 masters (from_pretrained's dtype="auto" reads it)
+            if getattr(model, "is_remote_code", lambda: False)():  # trust_remote_code: its modelling files go too
+                from transformers.dynamic_module_utils import custom_object_save
+
+                custom_object_save(model, out, config=config)
             config.save_pretrained(out)
         generation = getattr(model, "generation_config", None)
         if adapter is None and generation is not None and getattr(model, "can_generate", lambda: False)():
