@@ -360,17 +360,8 @@ def _fsdp(cfg: GPTConfig, device: torch.device, low: torch.dtype, compiled: Any,
         fully_shard(block, **policy)
     fully_shard(model, **policy)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, betas=(0.9, 0.95), fused=True)
-    forward = compiled(model)
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> float:
-        loss = GPT.loss(forward(x), y)
-        loss.backward()
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.item()
-    return step, dist.destroy_process_group, None
+    # no autocast: the policy casts the parameters it gathers
+    return _plain_step(compiled(model), opt, device, torch.float32, clip), dist.destroy_process_group, None
 
 
 def _torchao(cfg: GPTConfig, device: torch.device, low: torch.dtype, compiled: Any,
