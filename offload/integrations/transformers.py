@@ -230,8 +230,8 @@ def _groups_of(optimizer: Any) -> list[dict[str, Any]]:
                              "not do")
         # frozen parameters in a group (AdamW(model.parameters())) are no more trained there than by torch's AdamW
         groups.append({"params": [p for p in g["params"] if p.requires_grad], "lr": float(g["lr"]),
-                       "betas": tuple(g["betas"]),
-                       "eps": float(g["eps"]), "weight_decay": float(g["weight_decay"]), "adamw_mode": adamw})
+                       "betas": tuple(g["betas"]), "eps": float(g["eps"]), "weight_decay": float(g["weight_decay"]),
+                       "adamw_mode": adamw})
     return groups
 
 
