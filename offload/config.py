@@ -202,7 +202,7 @@ class SchedulerConfig(_Section):
     _path = "scheduler"
     type: str | None = None
     warmup_min_lr: float = 0.0
-    warmup_max_lr: float = 1e-3
+    warmup_max_lr: float | None = None  # None: each param group's lr (DeepSpeed >= 0.17.2)
     warmup_num_steps: int = 1000
     warmup_type: str = "log"
     total_num_steps: int | None = None  # WarmupDecayLR: the step at which the lr reaches warmup_min_lr
@@ -216,10 +216,12 @@ class SchedulerConfig(_Section):
 
     @classmethod
     def _convert(cls, name: str, value: Any, full: str) -> Any:
-        if name in ("warmup_min_lr", "warmup_max_lr"):
+        if name == "warmup_min_lr":
             return _float(full, value, 0.0)
+        if name == "warmup_max_lr":
+            return None if value is None else _float(full, value, 0.0)
         if name == "warmup_num_steps":
-            return _int(full, value, 0)
+            return _int(full, value, 1)
         if name == "total_num_steps":
             return None if value is None else _int(full, value, 1)
         if name == "warmup_type":

@@ -277,6 +277,7 @@ def test_auto_outside_the_trainer_says_where_it_is_filled_in(key, cfg):
     ({"type": "WarmupDecayLR"}, "scheduler.params.total_num_steps is required"),
     ({"type": "WarmupLR", "params": {"warmup_type": "cosine"}}, "scheduler.params.warmup_type must be one of"),
     ({"type": "WarmupLR", "params": {"warmup_num_steps": -1}}, r"scheduler.params.warmup_num_steps must be in"),
+    ({"type": "WarmupLR", "params": {"warmup_num_steps": 0}}, r"scheduler.params.warmup_num_steps must be in"),
     ({"type": "WarmupLR", "params": {"warmup_steps": 3}}, "unknown key scheduler.params.warmup_steps"),
     ({"type": "WarmupLR", "extra": 1}, "unknown key scheduler.extra"),
 ])

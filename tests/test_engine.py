@@ -1290,10 +1290,31 @@ def test_param_groups_and_lr_scheduler(tmp_path):
 
 
 def warmup_lr(t: int, lo: float, hi: float, warm: int, total: int | None) -> float:
-    """DeepSpeed's WarmupLR / WarmupDecayLR (log warm-up) at optimizer step t, computed independently."""
-    g = math.log(t + 1) / math.log(warm) if t < warm else 1.0 if total is None else \
-        max(0.0, (total - t) / max(1, total - warm))
+    """The lr of optimizer step t (0: the first update) under DeepSpeed's WarmupLR / WarmupDecayLR (log warm-up,
+    ``warm`` >= 2), computed independently: DeepSpeed sets warmup_min_lr when it builds the scheduler and steps it
+    after each update, so update t takes the value after t - 1 scheduler steps (the first two: warmup_min_lr)."""
+    s = t - 1
+    g = 0.0 if s < 0 else math.log(s + 1) / math.log(warm) if s < warm else 1.0 if total is None else \
+        max(0.0, (total - s) / max(1, total - warm))
     return lo + (hi - lo) * g
+
+
+def test_warmup_without_a_max_lr_warms_each_group_to_its_own_lr(tmp_path):
+    """WarmupLR without warmup_max_lr (DeepSpeed 0.17.2 on): each param group warms up to its own lr, keeping
+    the groups' ratio (before, every group went to 1e-3, 20x an lr of 5e-5); warmup_num_steps 1 counts as 2."""
+    model = make()
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    sched = {"type": "WarmupLR", "params": {"warmup_num_steps": 1, "warmup_type": "linear"}}
+    with offload.initialize(model, config(tmp_path, "cpu", scheduler=sched),
+                            param_groups=[{"params": decay, "lr": 5e-5}, {"params": rest, "lr": 5e-4}]) as engine:
+        lrs = [engine.get_lr()]
+        for x, y in batches(3):
+            engine.backward(lm_loss(engine(x), y))
+            engine.step()
+            lrs.append(engine.get_lr())
+    # DeepSpeed's sequence for n = 2: updates 0 and 1 at warmup_min_lr, update 2 half way, then the group's lr
+    assert lrs == [[0.0, 0.0], [0.0, 0.0], [pytest.approx(2.5e-5), pytest.approx(2.5e-4)], [5e-5, 5e-4]]
 
 
 @pytest.mark.parametrize("delayed", [False, True], ids=["serial", "delayed"])

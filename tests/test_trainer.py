@@ -159,7 +159,8 @@ def test_saved_folder_loads_with_from_pretrained(tmp_path, shard):
 
 def test_config_scheduler_with_auto_values(tmp_path):
     """The config's WarmupDecayLR, its "auto" values from TrainingArguments and the step count (DeepSpeed's
-    formula, log warm-up), stepped once per optimizer step."""
+    formula, log warm-up), stepped once per optimizer step as DeepSpeed steps it: update t takes g(t - 1), the
+    first two warmup_min_lr."""
     cfg = {**nvme(tmp_path), "scheduler": {"type": "WarmupDecayLR", "params": {
         "warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto", "total_num_steps": "auto"}}}
     trainer = OffloadTrainer(model=gpt2(), args=arguments(tmp_path / "run", max_steps=6, warmup_steps=3),
@@ -167,8 +168,8 @@ def test_config_scheduler_with_auto_values(tmp_path):
     try:
         trainer.train()
         lr, warm, total = 2e-3, 3, 6
-        want = [lr * (math.log(t + 1) / math.log(warm) if t < warm else (total - t) / (total - warm))
-                for t in range(total)]
+        want = [0.0 if t == 0 else lr * (math.log(t) / math.log(warm) if t - 1 < warm else
+                                         (total - t + 1) / (total - warm)) for t in range(total)]
         got = logged(trainer, "learning_rate")
         assert len(got) == total
         for a, b in zip(got, want):

@@ -1,14 +1,17 @@
-"""The config's ``scheduler``: DeepSpeed's WarmupLR and WarmupDecayLR as a torch LR scheduler.
+"""The config's ``scheduler``: DeepSpeed's WarmupLR and WarmupDecayLR as a torch LR scheduler, step for step.
 
-Optimizer step ``t`` (0 for the first update) uses ``lr(t) = warmup_min_lr + (warmup_max_lr - warmup_min_lr) * g(t)``:
+DeepSpeed sets ``warmup_min_lr`` when it builds the scheduler and steps it after each update, so optimizer step
+``t`` (0 for the first update) uses ``lr(t) = warmup_min_lr + (warmup_max_lr - warmup_min_lr) * g(t - 1)``, with
+``g(-1) = 0`` (the first two updates run at warmup_min_lr) and, for ``n = max(2, warmup_num_steps)``:
 
-* during warm-up (``t < warmup_num_steps``): ``g(t) = log(t + 1) / log(warmup_num_steps)`` ("log", DeepSpeed's
-  default) or ``t / warmup_num_steps`` ("linear");
+* during warm-up (``s < n``): ``g(s) = log(s + 1) / log(n)`` ("log", DeepSpeed's default) or ``s / n``
+  ("linear");
 * after it: ``g = 1`` (WarmupLR), or for WarmupDecayLR a linear decay to warmup_min_lr at ``total_num_steps``:
-  ``g(t) = max(0, (total_num_steps - t) / max(1, total_num_steps - warmup_num_steps))``.
+  ``g(s) = max(0, (total_num_steps - s) / max(1, total_num_steps - n))``.
 
-Being a ``torch.optim.lr_scheduler.LRScheduler``, it sets ``param_groups[i]["lr"]``, which the CPU Adam kernel
-reads at every update, and its ``state_dict`` is plain numbers (checkpoints store it as JSON).
+``warmup_max_lr`` left out is each param group's own lr (DeepSpeed 0.17.2 on), so groups with their own lr keep
+their ratios. Being a ``torch.optim.lr_scheduler.LRScheduler``, it sets ``param_groups[i]["lr"]``, which the CPU
+Adam kernel reads at every update, and its ``state_dict`` is plain numbers (checkpoints store it as JSON).
 """
 
 from __future__ import annotations
@@ -25,19 +28,22 @@ class WarmupSchedule(torch.optim.lr_scheduler.LRScheduler):
     """WarmupLR (``total_num_steps`` None) or WarmupDecayLR; see the module docstring."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, cfg: SchedulerConfig) -> None:
-        self.min_lr, self.max_lr = cfg.warmup_min_lr, cfg.warmup_max_lr
-        self.warmup, self.kind = cfg.warmup_num_steps, cfg.warmup_type
+        self.min_lr = cfg.warmup_min_lr
+        self.max_lrs = [cfg.warmup_max_lr if cfg.warmup_max_lr is not None else g.get("initial_lr", g["lr"])
+                        for g in optimizer.param_groups]
+        self.warmup, self.kind = max(2, cfg.warmup_num_steps), cfg.warmup_type
         self.total = cfg.total_num_steps if cfg.type == "warmupdecaylr" else None
         super().__init__(optimizer)
 
-    def gamma(self, t: int) -> float:
-        if t < self.warmup:
-            if self.kind == "linear":
-                return t / self.warmup
-            return math.log(t + 1) / math.log(self.warmup) if self.warmup > 1 else 1.0
+    def gamma(self, s: int) -> float:
+        """DeepSpeed's ``g`` after ``s`` scheduler steps (-1: before the first)."""
+        if s < 0:
+            return 0.0
+        if s < self.warmup:
+            return s / self.warmup if self.kind == "linear" else math.log(s + 1) / math.log(self.warmup)
         if self.total is None:
             return 1.0
-        return max(0.0, (self.total - t) / max(1, self.total - self.warmup))
+        return max(0.0, (self.total - s) / max(1, self.total - self.warmup))
 
     def step(self, epoch: int | None = None) -> None:
         """Advances one optimizer step. The engine also updates through ``launch`` (delayed update), which
@@ -47,8 +53,8 @@ class WarmupSchedule(torch.optim.lr_scheduler.LRScheduler):
             super().step(epoch)
 
     def get_lr(self) -> list[float]:
-        lr = self.min_lr + (self.max_lr - self.min_lr) * self.gamma(self.last_epoch)
-        return [lr for _ in self.optimizer.param_groups]
+        g = self.gamma(self.last_epoch - 1)  # last_epoch: the updates done, so the next is update last_epoch
+        return [self.min_lr + (hi - self.min_lr) * g for hi in self.max_lrs]
 
 
 def build_scheduler(cfg: SchedulerConfig, optimizer: torch.optim.Optimizer) -> WarmupSchedule | None:
