@@ -67,7 +67,7 @@ class _Section:
             d = {}
         if not isinstance(d, Mapping):
             raise ValueError(f"{path or 'config'} must be a JSON object, got {type(d).__name__}")
-        fields = {f.name: f for f in dataclasses.fields(cls) if f.init and f.name != "ignored"}
+        fields = {f.name: f for f in dataclasses.fields(cls) if f.init and f.name not in ("ignored", "batch_keys")}
         values: dict[str, Any] = {}
         for key, value in d.items():
             name = cls._aliases.get(key, key)
@@ -447,8 +447,36 @@ class OffloadConfig(_Section):
     offload: BudgetConfig = field(default_factory=BudgetConfig)
     seed: int | None = None
     ignored: tuple[str, ...] = ()
+    # which of the three batch keys the JSON gave: initialize derives the others as DeepSpeed does (for_world)
+    batch_keys: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
 
     _aliases = {"bfloat16": "bf16"}
+    _BATCH = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+    @classmethod
+    def from_dict(cls, d: Any, path: str | None = None) -> "OffloadConfig":
+        values = cls._values(d, path if path is not None else cls._path)
+        return cls(**values, batch_keys=frozenset(k for k in cls._BATCH if values.get(k) is not None))
+
+    def for_world(self, world_size: int) -> "OffloadConfig":
+        """The batch keys completed for ``world_size`` ranks as DeepSpeed completes them: train_batch_size =
+        train_micro_batch_size_per_gpu x gradient_accumulation_steps x world size, any two giving the third (only
+        train_batch_size: one micro-batch of train_batch_size / world size per step); all three must agree."""
+        tbs, given = self.train_batch_size, self.batch_keys
+        mbs, gas = self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps
+        if tbs is None:
+            return self
+        if "gradient_accumulation_steps" not in given and "train_micro_batch_size_per_gpu" in given:
+            gas = tbs // (mbs * world_size) if tbs % (mbs * world_size) == 0 else 0
+        if "train_micro_batch_size_per_gpu" not in given:
+            mbs = tbs // (gas * world_size) if tbs % (gas * world_size) == 0 else 0
+        if not gas or not mbs or tbs != mbs * gas * world_size:
+            raise ValueError(
+                f"train_batch_size {tbs} must equal train_micro_batch_size_per_gpu x gradient_accumulation_steps x "
+                f"the world size ({world_size}); given: " +
+                ", ".join(f"{k} {getattr(self, k)}" for k in self._BATCH if k in given) +
+                ". Set two of them (DeepSpeed derives the third) or make the three agree")
+        return dataclasses.replace(self, train_micro_batch_size_per_gpu=mbs, gradient_accumulation_steps=gas)
 
     @classmethod
     def _convert(cls, name: str, value: Any, full: str) -> Any:
@@ -513,6 +541,7 @@ class OffloadConfig(_Section):
         if "type" in sched:
             out["scheduler"] = {"type": sched.pop("type"), "params": sched}
         out.update(dict.fromkeys(out.pop("ignored"), None))
+        out.pop("batch_keys")
         return out
 
 

@@ -1358,6 +1358,28 @@ def test_config_scheduler_steps_with_the_engine_and_resumes(tmp_path, delayed):
         close_enough(state[name], r.detach(), 1e-5)
 
 
+def test_train_batch_size_sets_the_accumulation_as_deepspeed_derives_it(tmp_path):
+    """train_batch_size 8 with micro-batches of 2 on one rank is 4 micro-batches per update (before, the engine
+    updated after each: 4x the steps, without a word); any two of the three keys give the third, and three that
+    disagree are refused naming them."""
+    data = batches(8, bsz=2)
+    with offload.initialize(make(), config(tmp_path, "cpu", train_batch_size=8,
+                                           train_micro_batch_size_per_gpu=2)) as engine:
+        assert engine.gradient_accumulation_steps == 4
+        train(engine, data)
+        assert engine.global_steps == 2
+        got = engine.consolidated_state_dict()
+    with offload.initialize(make(), config(tmp_path, "cpu", gradient_accumulation_steps=4)) as engine:
+        train(engine, data)
+        want = engine.consolidated_state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    with offload.initialize(make(), config(tmp_path, "cpu", train_batch_size=8)) as engine:
+        assert (engine.config.train_micro_batch_size_per_gpu, engine.gradient_accumulation_steps) == (8, 1)
+    with pytest.raises(ValueError, match=r"train_batch_size 7 must equal .* given: train_batch_size 7, "
+                                         r"train_micro_batch_size_per_gpu 2\. Set two of them"):
+        offload.initialize(make(), config(tmp_path, "cpu", train_batch_size=7, train_micro_batch_size_per_gpu=2))
+
+
 def test_accumulation_boundary_set_by_the_caller(tmp_path):
     """set_gradient_accumulation_boundary decides where a window ends (a short last one included), and
     backward(scale_wrt_gas=False) takes a loss the caller normalised: windows of 3 and 1 micro-batches with

@@ -157,6 +157,7 @@ class Engine:
         self.start_sync: StartSync | None = None  # the parameters and buffers copied from rank 0 at start
         group = join(cfg.offload.comm_timeout, cfg.offload.device)
         try:
+            self.config = cfg = cfg.for_world(group.world_size)  # train_batch_size: the accumulation it implies
             self.comm = Comm(group)
         except BaseException:
             group.close()
