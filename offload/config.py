@@ -30,8 +30,17 @@ log = logging.getLogger("offload")
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+# DeepSpeed keys accepted without effect: logging and monitoring; knobs of DeepSpeed's own gradient averaging and
+# checkpoint files (ours average exactly and always write whole fp32 weights); its activation-checkpointing API
 _IGNORED = {"steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer", "dump_state",
-            "memory_breakdown", "comms_logger", "flops_profiler", "tensorboard", "wandb", "csv_monitor"}
+            "memory_breakdown", "comms_logger", "flops_profiler", "tensorboard", "wandb", "csv_monitor",
+            "prescale_gradients", "gradient_predivide_factor", "communication_data_type", "checkpoint",
+            "activation_checkpointing", "zero_force_ds_cpu_optimizer"}
+# the same inside a section: in zero_optimization, the saving of 16-bit weights (every export here is the fp32
+# masters, gathered) and knobs for what the engine does anyway
+_IGNORED_IN = {"zero_optimization": {"stage3_gather_16bit_weights_on_model_save",
+                                     "stage3_gather_fp16_weights_on_model_save", "memory_efficient_linear",
+                                     "ignore_unused_parameters", "elastic_checkpoint", "load_from_fp32_weights"}}
 
 
 def parse_bytes(value: Any, key: str) -> int:
@@ -76,6 +85,9 @@ class _Section:
                 if not path and key in _IGNORED:
                     values.setdefault("ignored", ())
                     values["ignored"] = (*values["ignored"], key)
+                    continue
+                if key in _IGNORED_IN.get(path, ()):
+                    log.warning("offload: config key accepted but without effect: %s", full)
                     continue
                 hint = difflib.get_close_matches(key, list(fields) + list(cls._aliases), n=1)
                 allowed = ", ".join(sorted(fields))

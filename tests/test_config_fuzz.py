@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from offload import OffloadConfig
+from offload.config import _IGNORED, _IGNORED_IN
 
 BOOL, INT, FLOAT, CHOICE, BYTES, BETAS, PATH, POW2, DEVICE, DERIVED, SPARSE = \
     "bool int float choice bytes betas path pow2 device derived sparse".split()
@@ -231,9 +232,8 @@ def test_unknown_keys_are_named(data):
     section = data.draw(st.sampled_from(SECTIONS))
     known = {k.rsplit(".", 1)[-1] for k in SCHEMA if (k.rsplit(".", 1)[0] if "." in k else "") == section}
     known |= {k.split(".")[0] for k in SCHEMA} if section == "" else set()
-    known |= {"params", "intra_op_parallelism", "use_gds", "bfloat16", "ignored"} | {
-        "steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer", "dump_state", "memory_breakdown",
-        "comms_logger", "flops_profiler", "tensorboard", "wandb", "csv_monitor"}
+    known |= {"params", "intra_op_parallelism", "use_gds", "bfloat16", "ignored", "batch_keys"} | _IGNORED | \
+        _IGNORED_IN.get(section, set())
     name = data.draw(st.from_regex(r"[a-z_][a-z0-9_]{0,15}", fullmatch=True).filter(lambda n: n not in known))
     full = f"{section}.{name}" if section else name
     put(cfg, full, 1)
@@ -242,10 +242,21 @@ def test_unknown_keys_are_named(data):
     assert full in str(info.value) and "allowed" in str(info.value)
 
 
-@pytest.mark.parametrize("value", [{"ignored": ["x"]}, {"ignored": 5}])
+@pytest.mark.parametrize("value", [{"ignored": ["x"]}, {"ignored": 5}, {"batch_keys": ["train_batch_size"]}])
 def test_ignored_is_not_a_user_key(value):
-    with pytest.raises(ValueError, match="unknown key ignored"):
+    with pytest.raises(ValueError, match=f"unknown key {next(iter(value))}"):
         OffloadConfig.load(value)
+
+
+def test_deepspeed_keys_without_effect_here_are_accepted_and_named(caplog):
+    """The keys of a Hugging Face DeepSpeed config that change nothing here (16-bit weights gathered on save:
+    every export here is the fp32 masters; DeepSpeed's gradient pre-division) load, with a warning naming them."""
+    with caplog.at_level("WARNING", logger="offload"):
+        cfg = OffloadConfig.load({"prescale_gradients": False, "gradient_predivide_factor": 1.0,
+                                  "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True,
+                                                        "memory_efficient_linear": False}})
+    assert cfg.zero_optimization.stage == 3 and cfg.ignored == ("prescale_gradients", "gradient_predivide_factor")
+    assert "zero_optimization.stage3_gather_16bit_weights_on_model_save" in caplog.text
 
 
 @pytest.mark.parametrize("bad, key", [({"seed": math.nan}, "seed"), ({"seed": math.inf}, "seed"),
