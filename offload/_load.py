@@ -27,6 +27,7 @@ import ctypes
 import json
 import mmap
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
@@ -212,9 +213,12 @@ def load_into_engine(engine: "Engine", source: str | os.PathLike[str] | Mapping[
 def _into_module(module: torch.nn.Module, src: StateSource, strict: bool) -> LoadResult:
     tensors = module.state_dict(keep_vars=True)
     aliases = _aliases(module)
-    names = [ns[0] for ns in aliases.values()]
-    found, result = _match_tied(names, aliases, src, strict)
+    found, result = _match_tied(module, aliases, src, strict)
     _check_shapes(found, src, tensors)
+    meta = [name for name in found if tensors[name].is_meta]
+    if meta:
+        raise ValueError(f"load_state_dict: {meta[:3]} are on the meta device, where nothing can be written: build "
+                         "the model inside `with offload.init(config):` (or on the CPU) and load into that")
     with torch.no_grad():
         for name, t in tensors.items():
             if name not in found or aliases[id(t)][0] != name:
@@ -225,25 +229,50 @@ def _into_module(module: torch.nn.Module, src: StateSource, strict: bool) -> Loa
     return result
 
 
-def _match_tied(names: list[str], aliases: dict[int, list[str]], src: StateSource,
+def _match_tied(module: torch.nn.Module, aliases: dict[int, list[str]], src: StateSource,
                 strict: bool) -> tuple[dict[str, str], LoadResult]:
-    """Like :func:`_match`, over the first name of each tensor, accepting any of a tied tensor's names."""
+    """Which checkpoint name fills each tensor (by its first name; any of a tied tensor's names matches), as
+    ``from_pretrained`` matches them: a checkpoint of the base model into one with a head, or the reverse (names
+    with or without the model's ``base_model_prefix``), and leaving out of what is reported the names the model
+    says to ignore (transformers' ``_keys_to_ignore_on_load_unexpected`` / ``_missing``, e.g. older checkpoints'
+    ``rotary_emb.inv_freq``) and its non-persistent buffers, which no state dict holds."""
     have = set(src.names())
+    prefix = getattr(module, "base_model_prefix", "") or ""
     first_to_found: dict[str, str] = {}
     missing = []
     for ns in aliases.values():
-        hit = next((n for n in ns if n in have), None)
+        hit = next((c for n in ns for c in _spellings(n, prefix) if c in have), None)
         if hit is None:
             missing.append(ns[0])
         else:
             first_to_found[ns[0]] = hit
     every = {n for ns in aliases.values() for n in ns}
-    result = LoadResult(missing, sorted(have - every))
+    # a value the model computes (a non-persistent buffer such as rotary_emb.inv_freq, which older checkpoints
+    # hold, elsewhere in the module tree then) is never loaded
+    transient = {n.rsplit(".", 1)[-1] for n, _ in module.named_buffers()} - \
+        {n.rsplit(".", 1)[-1] for n in module.state_dict()}
+    unexpected = sorted(n for n in have - every - set(first_to_found.values())
+                        if not _ignored(n, module, "_keys_to_ignore_on_load_unexpected") and
+                        n.rsplit(".", 1)[-1] not in transient)
+    result = LoadResult([n for n in missing if not _ignored(n, module, "_keys_to_ignore_on_load_missing")],
+                        unexpected)
     if strict and (result.missing or result.unexpected):
         raise ValueError(f"the checkpoint does not match the model: missing {result.missing[:5]}"
                          f"{' ...' if len(result.missing) > 5 else ''}, unexpected {result.unexpected[:5]}"
                          f"{' ...' if len(result.unexpected) > 5 else ''}; pass strict=False to load what matches")
     return first_to_found, result
+
+
+def _spellings(name: str, prefix: str) -> tuple[str, ...]:
+    """``name`` as a checkpoint may spell it: itself, and with the base model's prefix stripped or added."""
+    if not prefix:
+        return (name,)
+    lead = prefix + "."
+    return (name, name[len(lead):]) if name.startswith(lead) else (name, lead + name)
+
+
+def _ignored(name: str, module: torch.nn.Module, attr: str) -> bool:
+    return any(re.search(pattern, name) for pattern in getattr(module, attr, None) or ())
 
 
 def _into_engine(engine: "Engine", src: StateSource, strict: bool) -> LoadResult:
@@ -253,7 +282,7 @@ def _into_engine(engine: "Engine", src: StateSource, strict: bool) -> LoadResult
     module, layout, opt = engine.module, engine.layout, engine.optimizer
     opt.wait()
     aliases = _aliases(module)
-    found, result = _match_tied([ns[0] for ns in aliases.values()], aliases, src, strict)
+    found, result = _match_tied(module, aliases, src, strict)
     _check_shapes(found, src, module.state_dict(keep_vars=True))
     key_of = {id(p): aliases[id(p)][0] for p in module.parameters()}
     left = [0] * len(layout.params)  # segments of each parameter on this rank not yet loaded

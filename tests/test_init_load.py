@@ -282,6 +282,41 @@ def test_a_mismatched_checkpoint_is_named_or_reported(tmp_path):
         offload.load_state_dict(make(), tmp_path)
 
 
+def test_checkpoints_match_as_from_pretrained_matches_them(tmp_path):
+    """A transformers model takes what from_pretrained takes: a checkpoint of its base model (names without the
+    ``model.`` prefix) into the model with a head, one with an older transformers' per-layer
+    ``rotary_emb.inv_freq`` (a buffer the model computes, in no state dict now), both strictly and equal to
+    from_pretrained's model; and a model on the meta device is refused (a copy into it did nothing, silently)."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import save_file
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    base = transformers.LlamaModel(cfg)
+    base.save_pretrained(tmp_path / "base")
+    legacy = {f"model.{k}": v.contiguous() for k, v in base.state_dict().items()}
+    legacy.update({f"model.layers.{i}.self_attn.rotary_emb.inv_freq": base.rotary_emb.inv_freq.clone()
+                   for i in range(2)})
+    (tmp_path / "legacy").mkdir()
+    save_file(legacy, str(tmp_path / "legacy" / "model.safetensors"))
+    cfg.save_pretrained(tmp_path / "legacy")
+    x = torch.randint(0, 64, (1, 8))
+    with torch.no_grad():
+        want = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "base"))(x).logits
+    for folder in ("base", "legacy"):
+        torch.manual_seed(1)
+        model = transformers.LlamaForCausalLM(cfg)
+        result = offload.load_state_dict(model, tmp_path / folder)
+        assert result.missing == result.unexpected == [], folder
+        with torch.no_grad():
+            assert torch.equal(model(x).logits, want), folder
+    with torch.device("meta"):
+        empty = transformers.LlamaForCausalLM(cfg)
+    with pytest.raises(ValueError, match=r"on the meta device, where nothing can be written"):
+        offload.load_state_dict(empty, tmp_path / "base")
+
+
 @pytest.mark.parametrize("opt", ["nvme", "cpu"])
 def test_a_load_that_fails_midway_gives_its_staged_state_back(tmp_path, opt, monkeypatch):
     """A tensor of the wrong shape fails the load before anything is written (shapes come from the source's
