@@ -258,9 +258,9 @@ def test_fp16_dynamic_loss_scale_skips_overflow(tmp_path):
         assert not engine.was_step_applied()  # DeepSpeed's name for a skipped step
         assert engine.scaler.scale == 256.0 and engine.stats()["skipped_steps"] == 1
         assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # the step was skipped
-        assert engine.global_steps == 2
+        assert engine.global_steps == 3 and engine.skipped_steps == 1  # counted, as DeepSpeed and the Trainer do
         train(engine, data[3:])
-        assert engine.global_steps == 5
+        assert engine.global_steps == 6
 
 
 @pytest.mark.parametrize("device", ["cpu", "nvme"])
@@ -1027,7 +1027,7 @@ def test_zero_grad_drops_an_unfinished_window_and_refuses_a_started_one(tmp_path
         x, y = data[4]
         engine.backward(lm_loss(engine(x), y))
         engine.zero_grad()
-        assert engine.micro_steps == 0 and engine.is_gradient_accumulation_boundary()
+        assert engine.micro_steps == 0 and not engine.is_gradient_accumulation_boundary()  # micro-batch 1 of 2
         train(engine, data[:2])
         for x, y in data[2:4]:
             engine.backward(lm_loss(engine(x), y))
@@ -1067,8 +1067,10 @@ def test_checkpoint_errors(tmp_path):
             engine.save_checkpoint(engine_dir, tag="t")
         with pytest.raises(ValueError, match="plain name"):
             engine.save_checkpoint(engine_dir, tag="../evil")
-        # the folder save_checkpoint returns (one tag's) loads as that tag; a file is named as not a folder
+        # the folder save_checkpoint returns (one tag's) loads as that tag; a file is named as not a folder; a
+        # number is a tag as its text (DeepSpeed's str(tag))
         engine.save_checkpoint(engine_dir, tag="u")
+        assert engine.save_checkpoint(engine_dir, tag=0).name == "0" and engine.load_checkpoint(engine_dir, 0) == "0"
         assert engine.load_checkpoint(engine_dir / "t") == "t"
         with pytest.raises(NotADirectoryError, match=f"{engine_dir / 't' / 'meta.json'} is a file, not a checkpoint"):
             engine.load_checkpoint(engine_dir / "t" / "meta.json")
@@ -1356,6 +1358,22 @@ def test_config_scheduler_steps_with_the_engine_and_resumes(tmp_path, delayed):
         want = list(ref.parameters())
     for (name, _), r in zip(make().named_parameters(), want):
         close_enough(state[name], r.detach(), 1e-5)
+
+
+def test_the_boundary_is_deepspeeds_before_a_backward_and_after_it(tmp_path):
+    """is_gradient_accumulation_boundary() says whether the micro-batch at hand ends its window, before its
+    backward as after it (DeepSpeed's): with 3 micro-batches a window, False, False, True, False, ... both times.
+    Before, it read True before the first backward and False before the third."""
+    data = batches(6)
+    seen = []
+    with offload.initialize(make(), config(tmp_path, "cpu", gradient_accumulation_steps=3)) as engine:
+        for x, y in data:
+            before = engine.is_gradient_accumulation_boundary()
+            engine.backward(lm_loss(engine(x), y))
+            seen.append((before, engine.is_gradient_accumulation_boundary()))
+            engine.step()
+        assert engine.global_steps == 2
+    assert seen == [(False, False), (False, False), (True, True)] * 2
 
 
 def test_train_batch_size_sets_the_accumulation_as_deepspeed_derives_it(tmp_path):

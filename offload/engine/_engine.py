@@ -143,6 +143,7 @@ class Engine:
         self._last_micro = True
         self._boundary: bool | None = None  # set_gradient_accumulation_boundary's override
         self._window_start = (0, 0)  # micro_steps and sub_groups_overlapped when the open window began
+        self._backward_done = False  # a backward ran since the last step() (its micro-batch is counted)
         self._held = 0  # engine.gathered() blocks open
         self.lr_scheduler: WarmupSchedule | None = None
         self.store: TieredStore | None = None
@@ -289,11 +290,13 @@ class Engine:
         return self.config.gradient_accumulation_steps
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        """Whether the next ``step()`` updates: every gradient_accumulation_steps micro-batches, or as set by
-        :meth:`set_gradient_accumulation_boundary`."""
+        """Whether the micro-batch at hand ends its window, so that the ``step()`` after its backward updates
+        (DeepSpeed's meaning, before that backward or after it): every gradient_accumulation_steps micro-batches,
+        or as set by :meth:`set_gradient_accumulation_boundary`."""
         if self._boundary is not None:
             return self._boundary
-        return self.micro_steps % self.gradient_accumulation_steps == 0
+        ahead = 0 if self._backward_done else 1  # before its backward, the micro-batch is not counted yet
+        return (self.micro_steps + ahead) % self.gradient_accumulation_steps == 0
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
         """Says, before a micro-batch's backward, whether the step after it updates (True) or accumulates (False),
@@ -360,6 +363,7 @@ class Engine:
                 self.phase = Phase.IDLE
         self.phase = Phase.ACCUMULATING
         self.micro_steps += 1
+        self._backward_done = True
 
     def zero_grad(self) -> None:
         """Drops the gradients of an unfinished accumulation window (a loop interrupted between backward and
@@ -375,7 +379,7 @@ class Engine:
                                "backward ran them beside backward), so its gradients are partly applied; call "
                                "engine.step() to finish the step, or load a checkpoint")
         self._discard_window()
-        self.micro_steps = micro
+        self.micro_steps, self._backward_done = micro, False
         self.phase = Phase.IDLE
 
     def _check_finite(self, loss: torch.Tensor) -> None:
@@ -452,7 +456,9 @@ class Engine:
             raise RuntimeError("engine.step() called before engine.backward(loss)" if self.micro_steps == 0 else
                                "engine.step() called twice without an engine.backward(loss) in between")
         self._expect("engine.step()", Phase.ACCUMULATING)
-        if not self.is_gradient_accumulation_boundary():
+        boundary = self.is_gradient_accumulation_boundary()
+        self._backward_done = False
+        if not boundary:
             return
         self.phase = Phase.STEP
         try:
@@ -492,6 +498,7 @@ class Engine:
                 if self.config.fp16.enabled:
                     self.scaler.update(True)
                     opt.skip()
+                    self.global_steps += 1  # as DeepSpeed (and the Trainer) count a skipped step: see skipped_steps
                     return
                 if self.config.gradient_clipping > 0:  # else (a delayed update on several ranks) as the updates would
                     raise FloatingPointError(f"gradient norm is {norm} at step {self.global_steps}: the loss or "
@@ -524,6 +531,11 @@ class Engine:
             self.lr_scheduler.step()
         self.global_steps += 1
         self._applied = True
+
+    @property
+    def skipped_steps(self) -> int:
+        """DeepSpeed's: the steps fp16's loss scaler skipped on overflow (``global_steps`` counts them too)."""
+        return self.scaler.skipped
 
     def was_step_applied(self) -> bool:
         """DeepSpeed's: whether the last ``step()`` updated the parameters (False between accumulation boundaries,
@@ -726,6 +738,7 @@ class Engine:
 
     def load_training_state(self, state: TrainingState) -> None:
         self.global_steps, self.micro_steps = state.global_steps, state.micro_steps
+        self._backward_done = False
         self.optimizer.restart_at(state.optimizer_steps)
         self._norm_step = self._grad_norm_value = None  # the norm of a step the checkpoint does not hold
         self.scaler.load_state_dict(state.loss_scaler)
@@ -766,7 +779,7 @@ class Engine:
 
         return save_engine(self, path, max_shard_size)
 
-    def save_checkpoint(self, path: str | Path, tag: str | None = None, *,
+    def save_checkpoint(self, path: str | Path, tag: str | int | None = None, *,
                         exclude_frozen_parameters: bool = False) -> Path:
         """Writes model, optimizer state (wherever it lives), loss scaler and counters under ``path/tag`` and then
         points ``path/latest`` at it; a crash mid-save leaves the previous checkpoint loadable.
@@ -780,10 +793,10 @@ class Engine:
                 f"micro-batch {self.micro_steps % gas or gas} of {gas}, or a backward not yet stepped): a checkpoint "
                 "holds no gradients, so a resume would lose them. Save after the engine.step() that ends the window")
         self._finish_updates()
-        return _checkpoint.save(self, Path(path), tag or f"step{self.global_steps}",
+        return _checkpoint.save(self, Path(path), f"step{self.global_steps}" if tag is None else str(tag),
                                 frozen=not exclude_frozen_parameters)
 
-    def load_checkpoint(self, path: str | Path, tag: str | None = None) -> str:
+    def load_checkpoint(self, path: str | Path, tag: str | int | None = None) -> str:
         """Restores a checkpoint written by save_checkpoint (``latest`` unless ``tag``); returns the tag."""
         self._expect("engine.load_checkpoint()", Phase.IDLE, Phase.ACCUMULATING, Phase.FAILED)
         try:
@@ -797,7 +810,7 @@ class Engine:
             writing.append(True)
 
         try:
-            tag = _checkpoint.load(self, Path(path), tag, before_write)
+            tag = _checkpoint.load(self, Path(path), None if tag is None else str(tag), before_write)
         except BaseException as exc:
             if writing:
                 self._fail("engine.load_checkpoint", exc)
