@@ -37,6 +37,7 @@ are 0700, files 0600. Format v1 (one ``tensors.bin`` indexed in meta.json) still
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import logging
 import math
@@ -204,12 +205,17 @@ def _shard_names(rank: int) -> tuple[str, str]:
     return ("tensors.bin" if rank == 0 else f"tensors.{rank}.bin"), f"index.{rank}.json"
 
 
-def save(engine: "Engine", root: Path, tag: str, frozen: bool = True) -> Path:
+CLIENT_STATE = "client_state.pt"  # in a tag's folder: save_checkpoint's client_state (rank 0's)
+
+
+def save(engine: "Engine", root: Path, tag: str, frozen: bool = True, client_state: Any = None) -> Path:
     """Collective with several ranks: each writes its shard; rank 0 commits once all succeeded. ``frozen``:
-    whether the frozen parameters are written (else loads keep the model's own)."""
+    whether the frozen parameters are written (else loads keep the model's own). ``client_state``: rank 0's,
+    written beside them (see :func:`client_bytes`)."""
     if not tag or "/" in tag or "\0" in tag or tag.startswith(".") or tag == "latest":
         raise ValueError(f"checkpoint tag {tag!r} must be a plain name (no '/' or NUL, not starting with '.', not "
                          "'latest')")
+    client = client_bytes(client_state) if client_state is not None and engine.rank == 0 else None
     comm, rank = engine.comm, engine.rank
     final = root / tag
     pid = int(comm.sum_float(float(os.getpid()) if rank == 0 else 0.0))
@@ -252,7 +258,7 @@ def save(engine: "Engine", root: Path, tag: str, frozen: bool = True) -> Path:
     commit_error: BaseException | None = None
     if rank == 0:
         try:
-            _commit(engine, index, frozen, tmp, final)
+            _commit(engine, index, frozen, tmp, final, client)
         except BaseException as exc:  # noqa: BLE001 - raised below, once every rank knows
             commit_error = exc
             shutil.rmtree(tmp, ignore_errors=True)  # (gone already if it was renamed into place)
@@ -291,7 +297,30 @@ def _prepare(root: Path, tag: str, tmp: Path) -> float:
     return 0.0
 
 
-def _commit(engine: "Engine", index: dict[str, dict[str, Any]], frozen: bool, tmp: Path, final: Path) -> None:
+def client_bytes(client_state: Any) -> bytes:
+    """``client_state`` as the file DeepSpeed's ``save_checkpoint(client_state=...)`` asks for: what
+    ``torch.load(weights_only=True)`` reads back (tensors, numbers, strings, and dicts, lists and tuples of them;
+    a checkpoint is never unpickled). Checked here, before the save writes anything."""
+    if not isinstance(client_state, dict):
+        raise ValueError(f"save_checkpoint: client_state must be a dict, got {type(client_state).__name__}")
+    buf = io.BytesIO()
+    torch.save(client_state, buf)
+    try:
+        torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - pickle's errors name the type that is not allowed
+        raise ValueError(f"save_checkpoint: client_state holds something a safe load cannot read back (tensors, "
+                         f"numbers, strings, and dicts, lists and tuples of them are fine): {exc}") from None
+    return buf.getvalue()
+
+
+def client_state(folder: Path) -> dict[str, Any]:
+    """The client_state saved with the checkpoint in ``folder`` ({} if none)."""
+    path = folder / CLIENT_STATE
+    return torch.load(path, weights_only=True) if path.exists() else {}
+
+
+def _commit(engine: "Engine", index: dict[str, dict[str, Any]], frozen: bool, tmp: Path, final: Path,
+            client: bytes | None = None) -> None:
     """Rank 0, once every shard is written: meta.json, the directory renamed into place, then ``latest``."""
     root, names = final.parent, _names(engine)
     state = engine.training_state()
@@ -313,6 +342,8 @@ def _commit(engine: "Engine", index: dict[str, dict[str, Any]], frozen: bool, tm
         "state_dict": _state_dict_entries(engine, names, frozen),
         "frozen_excluded": not frozen,
     }
+    if client is not None:
+        _write_file(tmp / CLIENT_STATE, client)
     _write_file(tmp / "meta.json", json.dumps(meta, indent=1).encode())
     _fsync_dir(tmp)
     os.rename(tmp, final)
@@ -503,9 +534,9 @@ class Checkpoint:
         self._files = [None] * len(self._files)
 
 
-def load(engine: "Engine", root: Path, tag: str | None, before_write: Any = None) -> str:
-    """Loads ``root/tag`` into ``engine``; ``before_write()`` runs once the checkpoint has been checked against the
-    model, right before the first byte of the engine's state is overwritten."""
+def load(engine: "Engine", root: Path, tag: str | None, before_write: Any = None) -> Path:
+    """Loads ``root/tag`` into ``engine`` and returns that folder; ``before_write()`` runs once the checkpoint has
+    been checked against the model, right before the first byte of the engine's state is overwritten."""
     ck = Checkpoint(root, tag)
     meta = ck.meta
     try:
@@ -552,7 +583,7 @@ def load(engine: "Engine", root: Path, tag: str | None, before_write: Any = None
                 b.copy_(engine.copies.upload(ck.read(f"buffer/{n}")))
     finally:
         ck.close()
-    return ck.tag
+    return ck.folder
 
 
 def consolidated_state_dict(engine: "Engine") -> dict[str, torch.Tensor]:

@@ -476,7 +476,7 @@ def test_checkpoint_from_two_ranks_resumes_on_three_and_one(two_ranks, three_ran
     data = batches(6, bsz=6)
     model = make(seed=9)
     with offload.initialize(model, config(2, "nvme", tmp_path / "nvme")) as engine:  # one rank
-        assert engine.load_checkpoint(ckpt) == "step3"
+        assert engine.load_checkpoint(ckpt)[0].name == "step3"
         at_save = engine.consolidated_state_dict()
         for x, y in data[3:]:
             engine.backward(lm_loss(engine(x), y))
@@ -508,7 +508,7 @@ def test_checkpoint_of_nvme_pieces_from_two_ranks_resumes_on_three_and_one(two_r
     straight = torch.load(out / "straight-pnvme.pt", weights_only=True)
     assert_close(torch.load(three_ranks / "resumed-pnvme.pt", weights_only=True), straight)
     with offload.initialize(make(seed=9), config(3, "cpu", tmp_path / "nvme", param="nvme")) as engine:
-        assert engine.load_checkpoint(ckpt) == "step3"
+        assert engine.load_checkpoint(ckpt)[0].name == "step3"
         for x, y in batches(6, bsz=6)[3:]:
             engine.backward(lm_loss(engine(x), y))
             engine.step()
@@ -562,7 +562,7 @@ def test_a_frozen_base_is_partitioned_across_ranks(two_ranks, tmp_path, param):
             pieces = host["current"] - host["optimizer_state"] * 16 // 12
             assert 4 * mine <= pieces <= 4 * (mine + 1024), (r, pieces, mine)
     with offload.initialize(frozen_base(make(seed=9)), config(3, "cpu", tmp_path / "nvme", param=param)) as engine:
-        assert engine.load_checkpoint(ckpt) == "step3"
+        assert engine.load_checkpoint(ckpt)[0].name == "step3"
         for x, y in batches(6, bsz=6)[3:]:
             engine.backward(lm_loss(engine(x), y))
             engine.step()

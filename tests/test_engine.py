@@ -290,7 +290,7 @@ def failed_until_loaded(engine, ckpt: Path, why: str, batch, rest) -> None:
     assert engine.phase is offload.Phase.FAILED
     with pytest.raises(RuntimeError, match=why + ".*load a checkpoint"):
         engine.backward(lm_loss(engine(batch[0]), batch[1]))
-    assert engine.load_checkpoint(ckpt, tag="good") == "good"
+    assert engine.load_checkpoint(ckpt, tag="good")[0].name == "good"
     train(engine, rest)
 
 
@@ -1002,7 +1002,7 @@ def test_checkpoint_resume_is_bit_identical(tmp_path, monkeypatch, device, dtype
 
     model2 = make(seed=123)  # different initial weights: everything must come from the checkpoint
     with offload.initialize(model2, config(tmp_path / "b", device, **extra)) as engine2:
-        assert engine2.load_checkpoint(tmp_path / "ckpt") == "step10"
+        assert engine2.load_checkpoint(tmp_path / "ckpt")[0].name == "step10"
         assert engine2.global_steps == 10
         train(engine2, data[10:])
         resumed = engine2.consolidated_state_dict()
@@ -1070,8 +1070,18 @@ def test_checkpoint_errors(tmp_path):
         # the folder save_checkpoint returns (one tag's) loads as that tag; a file is named as not a folder; a
         # number is a tag as its text (DeepSpeed's str(tag))
         engine.save_checkpoint(engine_dir, tag="u")
-        assert engine.save_checkpoint(engine_dir, tag=0).name == "0" and engine.load_checkpoint(engine_dir, 0) == "0"
-        assert engine.load_checkpoint(engine_dir / "t") == "t"
+        assert engine.save_checkpoint(engine_dir, tag=0).name == "0"
+        assert engine.load_checkpoint(engine_dir, 0) == (engine_dir / "0", {})  # DeepSpeed's (path, client_state)
+        # DeepSpeed's client_state: the loop's own values saved with the checkpoint and given back by the load; one
+        # a safe load cannot read back is refused before anything is written
+        state = {"epoch": 3, "seen": [1, 2], "rng": torch.arange(4)}
+        engine.save_checkpoint(engine_dir, tag="c", client_state=state)
+        folder, got = engine.load_checkpoint(engine_dir, "c")
+        assert folder == engine_dir / "c" and got.keys() == state.keys() and torch.equal(got["rng"], state["rng"])
+        with pytest.raises(ValueError, match="client_state holds something a safe load cannot read back"):
+            engine.save_checkpoint(engine_dir, tag="d", client_state={"obj": object()})
+        assert not (engine_dir / "d").exists()
+        assert engine.load_checkpoint(engine_dir / "t")[0].name == "t"
         with pytest.raises(NotADirectoryError, match=f"{engine_dir / 't' / 'meta.json'} is a file, not a checkpoint"):
             engine.load_checkpoint(engine_dir / "t" / "meta.json")
     with offload.initialize(make(d=48), config(tmp_path, "cpu")) as other:
@@ -1095,7 +1105,7 @@ def test_a_save_that_fills_the_disk_gives_the_space_back(small_ext4):
         assert sorted(p.name for p in root.iterdir()) == ["a", "latest"]
         assert os.statvfs(small_ext4).f_bavail == free
     with offload.initialize(make(d=192), config(small_ext4, "cpu")) as engine:
-        assert engine.load_checkpoint(root) == "a"
+        assert engine.load_checkpoint(root)[0].name == "a"
         loaded = engine.consolidated_state_dict()
     for k in expected:
         assert torch.equal(loaded[k], expected[k]), k
@@ -1212,7 +1222,7 @@ def test_save_killed_midway_leaves_previous_checkpoint_loadable(tmp_path):
     assert (ckpt / "latest").read_text() == "a"
     model = make(d=384, layers=6)
     with offload.initialize(model, config(tmp_path / "load", "cpu")) as engine:
-        assert engine.load_checkpoint(ckpt) == "a"
+        assert engine.load_checkpoint(ckpt)[0].name == "a"
         loaded = engine.consolidated_state_dict()
     ref = make(d=384, layers=6)  # the same two steps, here, from the same seed
     cfg = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}

@@ -779,10 +779,12 @@ class Engine:
 
         return save_engine(self, path, max_shard_size)
 
-    def save_checkpoint(self, path: str | Path, tag: str | int | None = None, *,
+    def save_checkpoint(self, path: str | Path, tag: str | int | None = None, client_state: dict | None = None, *,
                         exclude_frozen_parameters: bool = False) -> Path:
         """Writes model, optimizer state (wherever it lives), loss scaler and counters under ``path/tag`` and then
-        points ``path/latest`` at it; a crash mid-save leaves the previous checkpoint loadable.
+        points ``path/latest`` at it; a crash mid-save leaves the previous checkpoint loadable; returns that folder.
+        ``client_state`` (DeepSpeed's): a dict of the loop's own (epoch, data position), rank 0's saved beside it
+        and given back by load_checkpoint; tensors, numbers, strings and containers of them (never unpickled).
         ``exclude_frozen_parameters`` (DeepSpeed's name): leaves the parameters that do not train out (a LoRA run's
         base model, which the training script builds again); loading it keeps the model's own."""
         self._expect("engine.save_checkpoint()", Phase.IDLE, Phase.ACCUMULATING)
@@ -794,10 +796,11 @@ class Engine:
                 "holds no gradients, so a resume would lose them. Save after the engine.step() that ends the window")
         self._finish_updates()
         return _checkpoint.save(self, Path(path), f"step{self.global_steps}" if tag is None else str(tag),
-                                frozen=not exclude_frozen_parameters)
+                                frozen=not exclude_frozen_parameters, client_state=client_state)
 
-    def load_checkpoint(self, path: str | Path, tag: str | int | None = None) -> str:
-        """Restores a checkpoint written by save_checkpoint (``latest`` unless ``tag``); returns the tag."""
+    def load_checkpoint(self, path: str | Path, tag: str | int | None = None) -> tuple[Path, dict[str, Any]]:
+        """Restores a checkpoint written by save_checkpoint (``latest`` unless ``tag``); returns, as DeepSpeed's,
+        the folder it loaded and the client_state saved with it ({} if none)."""
         self._expect("engine.load_checkpoint()", Phase.IDLE, Phase.ACCUMULATING, Phase.FAILED)
         try:
             self._settle()
@@ -810,13 +813,13 @@ class Engine:
             writing.append(True)
 
         try:
-            tag = _checkpoint.load(self, Path(path), None if tag is None else str(tag), before_write)
+            folder = _checkpoint.load(self, Path(path), None if tag is None else str(tag), before_write)
         except BaseException as exc:
             if writing:
                 self._fail("engine.load_checkpoint", exc)
             raise
         self.phase = Phase.IDLE
-        return tag
+        return folder, _checkpoint.client_state(folder)
 
     def _discard_window(self) -> None:
         """Before a load replaces the state: drops what the accumulation window held, or what a backward or step
