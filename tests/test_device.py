@@ -61,6 +61,22 @@ def test_inputs_move_to_the_device_and_the_model_lives_there(tmp_path):
     assert all(p.device == DEVICE for p in model.parameters())  # close() leaves the model where it trained
 
 
+def test_fp16_auto_cast_casts_floating_inputs_as_deepspeed_does(tmp_path):
+    """fp16 with ``auto_cast`` (DeepSpeed's): floating inputs, nested too, reach the fp16 model in fp16 (before,
+    an fp32 input met fp16 weights: "mat1 and mat2 must have the same dtype"); integer ones keep their dtype."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4))
+    seen = []
+    model.register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype))
+    cfg = {"fp16": {"enabled": True, "auto_cast": True}, "zero_optimization": {"offload_optimizer": {"device": "cpu"}}}
+    with offload.initialize(model, {**cfg, "offload": {"device": "cpu"}}) as engine:
+        out = engine(torch.randn(2, 8))
+        assert seen == [torch.float16] and out.dtype == torch.float16
+        engine.backward(out.float().pow(2).mean())
+        engine.step()
+        assert engine._move_inputs(model, ({"ids": torch.arange(3), "x": [torch.ones(1)]},), {})[0][0]["ids"].dtype \
+            == torch.int64
+
+
 @pytest.mark.parametrize("state", ["cpu", "none", "nvme"])
 def test_host_buffers_are_made_on_the_host_whatever_the_default_device(tmp_path, monkeypatch, state):
     """Inside ``with torch.device("cuda")`` (the habit ``offload.init`` documents) or after

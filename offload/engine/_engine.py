@@ -276,7 +276,8 @@ class Engine:
                      kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The root module's forward pre-hook: tensors in the inputs go to the device (non-blocking from pinned
         memory), so a batch built on the CPU works unchanged on a GPU."""
-        return _to_device(args, self.device), _to_device(kwargs, self.device)
+        cast = torch.float16 if self.config.fp16.enabled and self.config.fp16.auto_cast else None
+        return _to_device(args, self.device, cast), _to_device(kwargs, self.device, cast)
 
     def train(self, mode: bool = True) -> "Engine":
         self.module.train(mode)
@@ -961,18 +962,20 @@ def _warn_slow_bf16(device: torch.device, dtype: torch.dtype) -> None:
                     "bf16.enabled false", device)
 
 
-def _to_device(value: Any, device: torch.device) -> Any:
-    """``value`` with every tensor in it (through lists, tuples, named tuples and mappings) on ``device``."""
+def _to_device(value: Any, device: torch.device, cast: torch.dtype | None = None) -> Any:
+    """``value`` with every tensor in it (through lists, tuples, named tuples and mappings) on ``device``, floating
+    ones in ``cast`` if given (DeepSpeed's ``fp16.auto_cast``)."""
     if isinstance(value, torch.Tensor):
-        if value.device == device:
+        dtype = cast if cast is not None and value.is_floating_point() else value.dtype
+        if value.device == device and value.dtype == dtype:
             return value
-        return value.to(device, non_blocking=device.type == "cuda" and value.is_pinned())
+        return value.to(device, dtype, non_blocking=device.type == "cuda" and value.is_pinned())
     if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(_to_device(v, device) for v in value))
+        return type(value)(*(_to_device(v, device, cast) for v in value))
     if isinstance(value, (list, tuple)):
-        return type(value)(_to_device(v, device) for v in value)
+        return type(value)(_to_device(v, device, cast) for v in value)
     if isinstance(value, Mapping):  # dicts, and UserDicts such as transformers' BatchEncoding
-        moved = {k: _to_device(v, device) for k, v in value.items()}
+        moved = {k: _to_device(v, device, cast) for k, v in value.items()}
         try:
             return type(value)(moved)
         except TypeError:  # a mapping that cannot be built from a dict
