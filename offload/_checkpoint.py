@@ -215,15 +215,16 @@ def save(engine: "Engine", root: Path, tag: str, frozen: bool = True, client_sta
     if not tag or "/" in tag or "\0" in tag or tag.startswith(".") or tag == "latest":
         raise ValueError(f"checkpoint tag {tag!r} must be a plain name (no '/' or NUL, not starting with '.', not "
                          "'latest')")
-    client = client_bytes(client_state) if client_state is not None and engine.rank == 0 else None
     comm, rank = engine.comm, engine.rank
     final = root / tag
     pid = int(comm.sum_float(float(os.getpid()) if rank == 0 else 0.0))
     tmp = root / f".tmp-{tag}-{pid}"
     status = 0.0  # rank 0's preparation: 0 ready, 1 the tag exists, 2 failed (``error``)
     error: BaseException | None = None
+    client: bytes | None = None
     if rank == 0:
-        try:
+        try:  # (the client state's check too: a rank that raised before the others' collectives would hang them)
+            client = client_bytes(client_state) if client_state is not None else None
             status = _prepare(root, tag, tmp)
         except BaseException as exc:  # noqa: BLE001 - raised below, once every rank knows
             status, error = 2.0, exc
@@ -233,8 +234,8 @@ def save(engine: "Engine", root: Path, tag: str, frozen: bool = True, client_sta
     if error is not None:
         raise error
     if status == 2.0:
-        raise RuntimeError(f"checkpoint {final}: rank 0 could not prepare its folder (see its error); nothing was "
-                           "written")
+        raise RuntimeError(f"checkpoint {final}: rank 0 could not prepare its folder or client_state (see its "
+                           "error); nothing was written")
     failed = 0
     try:
         try:
