@@ -9,6 +9,7 @@ Layout of ``save(engine, root, tag)`` (with N ranks; N = 1 is the same)::
     root/<tag>/tensors.bin      rank 0's shard (``tensors.<r>.bin`` for rank r): tensors at page-aligned offsets
     root/<tag>/index.<r>.json   rank r's index: entry name -> dtype, shape, offset, and ``start``, the element
                                 offset of this piece in the flattened full tensor
+    root/<tag>/client_state.pt  save_checkpoint's client_state, if given (rank 0's)
 
 Trainable parameters are stored per parameter name (``param/``, ``exp_avg/``, ``exp_avg_sq/``, fp32) as pieces:
 each rank writes the part of each parameter that falls in the range of the flat buffer it owns, so a parameter may
@@ -30,7 +31,8 @@ The tag directory is first written as ``root/.tmp-<tag>-<pid of rank 0>``, every
 all ranks report success) meta.json written, the directory renamed into place and fsynced; only then is
 ``latest`` rewritten (temp file, fsync, rename). A save that fails on any rank removes the temporary directory;
 one killed midway leaves it until the next save of that tag, which removes those of processes no longer alive.
-Loading never unpickles: it parses JSON and copies bytes into tensors of the dtypes the index names. Directories
+Loading never unpickles: it parses JSON and copies bytes into tensors of the dtypes the index names (the client
+state is read with ``torch.load(weights_only=True)``, which builds tensors and plain containers only). Directories
 are 0700, files 0600. Format v1 (one ``tensors.bin`` indexed in meta.json) still loads.
 """
 
@@ -317,7 +319,7 @@ def client_bytes(client_state: Any) -> bytes:
 def client_state(folder: Path) -> dict[str, Any]:
     """The client_state saved with the checkpoint in ``folder`` ({} if none)."""
     path = folder / CLIENT_STATE
-    return torch.load(path, weights_only=True) if path.exists() else {}
+    return torch.load(path, map_location="cpu", weights_only=True) if path.exists() else {}
 
 
 def _commit(engine: "Engine", index: dict[str, dict[str, Any]], frozen: bool, tmp: Path, final: Path,

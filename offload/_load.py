@@ -30,7 +30,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping
 
 import torch
 
@@ -232,28 +232,27 @@ def _into_module(module: torch.nn.Module, src: StateSource, strict: bool) -> Loa
 def _match_tied(module: torch.nn.Module, aliases: dict[int, list[str]], src: StateSource,
                 strict: bool) -> tuple[dict[str, str], LoadResult]:
     """Which checkpoint name fills each tensor (by its first name; any of a tied tensor's names matches), as
-    ``from_pretrained`` matches them: a checkpoint of the base model into one with a head, or the reverse (names
-    with or without the model's ``base_model_prefix``), and leaving out of what is reported the names the model
-    says to ignore (transformers' ``_keys_to_ignore_on_load_unexpected`` / ``_missing``, e.g. older checkpoints'
-    ``rotary_emb.inv_freq``) and its non-persistent buffers, which no state dict holds."""
+    ``from_pretrained`` matches them: a checkpoint of the base model into one with a head, or the reverse (one
+    decision for the whole checkpoint: its names with the model's ``base_model_prefix`` stripped, added, or as
+    they are: :func:`_spelling`), and leaving out of what is reported the names the model says to ignore
+    (transformers' ``_keys_to_ignore_on_load_unexpected`` / ``_missing``) and those of values it computes (a
+    non-persistent buffer such as ``rotary_emb.inv_freq``, which older checkpoints hold)."""
     have = set(src.names())
-    prefix = getattr(module, "base_model_prefix", "") or ""
+    spell = _spelling(module, [n for ns in aliases.values() for n in ns], have)
     first_to_found: dict[str, str] = {}
     missing = []
     for ns in aliases.values():
-        hit = next((c for n in ns for c in _spellings(n, prefix) if c in have), None)
+        hit = next((spell(n) for n in ns if spell(n) in have), None)
         if hit is None:
             missing.append(ns[0])
         else:
             first_to_found[ns[0]] = hit
-    every = {n for ns in aliases.values() for n in ns}
-    # a value the model computes (a non-persistent buffer such as rotary_emb.inv_freq, which older checkpoints
-    # hold, elsewhere in the module tree then) is never loaded
-    transient = {n.rsplit(".", 1)[-1] for n, _ in module.named_buffers()} - \
-        {n.rsplit(".", 1)[-1] for n in module.state_dict()}
-    unexpected = sorted(n for n in have - every - set(first_to_found.values())
-                        if not _ignored(n, module, "_keys_to_ignore_on_load_unexpected") and
-                        n.rsplit(".", 1)[-1] not in transient)
+    every = {spell(n) for ns in aliases.values() for n in ns} - {None}
+    # buffers no state dict holds, by module and name (``rotary_emb.inv_freq``: older transformers kept one per
+    # layer). The names come from the model's tree: a state_dict() call would read every offloaded parameter
+    transient = {_tail(n) for n, _ in module.named_buffers()} - {_tail(n) for ns in aliases.values() for n in ns}
+    unexpected = sorted(n for n in have - every
+                        if not _ignored(n, module, "_keys_to_ignore_on_load_unexpected") and _tail(n) not in transient)
     result = LoadResult([n for n in missing if not _ignored(n, module, "_keys_to_ignore_on_load_missing")],
                         unexpected)
     if strict and (result.missing or result.unexpected):
@@ -263,12 +262,23 @@ def _match_tied(module: torch.nn.Module, aliases: dict[int, list[str]], src: Sta
     return first_to_found, result
 
 
-def _spellings(name: str, prefix: str) -> tuple[str, ...]:
-    """``name`` as a checkpoint may spell it: itself, and with the base model's prefix stripped or added."""
-    if not prefix:
-        return (name,)
-    lead = prefix + "."
-    return (name, name[len(lead):]) if name.startswith(lead) else (name, lead + name)
+def _spelling(module: torch.nn.Module, names: list[str], have: set[str]) -> Callable[[str], str | None]:
+    """How the checkpoint spells each of the model's names (None: it holds none), decided once for the whole
+    checkpoint as ``from_pretrained`` decides it: a model whose names carry its ``base_model_prefix`` and a
+    checkpoint whose names do not (the base model's) match without the prefix, the head's tensors then missing;
+    the reverse (a checkpoint with a head, into the base model) with the prefix added; else as they are."""
+    lead = (getattr(module, "base_model_prefix", "") or "") + "."
+    model_has, checkpoint_has = (any(n.startswith(lead) for n in group) for group in (names, have))
+    if lead == "." or model_has == checkpoint_has:
+        return lambda n: n
+    if model_has:
+        return lambda n: n[len(lead):] if n.startswith(lead) else None
+    return lambda n: lead + n
+
+
+def _tail(name: str) -> str:
+    """A tensor's name within its module and that module's own name: ``rotary_emb.inv_freq``."""
+    return ".".join(name.split(".")[-2:])
 
 
 def _ignored(name: str, module: torch.nn.Module, attr: str) -> bool:

@@ -233,7 +233,7 @@ class SchedulerConfig(_Section):
         if name == "warmup_max_lr":
             return None if value is None else _float(full, value, 0.0)
         if name == "warmup_num_steps":
-            return _int(full, value, 1)
+            return _int(full, value, 0)  # (0 and 1 count as 2, as in DeepSpeed)
         if name == "total_num_steps":
             return None if value is None else _int(full, value, 1)
         if name == "warmup_type":
@@ -470,11 +470,17 @@ class OffloadConfig(_Section):
         values = cls._values(d, path if path is not None else cls._path)
         return cls(**values, batch_keys=frozenset(k for k in cls._BATCH if values.get(k) is not None))
 
+    def _given_batch(self) -> frozenset[str]:
+        """The batch keys the user set: the JSON's, or (a config built in Python) those away from their defaults."""
+        if self.batch_keys:
+            return self.batch_keys
+        return frozenset(k for k, default in zip(self._BATCH, (None, 1, 1)) if getattr(self, k) != default)
+
     def for_world(self, world_size: int) -> "OffloadConfig":
         """The batch keys completed for ``world_size`` ranks as DeepSpeed completes them: train_batch_size =
         train_micro_batch_size_per_gpu x gradient_accumulation_steps x world size, any two giving the third (only
         train_batch_size: one micro-batch of train_batch_size / world size per step); all three must agree."""
-        tbs, given = self.train_batch_size, self.batch_keys
+        tbs, given = self.train_batch_size, self._given_batch()
         mbs, gas = self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps
         if tbs is None:
             return self
@@ -554,6 +560,10 @@ class OffloadConfig(_Section):
             out["scheduler"] = {"type": sched.pop("type"), "params": sched}
         out.update(dict.fromkeys(out.pop("ignored"), None))
         out.pop("batch_keys")
+        given = self._given_batch()  # the others are derived at initialize: written, they would count as set
+        for key in self._BATCH:
+            if key not in given:
+                out.pop(key, None)
         return out
 
 

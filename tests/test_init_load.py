@@ -311,6 +311,24 @@ def test_checkpoints_match_as_from_pretrained_matches_them(tmp_path):
         assert result.missing == result.unexpected == [], folder
         with torch.no_grad():
             assert torch.equal(model(x).logits, want), folder
+    # the decision is the whole checkpoint's: a base model's norm never fills the head's own norm of that name too
+    class Base(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = torch.nn.LayerNorm(4)
+
+    class Head(torch.nn.Module):
+        base_model_prefix = "model"
+
+        def __init__(self):
+            super().__init__()
+            self.model, self.norm = Base(), torch.nn.LayerNorm(4)
+
+    head = Head()
+    result = offload.load_state_dict(head, {"norm.weight": torch.full((4,), 3.0), "norm.bias": torch.zeros(4)},
+                                     strict=False)
+    assert result.missing == ["norm.weight", "norm.bias"] and bool((head.model.norm.weight == 3).all())
+    assert bool((head.norm.weight == 1).all())
     with torch.device("meta"):
         empty = transformers.LlamaForCausalLM(cfg)
     with pytest.raises(ValueError, match=r"on the meta device, where nothing can be written"):

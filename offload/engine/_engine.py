@@ -969,7 +969,8 @@ def _to_device(value: Any, device: torch.device, cast: torch.dtype | None = None
         dtype = cast if cast is not None and value.is_floating_point() else value.dtype
         if value.device == device and value.dtype == dtype:
             return value
-        return value.to(device, dtype, non_blocking=device.type == "cuda" and value.is_pinned())
+        # moved first, then cast there: a cast in the same call would convert on the host into pageable memory
+        return value.to(device, non_blocking=device.type == "cuda" and value.is_pinned()).to(dtype)
     if isinstance(value, tuple) and hasattr(value, "_fields"):
         return type(value)(*(_to_device(v, device, cast) for v in value))
     if isinstance(value, (list, tuple)):

@@ -52,6 +52,12 @@ class WarmupSchedule(torch.optim.lr_scheduler.LRScheduler):
             warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
             super().step(epoch)
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """A state saved before per-group maximum lrs (``max_lr``) keeps the maximum this config gives; a warm-up
+        length saved below 2 counts as 2, as the scheduler counts it now."""
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != "max_lr"})
+        self.warmup = max(2, self.warmup)
+
     def get_lr(self) -> list[float]:
         g = self.gamma(self.last_epoch - 1)  # last_epoch: the updates done, so the next is update last_epoch
         return [self.min_lr + (hi - self.min_lr) * g for hi in self.max_lrs]
