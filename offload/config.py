@@ -468,6 +468,8 @@ class OffloadConfig(_Section):
     @classmethod
     def from_dict(cls, d: Any, path: str | None = None) -> "OffloadConfig":
         values = cls._values(d, path if path is not None else cls._path)
+        if values.get("ignored"):  # said once, where the JSON is read (not again for each copy made of it)
+            log.warning("offload: config keys accepted but without effect: %s", ", ".join(values["ignored"]))
         return cls(**values, batch_keys=frozenset(k for k in cls._BATCH if values.get(k) is not None))
 
     def _given_batch(self) -> frozenset[str]:
@@ -530,8 +532,6 @@ class OffloadConfig(_Section):
     def __post_init__(self) -> None:
         if self.fp16.enabled and self.bf16.enabled:
             raise ValueError("fp16.enabled and bf16.enabled are both true; choose one")
-        if self.ignored:
-            log.warning("offload: config keys accepted but without effect: %s", ", ".join(self.ignored))
 
     @property
     def dtype(self) -> "torch.dtype":
