@@ -316,10 +316,6 @@ def client_bytes(client_state: Any) -> bytes:
     return buf.getvalue()
 
 
-def client_state(folder: Path) -> dict[str, Any]:
-    """The client_state saved with the checkpoint in ``folder`` ({} if none)."""
-    path = folder / CLIENT_STATE
-    return torch.load(path, map_location="cpu", weights_only=True) if path.exists() else {}
 
 
 def _commit(engine: "Engine", index: dict[str, dict[str, Any]], frozen: bool, tmp: Path, final: Path,
@@ -347,6 +343,7 @@ def _commit(engine: "Engine", index: dict[str, dict[str, Any]], frozen: bool, tm
     }
     if client is not None:
         _write_file(tmp / CLIENT_STATE, client)
+        meta["client_state"] = CLIENT_STATE  # every loading rank reads it from meta, not from a folder's listing
     _write_file(tmp / "meta.json", json.dumps(meta, indent=1).encode())
     _fsync_dir(tmp)
     os.rename(tmp, final)
@@ -537,9 +534,10 @@ class Checkpoint:
         self._files = [None] * len(self._files)
 
 
-def load(engine: "Engine", root: Path, tag: str | None, before_write: Any = None) -> Path:
-    """Loads ``root/tag`` into ``engine`` and returns that folder; ``before_write()`` runs once the checkpoint has
-    been checked against the model, right before the first byte of the engine's state is overwritten."""
+def load(engine: "Engine", root: Path, tag: str | None, before_write: Any = None) -> tuple[Path, dict[str, Any]]:
+    """Loads ``root/tag`` into ``engine``; returns that folder and the client_state saved with it ({} if none).
+    ``before_write()`` runs once the checkpoint has been checked against the model, right before the first byte of
+    the engine's state is overwritten."""
     ck = Checkpoint(root, tag)
     meta = ck.meta
     try:
@@ -586,7 +584,8 @@ def load(engine: "Engine", root: Path, tag: str | None, before_write: Any = None
                 b.copy_(engine.copies.upload(ck.read(f"buffer/{n}")))
     finally:
         ck.close()
-    return ck.folder
+    client = meta.get("client_state")
+    return ck.folder, torch.load(ck.folder / client, map_location="cpu", weights_only=True) if client else {}
 
 
 def consolidated_state_dict(engine: "Engine") -> dict[str, torch.Tensor]:

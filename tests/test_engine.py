@@ -1379,7 +1379,8 @@ def test_the_boundary_is_deepspeeds_before_a_backward_and_after_it(tmp_path):
     with offload.initialize(make(), config(tmp_path, "cpu", gradient_accumulation_steps=3)) as engine:
         for x, y in data:
             before = engine.is_gradient_accumulation_boundary()
-            engine.backward(lm_loss(engine(x), y))
+            loss = lm_loss(engine(x), y)
+            assert engine.backward(loss) is loss  # DeepSpeed's backward returns the loss
             seen.append((before, engine.is_gradient_accumulation_boundary()))
             engine.step()
         assert engine.global_steps == 2

@@ -312,9 +312,10 @@ class Engine:
                              "gradients up; set gradient_accumulation_steps to the longest window you use")
         self._boundary = is_boundary
 
-    def backward(self, loss: torch.Tensor, *, scale_wrt_gas: bool = True) -> None:
+    def backward(self, loss: torch.Tensor, *, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of ``loss`` scaled by the fp16 loss scale and, unless ``scale_wrt_gas`` is False (a loss the
-        caller already normalised over the accumulation window), by 1/gradient_accumulation_steps.
+        caller already normalised over the accumulation window), by 1/gradient_accumulation_steps; returns ``loss``
+        (as DeepSpeed's does).
 
         If it raises in a window's first micro-batch before any update started, the window is dropped and the
         engine is idle again; otherwise (earlier micro-batches, or updates already running) it is FAILED until a
@@ -365,6 +366,7 @@ class Engine:
         self.phase = Phase.ACCUMULATING
         self.micro_steps += 1
         self._backward_done = True
+        return loss
 
     def zero_grad(self) -> None:
         """Drops the gradients of an unfinished accumulation window (a loop interrupted between backward and
@@ -814,13 +816,13 @@ class Engine:
             writing.append(True)
 
         try:
-            folder = _checkpoint.load(self, Path(path), None if tag is None else str(tag), before_write)
+            loaded = _checkpoint.load(self, Path(path), None if tag is None else str(tag), before_write)
         except BaseException as exc:
             if writing:
                 self._fail("engine.load_checkpoint", exc)
             raise
         self.phase = Phase.IDLE
-        return folder, _checkpoint.client_state(folder)
+        return loaded
 
     def _discard_window(self) -> None:
         """Before a load replaces the state: drops what the accumulation window held, or what a backward or step
