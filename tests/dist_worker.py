@@ -176,8 +176,9 @@ def run(spec: dict, r: dict, rank: int, world: int, out: Path) -> None:
             with engine.gathered([model.blocks[1].fc.weight, model.pos, model.blocks[0].fc.weight]):
                 if rank == 0 or r.get("frozen_base"):  # a frozen base: every rank edits it, each differently
                     edit(model, rank)
+        client = None
         if r.get("load"):
-            engine.load_checkpoint(r["load"])
+            client = engine.load_checkpoint(r["load"])[1]
         start, norms = engine.global_steps, []
         for step in range(start, r["steps"]):
             if r.get("nan_at") == step:
@@ -204,8 +205,8 @@ def run(spec: dict, r: dict, rank: int, world: int, out: Path) -> None:
                 engine.step()
             norms.append(engine.last_grad_norm)
             if r.get("save") and step + 1 == r["save_after"]:
-                try:
-                    engine.save_checkpoint(r["save"])
+                try:  # the loop's own values, rank 0's kept (DeepSpeed's client_state)
+                    engine.save_checkpoint(r["save"], client_state={"step": step + 1, "rank": rank})
                 except (OSError, RuntimeError) as exc:
                     if not r.get("fail_save"):
                         raise
@@ -226,7 +227,8 @@ def run(spec: dict, r: dict, rank: int, world: int, out: Path) -> None:
             "report": engine.memory_report(), "comm": stats["comm"], "steps": engine.global_steps,
             "pieces_nvme": stats["params"]["pieces_nvme"] if stats["params"] else None, "reduce": stats["reduce"],
             "numel": sum(p.numel() for p in engine.layout.params), "flat_numel": sum(engine.layout.group_numel),
-            "start_sync": stats["start_sync"], "extras": extras, "save_error": save_error, "grad_norms": norms}))
+            "start_sync": stats["start_sync"], "extras": extras, "save_error": save_error, "grad_norms": norms,
+            "client_state": client}))
         if ref is not None:  # the engine that created the default group is closed: the reference's group lives on
             engine.close()
             with torch.no_grad():

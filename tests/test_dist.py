@@ -470,13 +470,16 @@ def test_stage_1_2_gradients_take_a_share_and_two_buckets(world, two_ranks, thre
 def test_checkpoint_from_two_ranks_resumes_on_three_and_one(two_ranks, three_ranks, tmp_path):
     out, ckpt = two_ranks
     straight = torch.load(out / "straight.pt", weights_only=True)
-    assert sorted(p.name for p in (ckpt / "step3").iterdir()) == ["index.0.json", "index.1.json", "meta.json",
-                                                                   "tensors.1.bin", "tensors.bin"]
+    assert sorted(p.name for p in (ckpt / "step3").iterdir()) == ["client_state.pt", "index.0.json", "index.1.json",
+                                                                   "meta.json", "tensors.1.bin", "tensors.bin"]
     assert_close(torch.load(three_ranks / "resumed.pt", weights_only=True), straight)
+    # rank 0's client_state reaches every rank of the resume (three ranks) and a one-rank load
+    assert [json.loads((three_ranks / f"resumed.rank{r}.json").read_text())["client_state"] for r in range(3)] == \
+        [{"step": 3, "rank": 0}] * 3
     data = batches(6, bsz=6)
     model = make(seed=9)
     with offload.initialize(model, config(2, "nvme", tmp_path / "nvme")) as engine:  # one rank
-        assert engine.load_checkpoint(ckpt)[0].name == "step3"
+        assert engine.load_checkpoint(ckpt) == (ckpt / "step3", {"step": 3, "rank": 0})
         at_save = engine.consolidated_state_dict()
         for x, y in data[3:]:
             engine.backward(lm_loss(engine(x), y))
