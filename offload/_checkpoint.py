@@ -316,8 +316,6 @@ def client_bytes(client_state: Any) -> bytes:
     return buf.getvalue()
 
 
-
-
 def _commit(engine: "Engine", index: dict[str, dict[str, Any]], frozen: bool, tmp: Path, final: Path,
             client: bytes | None = None) -> None:
     """Rank 0, once every shard is written: meta.json, the directory renamed into place, then ``latest``."""
@@ -696,7 +694,7 @@ def _gather_masters(engine: "Engine", masters: dict[int, torch.Tensor | None],
             if not hits:
                 continue
             kept = any(masters[i] is not None for _, _, i, _ in hits)
-            block, error = None, None
+            error = None
             try:
                 block = opt.read_state(sg)
             except Exception as exc:  # noqa: BLE001 - a failed read (an NVMe error, a checksum): raised below, once

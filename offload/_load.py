@@ -242,7 +242,7 @@ def _match_tied(module: torch.nn.Module, aliases: dict[int, list[str]], src: Sta
     first_to_found: dict[str, str] = {}
     missing = []
     for ns in aliases.values():
-        hit = next((spell(n) for n in ns if spell(n) in have), None)
+        hit = next((c for c in map(spell, ns) if c in have), None)
         if hit is None:
             missing.append(ns[0])
         else:
