@@ -68,6 +68,16 @@ def logged(trainer: Trainer, key: str) -> list[float]:
     return [h[key] for h in trainer.state.log_history if key in h and "train_runtime" not in h]
 
 
+def matches(plain: Trainer, ours: OffloadTrainer, keys=("loss", "grad_norm", "learning_rate"),
+            steps: int | None = None) -> None:
+    """The two runs logged the same values, step for step (``steps`` of them, if given)."""
+    for key in keys:
+        ref, got = logged(plain, key), logged(ours, key)
+        assert len(ref) == len(got) == (steps or len(ref)) > 0, key
+        for step, (a, b) in enumerate(zip(ref, got)):
+            assert math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-7), (key, step, a, b)
+
+
 @pytest.mark.parametrize("stage,params,clip", [(2, False, 0.0), (3, True, 1.0)],
                          ids=["optimizer-nvme-noclip", "params+optimizer-nvme"])
 def test_losses_match_the_plain_trainer_step_by_step(tmp_path, stage, params, clip):
@@ -83,11 +93,7 @@ def test_losses_match_the_plain_trainer_step_by_step(tmp_path, stage, params, cl
     try:
         ours.train()
         assert ours.engine.global_steps == plain.state.global_step == 6
-        for key in ("loss", "grad_norm", "learning_rate"):
-            ref, got = logged(plain, key), logged(ours, key)
-            assert len(ref) == len(got) == 6, key
-            for step, (a, b) in enumerate(zip(ref, got)):
-                assert math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-7), (key, step, a, b)
+        matches(plain, ours, steps=6)
         ref_eval = plain.evaluate(dataset(8, seed=5))["eval_loss"]
         assert math.isclose(ours.evaluate(dataset(8, seed=5))["eval_loss"], ref_eval, rel_tol=1e-5)
     finally:
@@ -422,14 +428,6 @@ def test_save_pretrained_of_the_wrapped_model_round_trips(tmp_path, placement):
         assert torch.equal(back(input_ids=data[2]["input_ids"][None].to(DEVICE)).logits.float().cpu(), want)
 
 
-def _matches(plain: Trainer, ours: OffloadTrainer, keys=("loss", "grad_norm", "learning_rate")) -> None:
-    for key in keys:
-        ref, got = logged(plain, key), logged(ours, key)
-        assert len(ref) == len(got) > 0, key
-        for step, (a, b) in enumerate(zip(ref, got)):
-            assert math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-7), (key, step, a, b)
-
-
 def test_a_subclass_create_optimizer_and_arguments_set_after_construction_are_used(tmp_path):
     """Trainer's documented customisation, a subclass's ``create_optimizer`` (here a 10x lr for the last block, as
     LoRA+ raises the lr of some weights), gives the engine its groups; and TrainingArguments changed after
@@ -463,7 +461,7 @@ def test_a_subclass_create_optimizer_and_arguments_set_after_construction_are_us
     try:
         assert [g["lr"] for g in ours.optimizer.param_groups] == [g["lr"] for g in plain.optimizer.param_groups]
         assert ours.engine.config.gradient_clipping == 0.1
-        _matches(plain, ours)
+        matches(plain, ours)
     finally:
         ours.close()
 
@@ -496,7 +494,7 @@ def test_an_interrupted_train_leaves_no_half_window_and_delayed_updates_are_in_a
         runs.append(trainer)
     plain, ours = runs
     try:
-        _matches(plain, ours, keys=("loss", "grad_norm"))
+        matches(plain, ours, keys=("loss", "grad_norm"))
     finally:
         ours.close()
     delayed = {"zero_optimization": {"offload_optimizer": {"device": "cpu", "delayed_update": True}}}
