@@ -31,7 +31,7 @@ import torch
 from ._device import default_device, fast_bf16
 from ._progress import bar
 from .config import parse_bytes, read_json
-from .memory import fmt_bytes
+from .memory import Tier, fmt_bytes
 
 
 def _demo_config(args: argparse.Namespace, swap: Path, bf16: bool) -> dict[str, Any]:
@@ -166,7 +166,7 @@ def _demo(args: argparse.Namespace) -> int:
     print(f"  host peak = {report['host']['peak'] / state:.2f} x the {fmt_bytes(state)} of parameters and optimizer "
           "state")
     if swap_files:
-        offloaded = report["nvme"]["optimizer_state"] + (param_bytes * n if plan.param_tier.value == "nvme" else 0)
+        offloaded = report["nvme"]["optimizer_state"] + (param_bytes * n if plan.param_tier is Tier.NVME else 0)
         print(f"  swap files {fmt_bytes(swap_files)} = {swap_files / offloaded:.2f} x the {fmt_bytes(offloaded)} "
               "offloaded to NVMe")
     stall, adam = stats["stall_seconds"], stats["adam_seconds"]
