@@ -1,8 +1,10 @@
 """Shared fixtures: real filesystems to test against (a size-limited ext4 image, a tmpfs), mounted when we are root;
-the thread-leak check; the session's set-up for runs on CUDA."""
+the thread-leak check; the session's set-up for runs on CUDA; what a run on a lent machine needs to be read after a
+time limit cut it short (the versions it ran, each failure written out as it happens)."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import shutil
 import subprocess
@@ -23,6 +25,31 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     from offload.ops._cpu_adam import cpu_adam_backend
 
     cpu_adam_backend()
+
+
+def pytest_report_header() -> str:
+    """The versions a failure may depend on: another machine (a lent GPU's) brings its own torch and transformers."""
+    def version(name: str) -> str:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return "absent"
+
+    import torch
+
+    cuda = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    names = ("torch", "transformers", "peft", "accelerate", "safetensors", "deepspeed", "torchao")
+    return f"offload test run: CUDA {cuda}; " + ", ".join(f"{n} {version(n)}" for n in names)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """With OFFLOAD_TEST_FAILURES set to a file, each failure's traceback is appended to it as the failure happens
+    (pytest prints them only at the end of the session, which a time limit on a lent machine may never reach).
+    Under xdist the controller gets every worker's reports, so one process writes."""
+    path = os.environ.get("OFFLOAD_TEST_FAILURES")
+    if path and report.failed and "PYTEST_XDIST_WORKER" not in os.environ:
+        with open(path, "a") as f:
+            f.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
 
 
 def _run(*cmd: str) -> bool:

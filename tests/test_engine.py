@@ -179,7 +179,11 @@ def test_grad_norm_of_delayed_updates_and_of_huge_gradients(tmp_path, case):
     if case != "delayed":
         want: list[float] = []
         reference_fp32(4, data, norms=want, loss_scale=scale)
-        assert runs[0] == pytest.approx(want, rel=1e-5)
+        # torch's AdamW on CUDA squares a gradient before weighting it (fma(1 - beta2, g * g, v)), so at these
+        # gradients its second moment overflows to inf where the CPU Adam kernel's ((1 - beta2) * g) * g (and
+        # torch's on the CPU) does not: there its trajectory leaves ours after the first update
+        steps = len(want) if DEVICE.type == "cpu" else 1
+        assert runs[0][:steps] == pytest.approx(want[:steps], rel=1e-5)
 
 
 def test_grad_norm_after_loading_an_earlier_checkpoint(tmp_path):
