@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Callable, Iterable
 import torch
 
 from ._checkpoint import make_folder
+from ._convert import hub_layout
 from .config import parse_bytes
 from .dist import CommError
 
@@ -220,7 +221,8 @@ def _tied_targets(module: torch.nn.Module) -> frozenset[str]:
 def save_engine(engine: "Engine", out: str | os.PathLike[str], max_shard_size: int | str = "5GB") -> list[Path]:
     """The engine's model (fp32 master weights of trainable parameters, other tensors as they are) as safetensors,
     one shard in memory at a time: shards hold the trainable parameters in the optimizer's order (each shard's
-    masters read, or with several ranks gathered, from as few sub-groups as hold them), then the other tensors.
+    masters read, or with several ranks gathered, from as few sub-groups as hold them), then the other tensors. A
+    transformers model is written in the Hub's layout, as save_pretrained writes it (:class:`_convert.HubLayout`).
     Collective with several ranks: every rank calls and takes part in the gathers, rank 0 alone holds the shard and
     writes it."""
     from ._checkpoint import engine_tensors
@@ -229,11 +231,19 @@ def save_engine(engine: "Engine", out: str | os.PathLike[str], max_shard_size: i
     keys = _unique({k: id(t) for k, t in sd.items()}, _tied_targets(engine.module))
     order = {id(p): i for i, p in enumerate(engine.layout.params)}
     keys.sort(key=lambda k: order.get(id(sd[k]), len(order)))  # stable: the others keep state-dict order
-    sizes = [(k, sd[k].numel() * (4 if id(sd[k]) in order else sd[k].element_size())) for k in keys]
+    itemsize = {k: 4 if id(sd[k]) in order else sd[k].element_size() for k in keys}
     writer = engine.rank == 0
     vote = engine.comm.vote if engine.world_size > 1 else None
-    return write_safetensors(out, sizes, lambda names: engine_tensors(engine, names, keep=writer), max_shard_size,
-                             writer=writer, vote=vote)
+
+    def read(names: list[str]) -> dict[str, torch.Tensor]:
+        return engine_tensors(engine, names, keep=writer)
+
+    hub = hub_layout(engine.module, {k: tuple(sd[k].shape) for k in keys})
+    if hub is None:
+        sizes = [(k, sd[k].numel() * itemsize[k]) for k in keys]
+    else:  # the layout save_pretrained writes (Mixtral's experts one tensor each), as from_pretrained expects it
+        sizes, read = hub.sizes(itemsize), hub.reader(read)
+    return write_safetensors(out, sizes, read, max_shard_size, writer=writer, vote=vote)
 
 
 def save_checkpoint_folder(root: Path, out: Path, tag: str | None = None, max_shard_size: int | str = "5GB",

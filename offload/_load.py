@@ -36,6 +36,7 @@ import torch
 
 from nvme_swapper import evict_pages
 
+from ._convert import ConvertedSource, converted
 from ._hooks import unwrap_compiled
 
 if TYPE_CHECKING:
@@ -112,6 +113,10 @@ class StateSource:
                 return tuple(f.get_slice(name).get_shape())
         return tuple(self._torch_file(path)[name].shape)
 
+    def origin(self, name: str) -> str:
+        """``name`` as errors show it (a converted view names the tensors it reads)."""
+        return name
+
     def _shard(self, name: str) -> Path:
         path = self._files[name]
         if not path.exists():
@@ -173,13 +178,13 @@ def _aliases(module: torch.nn.Module) -> dict[int, list[str]]:
     return out
 
 
-def _check_shapes(found: dict[str, str], src: StateSource, tensors: Mapping[str, torch.Tensor]) -> None:
+def _check_shapes(found: dict[str, str], src: StateSource | ConvertedSource, tensors: Mapping[str, torch.Tensor]) -> None:
     """Every tensor a load takes has the model's shape and its shard exists, checked before anything is written:
     a load that fails on those fails with the model (and an engine's state) as it was."""
     for first, hit in found.items():
         shape = src.shape(hit)
         if shape != tuple(tensors[first].shape):
-            raise ValueError(f"checkpoint tensor {hit} has shape {shape}, the model's is "
+            raise ValueError(f"checkpoint tensor {src.origin(hit)} has shape {shape}, the model's is "
                              f"{tuple(tensors[first].shape)}; nothing was loaded")
 
 
@@ -199,18 +204,30 @@ def load_state_dict(target: "torch.nn.Module | Engine", source: str | os.PathLik
     held = holding(unwrap_compiled(target))
     if held is not None:  # its tensors are the engine's: the masters must get the values too
         return held.load_state_dict(source, strict=strict)
-    with StateSource(source) as src:
-        return _into_module(unwrap_compiled(target), src, strict)
+    module = unwrap_compiled(target)
+    with _open(source, module) as src:
+        return _into_module(module, src, strict)
 
 
 def load_into_engine(engine: "Engine", source: str | os.PathLike[str] | Mapping[str, torch.Tensor],
                      strict: bool) -> LoadResult:
     """``Engine.load_state_dict`` once it has checked its phase: the masters, homes and device copies."""
-    with StateSource(source) as src:
+    with _open(source, engine.module) as src:
         return _into_engine(engine, src, strict)
 
 
-def _into_module(module: torch.nn.Module, src: StateSource, strict: bool) -> LoadResult:
+def _open(source: str | os.PathLike[str] | Mapping[str, torch.Tensor],
+          module: torch.nn.Module) -> "StateSource | ConvertedSource":
+    """The source as ``module`` names its tensors (transformers' conversions: :mod:`offload._convert`)."""
+    src = StateSource(source)
+    try:
+        return converted(src, module)
+    except BaseException:
+        src.close()
+        raise
+
+
+def _into_module(module: torch.nn.Module, src: StateSource | ConvertedSource, strict: bool) -> LoadResult:
     tensors = module.state_dict(keep_vars=True)
     aliases = _aliases(module)
     found, result = _match_tied(module, aliases, src, strict)
@@ -229,7 +246,7 @@ def _into_module(module: torch.nn.Module, src: StateSource, strict: bool) -> Loa
     return result
 
 
-def _match_tied(module: torch.nn.Module, aliases: dict[int, list[str]], src: StateSource,
+def _match_tied(module: torch.nn.Module, aliases: dict[int, list[str]], src: StateSource | ConvertedSource,
                 strict: bool) -> tuple[dict[str, str], LoadResult]:
     """Which checkpoint name fills each tensor (by its first name; any of a tied tensor's names matches), as
     ``from_pretrained`` matches them: a checkpoint of the base model into one with a head, or the reverse (one
@@ -285,7 +302,7 @@ def _ignored(name: str, module: torch.nn.Module, attr: str) -> bool:
     return any(re.search(pattern, name) for pattern in getattr(module, attr, None) or ())
 
 
-def _into_engine(engine: "Engine", src: StateSource, strict: bool) -> LoadResult:
+def _into_engine(engine: "Engine", src: StateSource | ConvertedSource, strict: bool) -> LoadResult:
     """Sub-group by sub-group: each segment's fp32 master from its parameter's tensor, and each parameter's
     low-precision home once its last segment is in; frozen tensors and buffers after. One checkpoint tensor in RAM
     at a time (the current parameter's), each read once."""

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import offload
+import offload._load as offload_load
 from nvme_swapper import in_arena
 from models import DEVICE, batches, close_enough, make, train_steps
 
@@ -333,6 +334,95 @@ def test_checkpoints_match_as_from_pretrained_matches_them(tmp_path):
         empty = transformers.LlamaForCausalLM(cfg)
     with pytest.raises(ValueError, match=r"on the meta device, where nothing can be written"):
         offload.load_state_dict(empty, tmp_path / "base")
+
+
+SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2)
+HUB_LAYOUTS = {  # architectures whose save_pretrained writes another layout than the model holds
+    "Mixtral": dict(SMALL, num_local_experts=4),
+    "Qwen2Moe": dict(SMALL, num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=16),
+    "Qwen3Moe": dict(SMALL, num_experts=4, moe_intermediate_size=16),
+    "Olmoe": dict(SMALL, num_experts=4),
+    "Phimoe": dict(SMALL, num_local_experts=4),
+    "DeepseekV3": dict(SMALL, n_routed_experts=4, moe_intermediate_size=16, n_group=1, topk_group=1,
+                       first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
+                       qk_nope_head_dim=8, v_head_dim=8),
+    "Jamba": dict(SMALL, num_experts=4),
+    "GPTNeoX": dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4),
+}
+
+
+def test_a_checkpoint_in_the_hubs_layout_loads_as_from_pretrained_converts_it(tmp_path):
+    """transformers 5 fuses Mixtral's experts (``mlp.experts.gate_up_proj``) where its checkpoints, and its own
+    save_pretrained, hold ``block_sparse_moe.experts.{i}.w1/w2/w3.weight``: a load converts them with the model's
+    mapping, as from_pretrained does, into a model built under offload.init and into an engine (masters, and the
+    forward after it), equal to from_pretrained's model; the engine's export writes them back as save_pretrained
+    does, whole or sharded; a checkpoint of narrower experts is refused, naming the tensors it came from, before
+    anything is written."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(pytest.importorskip("transformers.conversion_mapping"), "get_model_conversion_mapping"):
+        pytest.skip("this transformers keeps Mixtral's experts as the checkpoints do")
+    cfg = transformers.MixtralConfig(**HUB_LAYOUTS["Mixtral"], num_experts_per_tok=2)
+    torch.manual_seed(0)
+    transformers.MixtralForCausalLM(cfg).save_pretrained(tmp_path / "hub")
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "hub" / "model.safetensors"), "pt") as f:
+        assert "model.layers.0.block_sparse_moe.experts.3.w2.weight" in f.keys()  # the Hub's layout
+    ref = transformers.MixtralForCausalLM.from_pretrained(str(tmp_path / "hub"))
+    want = {k: v.clone() for k, v in ref.state_dict().items()}
+    assert want["model.layers.1.mlp.experts.gate_up_proj"].shape == (4, 96, 32)
+    x = torch.randint(0, 64, (2, 8))
+    with torch.no_grad():
+        logits = ref(x).logits
+    torch.manual_seed(1)
+    with offload.init(config(tmp_path / "a")):
+        model = transformers.MixtralForCausalLM(cfg)
+    result = offload.load_state_dict(model, tmp_path / "hub")
+    assert result.missing == result.unexpected == []
+    assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
+    torch.manual_seed(2)
+    with offload.initialize(transformers.MixtralForCausalLM(cfg), config(tmp_path / "b")) as engine:
+        assert engine.load_state_dict(tmp_path / "hub").missing == []
+        state = engine.consolidated_state_dict()
+        assert all(torch.equal(state[k], want[k]) for k in state)
+        with torch.no_grad():
+            close_enough(engine(x).logits.float().cpu(), logits, 1e-5)
+        for name, shard in (("one", "5GB"), ("shards", "20KB")):  # 20 KB: an expert tensor's parts straddle shards
+            files = engine.save_safetensors(tmp_path / name, max_shard_size=shard)
+            assert (len(files) > 2) is (name == "shards")
+            with offload_load.StateSource(tmp_path / name) as ours, offload_load.StateSource(tmp_path / "hub") as hub:
+                assert sorted(ours.names()) == sorted(hub.names())  # what save_pretrained wrote
+                assert all(torch.equal(ours.get(n), hub.get(n)) for n in hub.names())
+    other = transformers.MixtralConfig(**{**cfg.to_dict(), "intermediate_size": 40})
+    transformers.MixtralForCausalLM(other).save_pretrained(tmp_path / "narrow")
+    model = transformers.MixtralForCausalLM(cfg)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"tensor model.layers.0.mlp.experts.gate_up_proj \(converted from "
+                                         r"model.layers.0.block_sparse_moe.experts.0.w1.weight and 7 more\) has "
+                                         r"shape \(4, 80, 32\), the model's is \(4, 96, 32\)"):
+        offload.load_state_dict(model, tmp_path / "narrow")
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("arch", list(HUB_LAYOUTS))
+def test_hub_layouts_of_moe_and_renamed_models_load_as_from_pretrained(tmp_path, arch):
+    """Fused experts (their checkpoints hold one tensor per expert and projection) and renamed heads (GPT-NeoX's
+    ``embed_out``): strictly, every tensor equal to from_pretrained's."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers.core_model_loading")
+    config_class = getattr(transformers, f"{arch}Config", None)
+    if config_class is None:
+        pytest.skip(f"this transformers has no {arch}")
+    cfg = config_class(**HUB_LAYOUTS[arch])
+    model_class = transformers.AutoModelForCausalLM._model_mapping[type(cfg)]
+    torch.manual_seed(0)
+    model_class(cfg).save_pretrained(tmp_path)
+    want = model_class.from_pretrained(str(tmp_path)).state_dict()
+    torch.manual_seed(1)
+    model = model_class(cfg)
+    offload.load_state_dict(model, tmp_path)
+    assert [k for k, v in model.state_dict().items() if not torch.equal(v, want[k])] == []
 
 
 @pytest.mark.parametrize("opt", ["nvme", "cpu"])
