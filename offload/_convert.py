@@ -73,39 +73,68 @@ class ConvertedSource:
         converters = [t for t in mapping if isinstance(t, WeightConverter)]
         by_pattern = {p: c for c in converters for p in c.source_patterns}
         model_keys = set(module.state_dict(keep_vars=True))
-        self._plain: dict[str, str] = {}  # model-side name -> checkpoint key
+        self._plain: dict[str, str] = {}  # name as read -> checkpoint key
         self._groups: dict[str, tuple[Any, list[tuple[str, str]]]] = {}  # converter, its (pattern, key)s
-        self.renames = False  # some key is read under another name
+        self.renames = False  # some key is read under another name, or converted (a Transpose keeps its name)
         for key in sorted(src.names(), key=_natural):
             renamed, pattern = rename_source_key(key, renamings, converters)
             if renamed not in model_keys and key in model_keys:
                 renamed, pattern = key, None  # a key the model has as it is: not one to convert
-            if pattern is None:
-                self._plain.setdefault(renamed, key)
-            else:
+            self.renames |= renamed != key or pattern is not None
+            if pattern is not None:
                 self._groups.setdefault(renamed, (by_pattern[pattern], []))[1].append((pattern, key))
-            self.renames |= renamed != key
+            elif renamed in self._plain:  # two keys for one tensor (LayerNorm.gamma beside LayerNorm.weight)
+                self._keep_spelt_as_the_model(renamed, key)
+            else:
+                self._plain[renamed] = key
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._group_of: dict[str, str] = {}  # converted name -> its group
-        for group in self._groups:
-            for name, t in self._convert(group, meta=True).items():
+        self.failures: list[str] = []  # groups whose conversion failed (their keys read as they are)
+        for group in list(self._groups):
+            try:
+                outputs = self._convert(group, meta=True)
+            except ValueError as exc:
+                self.failures.append(str(exc))
+                self._plain.update((k, k) for _, k in self._groups.pop(group)[1])
+                continue
+            if any(name in self._plain for name in outputs):  # held converted too: that one is the model's
+                self._plain.update((k, k) for _, k in self._groups.pop(group)[1])
+                continue
+            for name, t in outputs.items():
                 self._shapes[name] = tuple(t.shape)
                 self._group_of[name] = group
         self._ready: dict[str, torch.Tensor] = {}  # a group's other outputs, until asked for
 
+    def _keep_spelt_as_the_model(self, name: str, key: str) -> None:
+        """Two checkpoint keys read as ``name``: the one spelt as the model spells it is read as ``name``, the
+        other under its own key (so a load reports it as unexpected, never drops it silently)."""
+        if key == name:
+            other = self._plain[name]
+            self._plain[other], self._plain[name] = other, key
+        else:
+            self._plain[key] = key
+
     def _convert(self, group: str, meta: bool) -> dict[str, torch.Tensor]:
         """One group's conversion (a fresh copy of its converter: converting consumes what it collected), on meta
-        tensors of the stored shapes or on the stored tensors."""
+        tensors of the stored shapes or on the stored tensors (each shard opened once for the group)."""
         template, members = self._groups[group]
         converter = copy.deepcopy(template)
+        keys = [k for _, k in members]
+        stored = {k: torch.empty(self._src.shape(k), device="meta") for k in keys} if meta else \
+            self._src.get_many(keys)
         for pattern, key in members:
-            t = torch.empty(self._src.shape(key), device="meta") if meta else self._src.get(key)
-            converter.add_tensor(group, key, pattern, t)
+            converter.add_tensor(group, key, pattern, stored.pop(key))
         try:
             return converter.convert(group, model=self._module, config=getattr(self._module, "config", None))
         except Exception as exc:  # noqa: BLE001 - any failure of transformers' conversion names the tensors
-            raise ValueError(f"converting checkpoint tensors {[k for _, k in members][:4]} into {group} "
-                             f"(transformers' conversion for {type(self._module).__name__}) failed: {exc}") from exc
+            counts: dict[str, int] = {}
+            for pattern, _ in members:
+                counts[pattern] = counts.get(pattern, 0) + 1
+            held = ", ".join(f"{n} x {pattern}" for pattern, n in counts.items())
+            raise ValueError(f"checkpoint tensors {keys[0]} ... {keys[-1]} could not be converted into {group} "
+                             f"(transformers' conversion for {type(self._module).__name__}: {exc}); the checkpoint "
+                             f"holds {held} for it: one missing or of another shape (from_pretrained refuses it "
+                             "too)") from exc
 
     def names(self) -> list[str]:
         return list(self._plain) + list(self._shapes)
@@ -113,13 +142,19 @@ class ConvertedSource:
     def shape(self, name: str) -> tuple[int, ...]:
         return self._shapes[name] if name in self._shapes else self._src.shape(self._plain[name])
 
+    def sources(self, name: str) -> list[str]:
+        """The checkpoint keys ``name`` is read from."""
+        if name not in self._group_of:
+            return [self._plain[name]]
+        return [k for _, k in self._groups[self._group_of[name]][1]]
+
     def origin(self, name: str) -> str:
         """A converted name with the checkpoint keys it comes from, for errors."""
-        if name not in self._group_of:
-            return self._src.origin(self._plain[name])
-        keys = [k for _, k in self._groups[self._group_of[name]][1]]
+        keys = self.sources(name)
+        if keys == [name]:
+            return name
         more = f" and {len(keys) - 1} more" if len(keys) > 1 else ""
-        return f"{name} (converted from {keys[0]}{more})"
+        return f"{name} ({'converted' if name in self._group_of else 'renamed'} from {keys[0]}{more})"
 
     def get(self, name: str) -> torch.Tensor:
         if name in self._plain:
@@ -140,62 +175,93 @@ class ConvertedSource:
 
 
 
-class HubLayout:
-    """An export's names: each of the model's tensors (``shapes``: state-dict key -> shape, in the export's order)
-    as the tensors ``save_pretrained`` writes for it (a fused expert tensor as one per expert and projection),
-    learnt by reverting meta tensors. ``outputs``: key -> [(name, shape)]."""
+def _reverse_groups(module: torch.nn.Module, keys: list[str]) -> dict[str, list[str]]:
+    """The model's keys in the sets ``save_pretrained``'s reversion converts together (the keys one reverse
+    converter collects: a tensor split in two at load is joined again from both), each set under its first key's
+    place in ``keys``; a key no converter collects is a set of its own."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, apply_converters
 
-    def __init__(self, module: torch.nn.Module, shapes: dict[str, tuple[int, ...]]) -> None:
+    conversions = getattr(module, "_weight_conversions", None)  # what from_pretrained applied, as it reverts them
+    if conversions is None:
+        prefix_change = getattr(sys.modules["transformers.core_model_loading"], "PrefixChange", ())
+        conversions = [c for c in get_model_conversion_mapping(module, add_legacy=False)
+                       if not isinstance(c, prefix_change)]
+    reverse = [c.reverse_transform() for c in conversions[::-1]]
+    converters = [c for c in reverse if isinstance(c, WeightConverter)]
+    groups: dict[str, list[str]] = {}
+    for key in keys:
+        renamed, pattern = apply_converters(key, converters)
+        groups.setdefault(renamed if pattern is not None else key, []).append(key)
+    return groups
+
+
+class HubLayout:
+    """An export's names: the model's tensors (``specs``: state-dict key -> (shape, dtype), in the export's order)
+    as ``save_pretrained`` writes them (a fused expert tensor as one per expert and projection), learnt by
+    reverting meta tensors, set by set (:func:`_reverse_groups`). ``outputs``: set -> [(name, bytes)]."""
+
+    def __init__(self, module: torch.nn.Module, specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
         from transformers.core_model_loading import revert_weight_conversion
 
         self._module, self._revert_fn = module, revert_weight_conversion
-        meta = {k: torch.empty(s, device="meta") for k, s in shapes.items()}
-        whole = {n: tuple(t.shape) for n, t in revert_weight_conversion(module, dict(meta)).items()}
-        self.outputs: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
-        for key, shape in shapes.items():
-            if whole.get(key) == shape:  # kept as it is
-                self.outputs[key] = [(key, shape)]
+        meta = {k: torch.empty(shape, dtype=dtype, device="meta") for k, (shape, dtype) in specs.items()}
+        whole = {n: (tuple(t.shape), t.dtype) for n, t in revert_weight_conversion(module, dict(meta)).items()}
+        self.groups = _reverse_groups(module, list(specs))
+        self.outputs: dict[str, list[tuple[str, int]]] = {}
+        for group, members in self.groups.items():
+            if members == [group] and whole.get(group) == specs[group]:  # kept as it is
+                out = {group: meta[group]}
             else:
-                out = revert_weight_conversion(module, {key: meta[key]})
-                self.outputs[key] = [(n, tuple(t.shape)) for n, t in out.items()]
-        self.consistent = {n: s for outs in self.outputs.values() for n, s in outs} == whole
-        self.changes = any(outs != [(k, shapes[k])] for k, outs in self.outputs.items())
+                out = revert_weight_conversion(module, {k: meta[k] for k in members})
+            self.outputs[group] = [(n, t.numel() * t.element_size()) for n, t in out.items()]
+        made = [n for outs in self.outputs.values() for n, _ in outs]
+        self.consistent = sorted(made) == sorted(whole)
+        self.changes = any(outs != [(g, meta[g].numel() * meta[g].element_size())] or self.groups[g] != [g]
+                           for g, outs in self.outputs.items())
 
-    def sizes(self, itemsize: dict[str, int]) -> list[tuple[str, int]]:
-        """(name, bytes) of every tensor the export writes, in order; ``itemsize``: each model key's."""
-        return [(n, math.prod(s) * itemsize[k]) for k, outs in self.outputs.items() for n, s in outs]
+    def sizes(self) -> list[tuple[str, int]]:
+        """(name, bytes) of every tensor the export writes, in order."""
+        return [out for outs in self.outputs.values() for out in outs]
 
     def reader(self, read_model: Callable[[list[str]], dict[str, torch.Tensor]]
                ) -> Callable[[list[str]], dict[str, torch.Tensor]]:
         """``read_model`` (model keys -> tensors; a collective with several ranks, {} on the ranks that do not
-        write) as a reader of export names. A model tensor whose outputs straddle two shards is read once: the
-        outputs of the later shard wait here. Which keys a call reads depends only on the names, the same on
-        every rank."""
-        source = {n: k for k, outs in self.outputs.items() for n, _ in outs}
+        write) as a reader of export names. A set whose outputs straddle two shards is read once: the outputs of
+        the later shard wait here. Which keys a call reads depends only on the names, the same on every rank."""
+        group_of = {n: g for g, outs in self.outputs.items() for n, _ in outs}
         done: set[str] = set()
         ready: dict[str, torch.Tensor] = {}
 
         def read(names: list[str]) -> dict[str, torch.Tensor]:
-            keys = list(dict.fromkeys(source[n] for n in names if source[n] not in done))
-            done.update(keys)
-            for key, t in read_model(keys).items():
-                ready.update(self._revert_fn(self._module, {key: t}))
+            groups = list(dict.fromkeys(group_of[n] for n in names if group_of[n] not in done))
+            done.update(groups)
+            got = read_model([k for g in groups for k in self.groups[g]])
+            for g in groups:
+                if got:  # this rank writes
+                    ready.update(self._revert_fn(self._module, {k: got.pop(k) for k in self.groups[g]}))
             return {n: ready.pop(n) for n in names if n in ready}
 
         return read
 
 
-def hub_layout(module: torch.nn.Module, shapes: dict[str, tuple[int, ...]]) -> HubLayout | None:
+def hub_layout(module: torch.nn.Module, specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> HubLayout | None:
     """The export's :class:`HubLayout` where it differs from the model's names, else None (not a transformers
-    model; no conversion; one this code cannot revert tensor by tensor, logged: the model's names are written, which
-    transformers 5 loads)."""
+    model; no conversion; a reversion this code cannot follow set by set, logged: the model's names are written,
+    which transformers 5 loads)."""
     if not _mapping(module):
         return None
-    hub = HubLayout(module, shapes)
+    try:
+        hub = HubLayout(module, specs)
+    except Exception as exc:  # noqa: BLE001 - transformers' internals: the model's own names still export
+        log.warning("export: transformers' reversion of %s's layout failed (%s: %s); writing the model's own names "
+                    "(transformers 5 loads them; other readers may expect the Hub's)", type(module).__name__,
+                    type(exc).__name__, exc)
+        return None
     if not hub.changes:
         return None
     if not hub.consistent:
-        log.warning("export: transformers' reversion of %s's layout needs several tensors at once; writing the "
+        log.warning("export: transformers' reversion of %s's layout differs set by set from the whole; writing the "
                     "model's own names (transformers 5 loads them; other readers may expect the Hub's)",
                     type(module).__name__)
         return None

@@ -231,18 +231,18 @@ def save_engine(engine: "Engine", out: str | os.PathLike[str], max_shard_size: i
     keys = _unique({k: id(t) for k, t in sd.items()}, _tied_targets(engine.module))
     order = {id(p): i for i, p in enumerate(engine.layout.params)}
     keys.sort(key=lambda k: order.get(id(sd[k]), len(order)))  # stable: the others keep state-dict order
-    itemsize = {k: 4 if id(sd[k]) in order else sd[k].element_size() for k in keys}
+    dtype = {k: torch.float32 if id(sd[k]) in order else sd[k].dtype for k in keys}  # masters are fp32
     writer = engine.rank == 0
     vote = engine.comm.vote if engine.world_size > 1 else None
 
     def read(names: list[str]) -> dict[str, torch.Tensor]:
         return engine_tensors(engine, names, keep=writer)
 
-    hub = hub_layout(engine.module, {k: tuple(sd[k].shape) for k in keys})
+    hub = hub_layout(engine.module, {k: (tuple(sd[k].shape), dtype[k]) for k in keys})
     if hub is None:
-        sizes = [(k, sd[k].numel() * itemsize[k]) for k in keys]
+        sizes = [(k, sd[k].numel() * dtype[k].itemsize) for k in keys]
     else:  # the layout save_pretrained writes (Mixtral's experts one tensor each), as from_pretrained expects it
-        sizes, read = hub.sizes(itemsize), hub.reader(read)
+        sizes, read = hub.sizes(), hub.reader(read)
     return write_safetensors(out, sizes, read, max_shard_size, writer=writer, vote=vote)
 
 

@@ -53,6 +53,7 @@ class StateSource:
         self._dict: Mapping[str, torch.Tensor] | None = None
         self._files: dict[str, Path] = {}  # tensor name -> the file holding it
         self._torch: dict[Path, dict[str, torch.Tensor]] = {}  # torch files, loaded lazily with mmap
+        self._headers: dict[Path, dict[str, tuple[int, ...]]] = {}  # safetensors files: each tensor's shape
         if isinstance(source, Mapping):
             self._dict = source
             return
@@ -107,15 +108,39 @@ class StateSource:
             return tuple(self._dict[name].shape)
         path = self._shard(name)
         if path.suffix == ".safetensors":
-            from safetensors import safe_open
+            if path not in self._headers:  # one parse of each file's header (a MoE's holds tens of thousands)
+                from safetensors import safe_open
 
-            with safe_open(str(path), framework="pt") as f:
-                return tuple(f.get_slice(name).get_shape())
+                with safe_open(str(path), framework="pt") as f:
+                    self._headers[path] = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+            return self._headers[path][name]
         return tuple(self._torch_file(path)[name].shape)
 
     def origin(self, name: str) -> str:
         """``name`` as errors show it (a converted view names the tensors it reads)."""
         return name
+
+    def sources(self, name: str) -> list[str]:
+        """The checkpoint keys ``name`` is read from (a converted view's may be several)."""
+        return [name]
+
+    def get_many(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Several tensors (one converted group), each safetensors file opened once for those it holds."""
+        if self._dict is not None:
+            return {n: self.get(n) for n in names}
+        by_file: dict[Path, list[str]] = {}
+        for n in names:
+            by_file.setdefault(self._shard(n), []).append(n)
+        out: dict[str, torch.Tensor] = {}
+        for path, held in by_file.items():
+            if path.suffix != ".safetensors":
+                out.update((n, self.get(n)) for n in held)
+                continue
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt") as f:
+                out.update((n, f.get_tensor(n)) for n in held)
+        return {n: out[n] for n in names}
 
     def _shard(self, name: str) -> Path:
         path = self._files[name]
@@ -140,6 +165,7 @@ class StateSource:
 
     def close(self) -> None:
         self._torch.clear()
+        self._headers.clear()
 
     def __enter__(self) -> "StateSource":
         return self
@@ -268,10 +294,15 @@ def _match_tied(module: torch.nn.Module, aliases: dict[int, list[str]], src: Sta
     # buffers no state dict holds, by module and name (``rotary_emb.inv_freq``: older transformers kept one per
     # layer). The names come from the model's tree: a state_dict() call would read every offloaded parameter
     transient = {_tail(n) for n, _ in module.named_buffers()} - {_tail(n) for ns in aliases.values() for n in ns}
-    unexpected = sorted(n for n in have - every
-                        if not _ignored(n, module, "_keys_to_ignore_on_load_unexpected") and _tail(n) not in transient)
+    unexpected = sorted({k for n in have - every
+                         if not _ignored(n, module, "_keys_to_ignore_on_load_unexpected") and _tail(n) not in transient
+                         for k in src.sources(n)})  # the checkpoint's own keys, whatever a conversion named them
     result = LoadResult([n for n in missing if not _ignored(n, module, "_keys_to_ignore_on_load_missing")],
                         unexpected)
+    failures = getattr(src, "failures", [])
+    if strict and failures:  # what a conversion could not make is missing: its own error says more
+        raise ValueError(f"{failures[0]}; nothing was loaded (strict=False loads the rest and reports these as "
+                         "missing)")
     if strict and (result.missing or result.unexpected):
         raise ValueError(f"the checkpoint does not match the model: missing {result.missing[:5]}"
                          f"{' ...' if len(result.missing) > 5 else ''}, unexpected {result.unexpected[:5]}"

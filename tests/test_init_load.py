@@ -425,6 +425,93 @@ def test_hub_layouts_of_moe_and_renamed_models_load_as_from_pretrained(tmp_path,
     assert [k for k, v in model.state_dict().items() if not torch.equal(v, want[k])] == []
 
 
+def test_an_incomplete_or_doubled_expert_set_is_named_and_the_rest_loads(tmp_path):
+    """One expert's projection missing: strictly refused, naming how many tensors of each kind the checkpoint holds
+    for that fused tensor; with strict=False everything else loads and that tensor is missing, its parts
+    unexpected (as checkpoint keys). A layer held both fused and per expert: the fused one (the model's spelling)
+    loads, the per-expert keys are reported, never dropped silently."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers.core_model_loading")
+    cfg = transformers.MixtralConfig(**HUB_LAYOUTS["Mixtral"])
+    torch.manual_seed(0)
+    transformers.MixtralForCausalLM(cfg).save_pretrained(tmp_path)
+    want = transformers.MixtralForCausalLM.from_pretrained(str(tmp_path)).state_dict()
+    with offload_load.StateSource(tmp_path) as src:
+        hub = {n: src.get(n) for n in src.names()}
+    short = {k: v for k, v in hub.items() if k != "model.layers.0.block_sparse_moe.experts.3.w3.weight"}
+    model = transformers.MixtralForCausalLM(cfg)
+    with pytest.raises(ValueError, match=r"into model.layers.0.mlp.experts.gate_up_proj .*holds 4 x \S*w1\S*, "
+                                         r"3 x \S*w3\S* for it"):
+        offload.load_state_dict(model, short)
+    result = offload.load_state_dict(model, short, strict=False)
+    assert result.missing == ["model.layers.0.mlp.experts.gate_up_proj"]
+    assert result.unexpected == sorted(k for k in short if ".layers.0.block_sparse_moe.experts." in k and
+                                       (".w1." in k or ".w3." in k))
+    assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items() if k not in result.missing)
+    doubled = {**hub, "model.layers.0.mlp.experts.gate_up_proj": torch.zeros(4, 96, 32)}
+    result = offload.load_state_dict(model, doubled, strict=False)
+    assert result.missing == [] and len(result.unexpected) == 8  # layer 0's w1 and w3 of 4 experts
+    assert not model.state_dict()["model.layers.0.mlp.experts.gate_up_proj"].any()
+
+
+def test_a_conversion_that_keeps_the_name_still_applies(tmp_path):
+    """Qwen3-VL-MoE's checkpoints for transformers 4.57 hold its experts transposed under the names the model
+    has now (transformers' mapping transposes them back): read as from_pretrained reads them."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers.core_model_loading")
+    if not hasattr(transformers, "Qwen3VLMoeConfig"):
+        pytest.skip("this transformers has no Qwen3-VL-MoE")
+    from safetensors.torch import save_file
+
+    cfg = transformers.Qwen3VLMoeConfig(
+        text_config=dict(SMALL, num_experts=4, moe_intermediate_size=8, num_experts_per_tok=2, head_dim=8,
+                         rope_scaling={"rope_type": "default", "mrope_section": [2, 1, 1]}),
+        vision_config=dict(hidden_size=32, intermediate_size=48, depth=1, num_heads=4, out_hidden_size=32,
+                           patch_size=14, deepstack_visual_indexes=[0]))
+    cls = transformers.Qwen3VLMoeForConditionalGeneration
+    torch.manual_seed(0)
+    state = cls(cfg).state_dict()
+    released = {k: v.transpose(1, 2).contiguous() if k.endswith(("experts.gate_up_proj", "experts.down_proj"))
+                else v.contiguous() for k, v in state.items()}
+    cfg.save_pretrained(tmp_path)
+    save_file(released, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    want = cls.from_pretrained(str(tmp_path)).state_dict()
+    assert torch.equal(want["model.language_model.layers.0.mlp.experts.gate_up_proj"],
+                       state["model.language_model.layers.0.mlp.experts.gate_up_proj"])
+    torch.manual_seed(1)
+    model = cls(cfg)
+    offload.load_state_dict(model, tmp_path)
+    assert [k for k, v in model.state_dict().items() if not torch.equal(v, want[k])] == []
+
+
+@pytest.mark.parametrize("arch", ["Dinov2", "NomicBert"])
+def test_an_export_joins_what_a_load_split(tmp_path, arch):
+    """Dinov2 with SwiGLU and NomicBert split one checkpoint tensor in two at load: an engine's export joins them
+    again, as save_pretrained does (its files, name for name and bit for bit), whole and in 3 KB shards."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers.core_model_loading")
+    if not hasattr(transformers, f"{arch}Config"):
+        pytest.skip(f"this transformers has no {arch}")
+    if arch == "Dinov2":
+        cfg = transformers.Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                        intermediate_size=64, image_size=28, patch_size=14, use_swiglu_ffn=True)
+    else:
+        cfg = transformers.NomicBertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                           intermediate_size=48)
+    cls = getattr(transformers, f"{arch}Model")
+    torch.manual_seed(0)
+    cls(cfg).save_pretrained(tmp_path / "hub")
+    with offload_load.StateSource(tmp_path / "hub") as hub:
+        saved = {n: hub.get(n) for n in hub.names()}
+    with offload.initialize(cls(cfg), config(tmp_path / "e", "cpu", "none")) as engine:
+        engine.load_state_dict(tmp_path / "hub")
+        for shard in ("5GB", "3KB"):
+            engine.save_safetensors(tmp_path / shard, max_shard_size=shard)
+            with offload_load.StateSource(tmp_path / shard) as ours:
+                assert sorted(ours.names()) == sorted(saved)
+                assert all(torch.equal(ours.get(n), saved[n]) for n in saved)
+
+
 @pytest.mark.parametrize("opt", ["nvme", "cpu"])
 def test_a_load_that_fails_midway_gives_its_staged_state_back(tmp_path, opt, monkeypatch):
     """A tensor of the wrong shape fails the load before anything is written (shapes come from the source's
