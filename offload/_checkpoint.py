@@ -532,19 +532,24 @@ class Checkpoint:
         self._files = [None] * len(self._files)
 
 
-def load(engine: "Engine", root: Path, tag: str | None, before_write: Any = None) -> tuple[Path, dict[str, Any]]:
+def load(engine: "Engine", root: Path, tag: str | None, before_write: Any = None, *, optimizer: bool = True,
+         counters: bool = True, scheduler: bool = True) -> tuple[Path, dict[str, Any]]:
     """Loads ``root/tag`` into ``engine``; returns that folder and the client_state saved with it ({} if none).
     ``before_write()`` runs once the checkpoint has been checked against the model, right before the first byte of
-    the engine's state is overwritten."""
+    the engine's state is overwritten. DeepSpeed's partial loads: without ``optimizer`` the weights go into the
+    masters and Adam's moments, its step count, the param groups' hyperparameters and the loss scale stay the
+    engine's; without ``counters`` the engine's step counters stay; without ``scheduler`` its LR schedule does."""
     ck = Checkpoint(root, tag)
     meta = ck.meta
+    kinds = _KINDS if optimizer else _KINDS[:1]
     try:
         names = _names(engine)
         layout, opt = engine.layout, engine.optimizer
-        expected = {f"{k}/{n}": tuple(p.shape) for n, p in zip(names, layout.params) for k in _KINDS}
+        expected = {f"{k}/{n}": tuple(p.shape) for n, p in zip(names, layout.params) for k in kinds}
         frozen = not meta.get("frozen_excluded", False)
         expected.update(_other_shapes(engine, frozen))
-        found = {n: tuple(s) for n, s in ck.shapes.items() if not n.startswith("device/")}
+        found = {n: tuple(s) for n, s in ck.shapes.items() if not n.startswith("device/")
+                 and (optimizer or not n.startswith(tuple(f"{k}/" for k in _KINDS[1:])))}
         missing = sorted(set(expected) - set(found))
         unexpected = sorted(set(found) - set(expected))
         wrong = sorted(n for n in set(expected) & set(found) if expected[n] != found[n])
@@ -554,18 +559,32 @@ def load(engine: "Engine", root: Path, tag: str | None, before_write: Any = None
         if before_write is not None:
             before_write()
         for sg in layout.sub_groups:
-            block = opt.stage_state(sg)
-            block.zero_()  # padding between parameters
-            for name, view, offset in _pieces(sg, block, names):
-                ck.read_range(name, view, offset)
-            opt.done_state(sg, dirty=True)
+            if optimizer:
+                block = opt.stage_state(sg)
+                block.zero_()  # padding between parameters
+            else:  # the masters alone: the moments are read to be kept
+                block = opt.read_state(sg)
+            try:
+                for name, view, offset in _pieces(sg, block, names):
+                    if optimizer or name.startswith("param/"):
+                        ck.read_range(name, view, offset)
+            finally:
+                opt.done_state(sg, dirty=True)
         opt.wait()
         state = engine.training_state()
-        state.global_steps, state.micro_steps = meta["global_steps"], meta["micro_steps"]
-        state.optimizer_steps, state.loss_scaler = meta["optimizer_steps"], meta["loss_scaler"]
-        state.param_groups, state.pending_update = meta["param_groups"], bool(meta.get("pending_update"))
-        state.lr_scheduler = meta.get("lr_scheduler")
+        if counters:
+            state.global_steps, state.micro_steps = meta["global_steps"], meta["micro_steps"]
+        if optimizer:
+            state.optimizer_steps, state.loss_scaler = meta["optimizer_steps"], meta["loss_scaler"]
+            state.param_groups, state.pending_update = meta["param_groups"], bool(meta.get("pending_update"))
+        else:
+            state.pending_update = False  # the device copies come from the masters just loaded
+        if scheduler:
+            state.lr_scheduler = meta.get("lr_scheduler")
         engine.load_training_state(state)
+        if optimizer != scheduler and engine.lr_scheduler is not None:  # the lr is the schedule's kept or loaded
+            for group, lr in zip(opt.param_groups, engine.lr_scheduler.get_last_lr()):
+                group["lr"] = lr
         pending = engine.training_state().pending_update  # only where this engine runs the delayed update too
         with torch.no_grad():
             for i, (name, p) in enumerate(zip(names, layout.params)):

@@ -1016,6 +1016,53 @@ def test_checkpoint_resume_is_bit_identical(tmp_path, monkeypatch, device, dtype
         assert torch.equal(p, q)
 
 
+def optimizer_blocks(engine) -> list[torch.Tensor]:
+    """Every sub-group's [master | exp_avg | exp_avg_sq], copied."""
+    blocks = []
+    for sg in engine.layout.sub_groups:
+        blocks.append(engine.optimizer.read_state(sg).clone())
+        engine.optimizer.done_state(sg, dirty=False)
+    return blocks
+
+
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_deepspeeds_partial_checkpoint_loads(tmp_path, device):
+    """A run fine-tuned from another's checkpoint, as DeepSpeed's load_checkpoint options do it: without the
+    optimizer states the weights and step counters come from the checkpoint, and Adam's moments, the optimizer's
+    step count and hyperparameters stay this engine's; without the LR scheduler's state its schedule stays;
+    ``load_module_only`` takes the weights alone. The parameters the model computes with are the loaded masters."""
+    data = batches(8)
+    sched = {"type": "WarmupLR", "params": {"warmup_num_steps": 20, "warmup_type": "linear", "warmup_max_lr": LR}}
+    cfg = config(tmp_path / "a", device, scheduler=sched)
+    with offload.initialize(make(), cfg) as engine:
+        train(engine, data[:5])
+        engine.save_checkpoint(tmp_path / "ckpt")
+        saved, saved_lr = optimizer_blocks(engine), engine.get_lr()
+    cases = {"optimizer": dict(load_optimizer_states=False), "scheduler": dict(load_lr_scheduler_states=False),
+             "module": dict(load_module_only=True)}
+    for name, options in cases.items():
+        with offload.initialize(make(seed=7), config(tmp_path / name, device, scheduler=sched)) as engine:
+            train(engine, data[5:8])
+            own, own_lr = optimizer_blocks(engine), engine.get_lr()
+            engine.load_checkpoint(tmp_path / "ckpt", **options)
+            got = optimizer_blocks(engine)
+            for sg, block, theirs, mine in zip(engine.layout.sub_groups, got, saved, own):
+                n = sg.numel
+                assert torch.equal(block[:n], theirs[:n]), name  # the weights: always the checkpoint's
+                keep = theirs if name == "scheduler" else mine
+                assert torch.equal(block[n:], keep[n:]), name  # the moments
+            assert engine.global_steps == (3 if name == "module" else 5), name
+            assert engine.optimizer.step_count == (5 if name == "scheduler" else 3), name
+            assert engine.get_lr() == (saved_lr if name == "optimizer" else own_lr), name
+            state = engine.consolidated_state_dict()
+            for (key, p), q in zip(engine.module.named_parameters(), engine.module.parameters()):
+                assert torch.equal(q.detach().cpu(), state[key]), (name, key)  # fp32: the masters themselves
+    with offload.initialize(make(), config(tmp_path / "strict", device)) as engine:
+        with pytest.raises(ValueError, match=r"load_module_strict=False.*engine.load_state_dict\(OUT, "
+                                             r"strict=False\)"):
+            engine.load_checkpoint(tmp_path / "ckpt", load_module_strict=False)
+
+
 @pytest.mark.parametrize("device", ["cpu", "nvme"])
 def test_zero_grad_drops_an_unfinished_window_and_refuses_a_started_one(tmp_path, device):
     """A loop interrupted after the first micro-batch of a window of 2: ``engine.zero_grad()`` drops it, and the

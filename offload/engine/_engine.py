@@ -801,9 +801,18 @@ class Engine:
         return _checkpoint.save(self, Path(path), f"step{self.global_steps}" if tag is None else str(tag),
                                 frozen=not exclude_frozen_parameters, client_state=client_state)
 
-    def load_checkpoint(self, path: str | Path, tag: str | int | None = None) -> tuple[Path, dict[str, Any]]:
+    def load_checkpoint(self, path: str | Path, tag: str | int | None = None, *, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False) -> tuple[Path, dict[str, Any]]:
         """Restores a checkpoint written by save_checkpoint (``latest`` unless ``tag``); returns, as DeepSpeed's,
-        the folder it loaded and the client_state saved with it ({} if none)."""
+        the folder it loaded and the client_state saved with it ({} if none). DeepSpeed's partial loads (a run
+        fine-tuned from another's checkpoint): ``load_optimizer_states=False`` loads the weights and the step
+        counters, keeping this engine's Adam moments, optimizer step count, hyperparameters and loss scale;
+        ``load_lr_scheduler_states=False`` keeps its LR schedule; ``load_module_only`` loads the weights alone."""
+        if not load_module_strict:
+            raise ValueError("engine.load_checkpoint(load_module_strict=False): a checkpoint of this engine loads "
+                             "whole; for the weights of another model, export it (python -m offload export CKPT "
+                             "OUT) and load what matches with engine.load_state_dict(OUT, strict=False)")
         self._expect("engine.load_checkpoint()", Phase.IDLE, Phase.ACCUMULATING, Phase.FAILED)
         try:
             self._settle()
@@ -816,7 +825,10 @@ class Engine:
             writing.append(True)
 
         try:
-            loaded = _checkpoint.load(self, Path(path), None if tag is None else str(tag), before_write)
+            loaded = _checkpoint.load(self, Path(path), None if tag is None else str(tag), before_write,
+                                      optimizer=load_optimizer_states and not load_module_only,
+                                      counters=not load_module_only,
+                                      scheduler=load_lr_scheduler_states and not load_module_only)
         except BaseException as exc:
             if writing:
                 self._fail("engine.load_checkpoint", exc)
