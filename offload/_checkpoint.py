@@ -582,7 +582,7 @@ def load(engine: "Engine", root: Path, tag: str | None, before_write: Any = None
         if scheduler:
             state.lr_scheduler = meta.get("lr_scheduler")
         engine.load_training_state(state)
-        if optimizer != scheduler and engine.lr_scheduler is not None:  # the lr is the schedule's kept or loaded
+        if engine.lr_scheduler is not None:  # the config's schedule, at the position kept or loaded, sets the lr
             for group, lr in zip(opt.param_groups, engine.lr_scheduler.get_last_lr()):
                 group["lr"] = lr
         pending = engine.training_state().pending_update  # only where this engine runs the delayed update too

@@ -217,8 +217,8 @@ class HubLayout:
             self.outputs[group] = [(n, t.numel() * t.element_size()) for n, t in out.items()]
         made = [n for outs in self.outputs.values() for n, _ in outs]
         self.consistent = sorted(made) == sorted(whole)
-        self.changes = any(outs != [(g, meta[g].numel() * meta[g].element_size())] or self.groups[g] != [g]
-                           for g, outs in self.outputs.items())
+        self.changes = any(self.groups[g] != [g] or outs != [(g, meta[g].numel() * meta[g].element_size())]
+                           for g, outs in self.outputs.items())  # a converted set is named by a pattern: first
 
     def sizes(self) -> list[tuple[str, int]]:
         """(name, bytes) of every tensor the export writes, in order."""

@@ -4,6 +4,7 @@ machine's device (CUDA when present), and the references run there too (tests/mo
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import errno
 import json
@@ -1026,11 +1027,14 @@ def optimizer_blocks(engine) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("device", ["cpu", "nvme"])
-def test_deepspeeds_partial_checkpoint_loads(tmp_path, device):
+def test_deepspeeds_partial_checkpoint_loads(tmp_path, device, monkeypatch):
     """A run fine-tuned from another's checkpoint, as DeepSpeed's load_checkpoint options do it: without the
     optimizer states the weights and step counters come from the checkpoint, and Adam's moments, the optimizer's
     step count and hyperparameters stay this engine's; without the LR scheduler's state its schedule stays;
-    ``load_module_only`` takes the weights alone. The parameters the model computes with are the loaded masters."""
+    ``load_module_only`` takes the weights alone (and drops an open window's micro-batches from the count). The
+    parameters the model computes with are the loaded masters. After a failed step only a whole load is taken."""
+    from offload.optim import offloaded
+
     data = batches(8)
     sched = {"type": "WarmupLR", "params": {"warmup_num_steps": 20, "warmup_type": "linear", "warmup_max_lr": LR}}
     cfg = config(tmp_path / "a", device, scheduler=sched)
@@ -1057,10 +1061,31 @@ def test_deepspeeds_partial_checkpoint_loads(tmp_path, device):
             state = engine.consolidated_state_dict()
             for (key, p), q in zip(engine.module.named_parameters(), engine.module.parameters()):
                 assert torch.equal(q.detach().cpu(), state[key]), (name, key)  # fp32: the masters themselves
-    with offload.initialize(make(), config(tmp_path / "strict", device)) as engine:
+    with offload.initialize(make(), config(tmp_path / "strict", device, gradient_accumulation_steps=2)) as engine:
         with pytest.raises(ValueError, match=r"load_module_strict=False.*engine.load_state_dict\(OUT, "
                                              r"strict=False\)"):
             engine.load_checkpoint(tmp_path / "ckpt", load_module_strict=False)
+        x, y = data[0]
+        engine.backward(lm_loss(engine(x), y))  # micro-batch 1 of 2: the load drops it, and its count
+        engine.load_checkpoint(tmp_path / "ckpt", load_module_only=True)
+        assert engine.micro_steps == 0 and not engine.is_gradient_accumulation_boundary()
+        applied = []
+        for x, y in data[:4]:
+            engine.backward(lm_loss(engine(x), y))
+            engine.step()
+            applied.append(engine.was_step_applied())
+        assert applied == [False, True, False, True]
+        monkeypatch.setattr(offloaded, "adam_step", fails_on_call(offloaded.adam_step, 2, RuntimeError("injected")))
+        for x, y in data[4:6]:  # the window's second backward runs the updates: the second of them fails
+            engine.backward(lm_loss(engine(x), y))
+            with contextlib.suppress(RuntimeError):
+                engine.step()
+        assert engine.phase is offload.Phase.FAILED  # Adam's state half updated
+        monkeypatch.undo()
+        for partial in ({"load_optimizer_states": False}, {"load_module_only": True}):
+            with pytest.raises(RuntimeError, match=r"after a failed step .* load a checkpoint whole first"):
+                engine.load_checkpoint(tmp_path / "ckpt", **partial)
+        engine.load_checkpoint(tmp_path / "ckpt")  # whole: the way out
 
 
 @pytest.mark.parametrize("device", ["cpu", "nvme"])
@@ -1419,6 +1444,28 @@ def test_config_scheduler_steps_with_the_engine_and_resumes(tmp_path, delayed):
         want = list(ref.parameters())
     for (name, _), r in zip(make().named_parameters(), want):
         close_enough(state[name], r.detach(), 1e-5)
+
+
+@pytest.mark.parametrize("options", [{}, {"load_optimizer_states": False}], ids=["whole", "weights"])
+def test_a_loaded_schedule_is_the_position_under_this_runs_config(tmp_path, options):
+    """A checkpoint carries where the config's schedule is, as DeepSpeed's schedulers save it (their iteration):
+    a run resumed or fine-tuned with another schedule (lower maximum, other warm-up, a decay) follows its own
+    config's from that position, never the old run's maximum."""
+    data = batches(8)
+    first = {"type": "WarmupLR", "params": {"warmup_max_lr": 3e-3, "warmup_num_steps": 10}}
+    with offload.initialize(make(), config(tmp_path / "a", "cpu", scheduler=first)) as engine:
+        train(engine, data[:5])
+        engine.save_checkpoint(tmp_path / "ck")
+    second = {"type": "WarmupDecayLR", "params": {"warmup_max_lr": 1e-4, "warmup_num_steps": 3,
+                                                   "total_num_steps": 12}}
+    with offload.initialize(make(seed=3), config(tmp_path / "b", "cpu", scheduler=second)) as engine:
+        engine.load_checkpoint(tmp_path / "ck", **options)
+        lrs = [engine.get_lr()[0]]
+        for x, y in data[5:]:
+            engine.backward(lm_loss(engine(x), y))
+            engine.step()
+            lrs.append(engine.get_lr()[0])
+    assert lrs == pytest.approx([warmup_lr(t, 0.0, 1e-4, 3, 12) for t in range(5, 9)])
 
 
 def test_the_boundary_is_deepspeeds_before_a_backward_and_after_it(tmp_path):

@@ -408,7 +408,8 @@ def test_a_checkpoint_in_the_hubs_layout_loads_as_from_pretrained_converts_it(tm
 @pytest.mark.parametrize("arch", list(HUB_LAYOUTS))
 def test_hub_layouts_of_moe_and_renamed_models_load_as_from_pretrained(tmp_path, arch):
     """Fused experts (their checkpoints hold one tensor per expert and projection) and renamed heads (GPT-NeoX's
-    ``embed_out``): strictly, every tensor equal to from_pretrained's."""
+    ``embed_out``): strictly, every tensor equal to from_pretrained's; an engine's export of the model writes
+    save_pretrained's files back, name for name and bit for bit."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("transformers.core_model_loading")
     config_class = getattr(transformers, f"{arch}Config", None)
@@ -423,6 +424,11 @@ def test_hub_layouts_of_moe_and_renamed_models_load_as_from_pretrained(tmp_path,
     model = model_class(cfg)
     offload.load_state_dict(model, tmp_path)
     assert [k for k, v in model.state_dict().items() if not torch.equal(v, want[k])] == []
+    with offload.initialize(model, config(tmp_path / "e", "cpu", "none")) as engine:  # and back, as save_pretrained
+        engine.save_safetensors(tmp_path / "out")
+    with offload_load.StateSource(tmp_path) as hub, offload_load.StateSource(tmp_path / "out") as ours:
+        assert sorted(ours.names()) == sorted(hub.names())
+        assert all(torch.equal(ours.get(n), hub.get(n)) for n in hub.names())
 
 
 def test_an_incomplete_or_doubled_expert_set_is_named_and_the_rest_loads(tmp_path):

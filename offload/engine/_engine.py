@@ -814,6 +814,12 @@ class Engine:
                              "whole; for the weights of another model, export it (python -m offload export CKPT "
                              "OUT) and load what matches with engine.load_state_dict(OUT, strict=False)")
         self._expect("engine.load_checkpoint()", Phase.IDLE, Phase.ACCUMULATING, Phase.FAILED)
+        partial = load_module_only or not load_optimizer_states
+        if partial and self.phase is Phase.FAILED:
+            raise RuntimeError(f"engine.load_checkpoint(load_optimizer_states=False / load_module_only=True) after "
+                               f"a failed step ({self._failure}) would keep the Adam state that step half updated: "
+                               "load a checkpoint whole first (this run's last one), then the weights of the other")
+        window = self._window_start[0] if self.phase is Phase.ACCUMULATING else None
         try:
             self._settle()
         except Exception as exc:  # noqa: BLE001 - the engine is FAILED now, which a load is for
@@ -833,6 +839,8 @@ class Engine:
             if writing:
                 self._fail("engine.load_checkpoint", exc)
             raise
+        if load_module_only and window is not None:  # the counters stay: the dropped window's micro-batches go
+            self.micro_steps = window
         self.phase = Phase.IDLE
         return loaded
 

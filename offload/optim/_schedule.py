@@ -52,11 +52,17 @@ class WarmupSchedule(torch.optim.lr_scheduler.LRScheduler):
             warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
             super().step(epoch)
 
+    def state_dict(self) -> dict:
+        """The position in the schedule, as DeepSpeed's schedulers save it (``last_batch_iteration``): the shape
+        (warm-up, maximum, total) is this run's config's."""
+        return {"last_epoch": self.last_epoch, "_step_count": self._step_count}
+
     def load_state_dict(self, state_dict: dict) -> None:
-        """A state saved before per-group maximum lrs (``max_lr``) keeps the maximum this config gives; a warm-up
-        length saved below 2 counts as 2, as the scheduler counts it now."""
-        super().load_state_dict({k: v for k, v in state_dict.items() if k != "max_lr"})
-        self.warmup = max(2, self.warmup)
+        """The saved position under this config's schedule (a run resumed or fine-tuned with another warm-up,
+        maximum or total follows its own); older checkpoints saved the whole schedule, whose shape is ignored."""
+        self.last_epoch = int(state_dict["last_epoch"])
+        self._step_count = int(state_dict.get("_step_count", self.last_epoch + 1))
+        self._last_lr = self.get_lr()
 
     def get_lr(self) -> list[float]:
         g = self.gamma(self.last_epoch - 1)  # last_epoch: the updates done, so the next is update last_epoch
