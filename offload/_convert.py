@@ -10,8 +10,8 @@ engine) sees the model's names. It reads one converted group at a time (one laye
 loads check before writing come from running the conversion on meta tensors, so no data is read for them.
 
 :class:`HubLayout` is the way back, as ``save_pretrained`` writes it (``revert_weight_conversion``): an export of a
-transformers model holds the Hub's names and layout, which vLLM, older transformers and the Hub's tools read, one
-model tensor reverted at a time.
+transformers model holds the Hub's names and layout, which vLLM, older transformers and the Hub's tools read,
+reverted one set of model tensors at a time (those one reverse converter joins).
 """
 
 from __future__ import annotations
@@ -174,24 +174,23 @@ class ConvertedSource:
         self.close()
 
 
-
 def _reverse_groups(module: torch.nn.Module, keys: list[str]) -> dict[str, list[str]]:
     """The model's keys in the sets ``save_pretrained``'s reversion converts together (the keys one reverse
     converter collects: a tensor split in two at load is joined again from both), each set under its first key's
     place in ``keys``; a key no converter collects is a set of its own."""
+    import transformers.core_model_loading as loading
     from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, apply_converters
 
     conversions = getattr(module, "_weight_conversions", None)  # what from_pretrained applied, as it reverts them
-    if conversions is None:
-        prefix_change = getattr(sys.modules["transformers.core_model_loading"], "PrefixChange", ())
+    if conversions is None:  # as revert_weight_conversion builds them for a model made otherwise
+        prefix_change = getattr(loading, "PrefixChange", ())
         conversions = [c for c in get_model_conversion_mapping(module, add_legacy=False)
                        if not isinstance(c, prefix_change)]
     reverse = [c.reverse_transform() for c in conversions[::-1]]
-    converters = [c for c in reverse if isinstance(c, WeightConverter)]
+    converters = [c for c in reverse if isinstance(c, loading.WeightConverter)]
     groups: dict[str, list[str]] = {}
     for key in keys:
-        renamed, pattern = apply_converters(key, converters)
+        renamed, pattern = loading.apply_converters(key, converters)
         groups.setdefault(renamed if pattern is not None else key, []).append(key)
     return groups
 
@@ -237,8 +236,8 @@ class HubLayout:
             groups = list(dict.fromkeys(group_of[n] for n in names if group_of[n] not in done))
             done.update(groups)
             got = read_model([k for g in groups for k in self.groups[g]])
-            for g in groups:
-                if got:  # this rank writes
+            if got:  # this rank writes
+                for g in groups:
                     ready.update(self._revert_fn(self._module, {k: got.pop(k) for k in self.groups[g]}))
             return {n: ready.pop(n) for n in names if n in ready}
 

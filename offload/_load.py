@@ -204,7 +204,8 @@ def _aliases(module: torch.nn.Module) -> dict[int, list[str]]:
     return out
 
 
-def _check_shapes(found: dict[str, str], src: StateSource | ConvertedSource, tensors: Mapping[str, torch.Tensor]) -> None:
+def _check_shapes(found: dict[str, str], src: StateSource | ConvertedSource,
+                  tensors: Mapping[str, torch.Tensor]) -> None:
     """Every tensor a load takes has the model's shape and its shard exists, checked before anything is written:
     a load that fails on those fails with the model (and an engine's state) as it was."""
     for first, hit in found.items():
