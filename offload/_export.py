@@ -246,6 +246,52 @@ def save_engine(engine: "Engine", out: str | os.PathLike[str], max_shard_size: i
     return write_safetensors(out, sizes, read, max_shard_size, writer=writer, vote=vote)
 
 
+def save_16bit(engine: "Engine", out: str | os.PathLike[str], filename: str, exclude_frozen: bool) -> Path:
+    """DeepSpeed's ``save_16bit_model``: the model's state dict with the trainable parameters in the training dtype
+    (the fp32 masters rounded, as the parameters on the device are; fp32 when training in fp32), frozen parameters
+    and buffers as they are, in the one file ``out/filename``: a torch state dict, or safetensors for a
+    ``.safetensors`` name (tied tensors once). Built in RAM on rank 0 as DeepSpeed's is (``save_engine`` streams
+    shards instead). Written under a temporary name and renamed into place. Collective with several ranks."""
+    from ._checkpoint import engine_tensors
+
+    sd = engine.module.state_dict(keep_vars=True)
+    trainable = {id(p) for p in engine.layout.params}
+    frozen = {id(p) for p in engine.module.parameters()} - trainable
+    keys = [k for k, t in sd.items() if not (exclude_frozen and id(t) in frozen)]
+    safetensors = filename.endswith(".safetensors")
+    if safetensors:
+        keys = [k for k in _unique({k: id(sd[k]) for k in keys}, _tied_targets(engine.module))]
+    writer, folder = engine.rank == 0, Path(out)
+    tensors = engine_tensors(engine, keys, keep=writer)  # the masters gathered, with several ranks
+    error: BaseException | None = None
+    if writer:
+        tmp = folder / f".{filename}.tmp-{os.getpid()}"
+        try:
+            make_folder(folder, "save_16bit_model")
+            low = {k: v.to(engine.dtype) if id(sd[k]) in trainable else v for k, v in tensors.items()}
+            if safetensors:
+                tmp = _write_tmp(folder, filename, low)
+            else:
+                torch.save(low, tmp)
+                os.chmod(tmp, 0o666 & ~_umask())
+                fd = os.open(tmp, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            os.replace(tmp, folder / filename)
+            _fsync_dir(folder)
+        except Exception as exc:  # noqa: BLE001 - raised below, once every rank knows
+            error = exc
+            tmp.unlink(missing_ok=True)
+    failed = engine.comm.vote("save_16bit_model: write the file", error) if engine.world_size > 1 else 0
+    if error is not None:
+        raise error
+    if failed:
+        raise RuntimeError(f"save_16bit_model into {folder}: the writing rank failed (see its error)")
+    return folder / filename
+
+
 def save_checkpoint_folder(root: Path, out: Path, tag: str | None = None, max_shard_size: int | str = "5GB",
                            progress: Callable[[int], object] | None = None) -> tuple[str, list[Path]]:
     """A checkpoint written by save_checkpoint (any world size) as a safetensors folder; returns (tag, files)."""

@@ -56,6 +56,36 @@ def test_sharded_export_round_trips_and_replaces_an_earlier_one(tmp_path, params
         assert torch.equal(v, want[k]), k
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_save_16bit_model_writes_the_parameters_deepspeed_writes(tmp_path, dtype):
+    """DeepSpeed's save_16bit_model: one torch state dict (safetensors for a .safetensors name) with the trainable
+    parameters in the training dtype, equal to the model's own parameters on the device (the masters rounded),
+    frozen parameters and buffers as they are; without the frozen ones when asked; loaded by torch's safe load."""
+    model = make()
+    model.pos.requires_grad_(False)
+    cfg = {dtype: {"enabled": True}, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    with offload.initialize(model, cfg) as engine:
+        train_steps(engine, batches(2))
+        masters = engine.consolidated_state_dict()
+        own = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+        path = engine.save_16bit_model(tmp_path / "out")
+        engine.save_16bit_model(tmp_path / "out", "model.safetensors", exclude_frozen_parameters=True)
+        with pytest.raises(ValueError, match="save_filename must be a file name inside save_dir"):
+            engine.save_16bit_model(tmp_path, "out/x.bin")
+    assert path == tmp_path / "out" / "pytorch_model.bin"
+    saved = torch.load(path, weights_only=True)
+    want_dtype = torch.bfloat16 if dtype == "bf16" else torch.float16
+    assert sorted(saved) == sorted(own)
+    for k, v in saved.items():
+        assert torch.equal(v, own[k]), k  # the parameters the model computes with
+        if k != "pos":
+            assert v.dtype == want_dtype and torch.equal(v, masters[k].to(want_dtype)), k
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), framework="pt") as f:
+        assert sorted(f.keys()) == sorted(k for k in own if k not in ("pos", "head.weight"))  # tied: once
+        assert all(torch.equal(f.get_tensor(k), own[k]) for k in f.keys())
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["model.safetensors", "pytorch_model.bin"]
+
+
 def test_export_errors(tmp_path):
     with offload.initialize(make(), {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}) as engine:
         with pytest.raises(ValueError, match="max_shard_size"):

@@ -43,6 +43,7 @@ import atexit
 import contextlib
 import logging
 import math
+import os
 import weakref
 from dataclasses import asdict, dataclass, field
 from enum import Enum
@@ -781,6 +782,21 @@ class Engine:
         from .._export import save_engine
 
         return save_engine(self, path, max_shard_size)
+
+    def save_16bit_model(self, save_dir: str | Path, save_filename: str = "pytorch_model.bin", *,
+                         exclude_frozen_parameters: bool = False) -> Path:
+        """DeepSpeed's: the model in the training dtype in one file, ``save_dir/save_filename`` (a torch state
+        dict; safetensors for a ``.safetensors`` name), built in RAM on rank 0 as DeepSpeed builds it; returns
+        the file. ``save_safetensors`` writes the fp32 masters in shards, one in RAM at a time. Collective with
+        several ranks."""
+        if not save_filename or os.sep in save_filename or save_filename in (".", ".."):
+            raise ValueError(f"engine.save_16bit_model: save_filename must be a file name inside save_dir, got "
+                             f"{save_filename!r} (put folders in save_dir)")
+        self._expect("engine.save_16bit_model()", Phase.IDLE, Phase.ACCUMULATING)
+        self._finish_updates()
+        from .._export import save_16bit
+
+        return save_16bit(self, save_dir, save_filename, exclude_frozen_parameters)
 
     def save_checkpoint(self, path: str | Path, tag: str | int | None = None, client_state: dict | None = None, *,
                         exclude_frozen_parameters: bool = False) -> Path:
