@@ -51,6 +51,19 @@ def _mapping(module: torch.nn.Module) -> list[Any]:
     return list(get_model_conversion_mapping(module))
 
 
+def _prefix_change(module: torch.nn.Module, model_keys: set[str], names: list[str]) -> Callable[[str], str]:
+    """How the checkpoint's (renamed) names take the model's base-model prefix, decided once for the whole
+    checkpoint as the loader decides it: added to a base model's checkpoint read into the model with a head,
+    removed from a checkpoint with a head read into the base model, else kept."""
+    lead = (getattr(module, "base_model_prefix", "") or "") + "."
+    model_has, checkpoint_has = (any(n.startswith(lead) for n in group) for group in (model_keys, names))
+    if lead == "." or model_has == checkpoint_has:
+        return lambda n: n
+    if model_has:
+        return lambda n: lead + n
+    return lambda n: n[len(lead):] if n.startswith(lead) else n
+
+
 def converted(src: "StateSource", module: torch.nn.Module) -> "StateSource | ConvertedSource":
     """``src`` as ``module`` names its tensors: a :class:`ConvertedSource` where a conversion applies to some
     checkpoint key, else ``src`` itself."""
@@ -75,9 +88,12 @@ class ConvertedSource:
         model_keys = set(module.state_dict(keep_vars=True))
         self._plain: dict[str, str] = {}  # name as read -> checkpoint key
         self._groups: dict[str, tuple[Any, list[tuple[str, str]]]] = {}  # converter, its (pattern, key)s
+        self.unused: list[str] = []  # checkpoint keys no model name reads (a failed group's; a doubled key)
         self.renames = False  # some key is read under another name, or converted (a Transpose keeps its name)
-        for key in sorted(src.names(), key=_natural):
-            renamed, pattern = rename_source_key(key, renamings, converters)
+        entries = [(key, *rename_source_key(key, renamings, converters)) for key in sorted(src.names(), key=_natural)]
+        prefix = _prefix_change(module, model_keys, [renamed for _, renamed, _ in entries])
+        for key, renamed, pattern in entries:
+            renamed = prefix(renamed)  # a converter looks its target up in the model by this name
             if renamed not in model_keys and key in model_keys:
                 renamed, pattern = key, None  # a key the model has as it is: not one to convert
             self.renames |= renamed != key or pattern is not None
@@ -95,10 +111,10 @@ class ConvertedSource:
                 outputs = self._convert(group, meta=True)
             except ValueError as exc:
                 self.failures.append(str(exc))
-                self._plain.update((k, k) for _, k in self._groups.pop(group)[1])
+                self.unused += [k for _, k in self._groups.pop(group)[1]]
                 continue
             if any(name in self._plain for name in outputs):  # held converted too: that one is the model's
-                self._plain.update((k, k) for _, k in self._groups.pop(group)[1])
+                self.unused += [k for _, k in self._groups.pop(group)[1]]
                 continue
             for name, t in outputs.items():
                 self._shapes[name] = tuple(t.shape)
@@ -107,12 +123,12 @@ class ConvertedSource:
 
     def _keep_spelt_as_the_model(self, name: str, key: str) -> None:
         """Two checkpoint keys read as ``name``: the one spelt as the model spells it is read as ``name``, the
-        other under its own key (so a load reports it as unexpected, never drops it silently)."""
+        other is unused (a load reports it as unexpected, never drops it silently)."""
         if key == name:
-            other = self._plain[name]
-            self._plain[other], self._plain[name] = other, key
+            self.unused.append(self._plain[name])
+            self._plain[name] = key
         else:
-            self._plain[key] = key
+            self.unused.append(key)
 
     def _convert(self, group: str, meta: bool) -> dict[str, torch.Tensor]:
         """One group's conversion (a fresh copy of its converter: converting consumes what it collected), on meta

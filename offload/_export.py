@@ -15,6 +15,7 @@ live :class:`~offload.Engine` (:func:`save_engine`, the fp32 master weights) or 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -52,15 +53,20 @@ def plan_shards(sizes: Iterable[tuple[str, int]], max_shard_bytes: int) -> list[
     return shards
 
 
-def _write_tmp(folder: Path, name: str, tensors: dict[str, torch.Tensor] | None, text: str = "") -> Path:
-    """``name`` written and fsynced under a temporary name in ``folder``; returns that path. A failure removes the
-    temporary file, and an I/O error of safetensors (its own exception type) is raised as the OSError it reports,
-    errno included, so a full disk reads the same whatever the writer."""
+def _write_tmp(folder: Path, name: str, tensors: dict[str, torch.Tensor] | None, text: str = "", *,
+               torch_file: bool = False) -> Path:
+    """``name`` written and fsynced under a temporary name in ``folder``; returns that path. ``tensors`` as
+    safetensors (as a torch state dict with ``torch_file``), else ``text``. A failure removes the temporary file,
+    and an I/O error of safetensors (its own exception type) is raised as the OSError it reports, errno included,
+    so a full disk reads the same whatever the writer."""
     from safetensors.torch import save_file
 
     tmp = folder / f".{name}.tmp-{os.getpid()}"
     try:
-        if tensors is not None:
+        if tensors is not None and torch_file:
+            torch.save(tensors, tmp)
+            os.chmod(tmp, 0o666 & ~_umask())
+        elif tensors is not None:
             save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
             os.chmod(tmp, 0o666 & ~_umask())  # safetensors makes its file 0600: an export is read by others
         else:
@@ -71,7 +77,8 @@ def _write_tmp(folder: Path, name: str, tensors: dict[str, torch.Tensor] | None,
         finally:
             os.close(fd)
     except BaseException as exc:
-        tmp.unlink(missing_ok=True)  # a full disk gets its space back
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)  # a full disk gets its space back
         # safetensors reports I/O errors as its own type: "os error 28" (>= 0.6), "Os { code: 28, ..." (0.4-0.5)
         code = re.search(r"os error (\d+)|Os \{ code: (\d+)", str(exc))
         if code is not None and not isinstance(exc, OSError):
@@ -248,7 +255,8 @@ def save_engine(engine: "Engine", out: str | os.PathLike[str], max_shard_size: i
 
 def save_16bit(engine: "Engine", out: str | os.PathLike[str], filename: str, exclude_frozen: bool) -> Path:
     """DeepSpeed's ``save_16bit_model``: the model's state dict with the trainable parameters in the training dtype
-    (the fp32 masters rounded, as the parameters on the device are; fp32 when training in fp32), frozen parameters
+    (the fp32 masters rounded, as the parameters on the device are once any delayed update has landed; fp32 when
+    training in fp32), frozen parameters
     and buffers as they are, in the one file ``out/filename``: a torch state dict, or safetensors for a
     ``.safetensors`` name (tied tensors once). Built in RAM on rank 0 as DeepSpeed's is (``save_engine`` streams
     shards instead). Written under a temporary name and renamed into place. Collective with several ranks."""
@@ -265,25 +273,16 @@ def save_16bit(engine: "Engine", out: str | os.PathLike[str], filename: str, exc
     tensors = engine_tensors(engine, keys, keep=writer)  # the masters gathered, with several ranks
     error: BaseException | None = None
     if writer:
-        tmp = folder / f".{filename}.tmp-{os.getpid()}"
         try:
             make_folder(folder, "save_16bit_model")
-            low = {k: v.to(engine.dtype) if id(sd[k]) in trainable else v for k, v in tensors.items()}
-            if safetensors:
-                tmp = _write_tmp(folder, filename, low)
-            else:
-                torch.save(low, tmp)
-                os.chmod(tmp, 0o666 & ~_umask())
-                fd = os.open(tmp, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+            rounded: dict[int, torch.Tensor] = {}  # tied names share one tensor, as in the model's state_dict
+            low = {k: rounded.setdefault(id(sd[k]), v.to(engine.dtype)) if id(sd[k]) in trainable else v
+                   for k, v in tensors.items()}
+            tmp = _write_tmp(folder, filename, low, torch_file=not safetensors)
             os.replace(tmp, folder / filename)
             _fsync_dir(folder)
         except Exception as exc:  # noqa: BLE001 - raised below, once every rank knows
             error = exc
-            tmp.unlink(missing_ok=True)
     failed = engine.comm.vote("save_16bit_model: write the file", error) if engine.world_size > 1 else 0
     if error is not None:
         raise error

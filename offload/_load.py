@@ -113,8 +113,12 @@ class StateSource:
 
                 with safe_open(str(path), framework="pt") as f:
                     self._headers[path] = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-            return self._headers[path][name]
-        return tuple(self._torch_file(path)[name].shape)
+            if name in self._headers[path]:
+                return self._headers[path][name]
+        elif name in self._torch_file(path):
+            return tuple(self._torch_file(path)[name].shape)
+        raise ValueError(f"checkpoint shard {path} does not hold {name}, which its index names: the index and the "
+                         "shards are from different saves (copy the folder again)")
 
     def origin(self, name: str) -> str:
         """``name`` as errors show it (a converted view names the tensors it reads)."""
@@ -297,7 +301,7 @@ def _match_tied(module: torch.nn.Module, aliases: dict[int, list[str]], src: Sta
     transient = {_tail(n) for n, _ in module.named_buffers()} - {_tail(n) for ns in aliases.values() for n in ns}
     unexpected = sorted({k for n in have - every
                          if not _ignored(n, module, "_keys_to_ignore_on_load_unexpected") and _tail(n) not in transient
-                         for k in src.sources(n)})  # the checkpoint's own keys, whatever a conversion named them
+                         for k in src.sources(n)} | set(getattr(src, "unused", ())))  # the checkpoint's own keys
     result = LoadResult([n for n in missing if not _ignored(n, module, "_keys_to_ignore_on_load_missing")],
                         unexpected)
     failures = getattr(src, "failures", [])

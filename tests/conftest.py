@@ -37,19 +37,37 @@ def pytest_report_header() -> str:
 
     import torch
 
-    cuda = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    try:
+        cuda = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    except RuntimeError as exc:  # a driver that fails here fails the tests that use it, with their own errors
+        cuda = f"unreadable ({exc})"
     names = ("torch", "transformers", "peft", "accelerate", "safetensors", "deepspeed", "torchao")
     return f"offload test run: CUDA {cuda}; " + ", ".join(f"{n} {version(n)}" for n in names)
 
 
+# where each failure's traceback goes as it happens (pytest prints them only at the end of the session, which a
+# time limit on a lent machine may never reach); absolute, as tests change the working directory
+FAILURES = os.path.abspath(os.environ["OFFLOAD_TEST_FAILURES"]) if os.environ.get("OFFLOAD_TEST_FAILURES") else None
+
+
+def _record_failure(report: pytest.TestReport | pytest.CollectReport, when: str) -> None:
+    """Appends a failed report to FAILURES. Under xdist the controller gets every worker's reports, so only it
+    writes; a file that cannot be written is skipped, never a reason for the run to fail."""
+    if FAILURES is None or not report.failed or "PYTEST_XDIST_WORKER" in os.environ:
+        return
+    try:
+        with open(FAILURES, "a") as f:
+            f.write(f"=== {report.nodeid} ({when})\n{report.longreprtext}\n\n")
+    except OSError:
+        pass
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    """With OFFLOAD_TEST_FAILURES set to a file, each failure's traceback is appended to it as the failure happens
-    (pytest prints them only at the end of the session, which a time limit on a lent machine may never reach).
-    Under xdist the controller gets every worker's reports, so one process writes."""
-    path = os.environ.get("OFFLOAD_TEST_FAILURES")
-    if path and report.failed and "PYTEST_XDIST_WORKER" not in os.environ:
-        with open(path, "a") as f:
-            f.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
+    _record_failure(report, report.when)
+
+
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    _record_failure(report, "collection")
 
 
 def _run(*cmd: str) -> bool:

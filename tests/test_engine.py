@@ -1086,6 +1086,11 @@ def test_deepspeeds_partial_checkpoint_loads(tmp_path, device, monkeypatch):
             with pytest.raises(RuntimeError, match=r"after a failed step .* load a checkpoint whole first"):
                 engine.load_checkpoint(tmp_path / "ckpt", **partial)
         engine.load_checkpoint(tmp_path / "ckpt")  # whole: the way out
+        for x, y in data[:2]:  # the window's last backward starts its updates: its moments are no one's to keep
+            engine.backward(lm_loss(engine(x), y))
+        with pytest.raises(RuntimeError, match=r"load_module_only=True\): this window's updates have started"):
+            engine.load_checkpoint(tmp_path / "ckpt", load_module_only=True)
+        engine.step()
 
 
 @pytest.mark.parametrize("device", ["cpu", "nvme"])
@@ -1466,6 +1471,12 @@ def test_a_loaded_schedule_is_the_position_under_this_runs_config(tmp_path, opti
             engine.step()
             lrs.append(engine.get_lr()[0])
     assert lrs == pytest.approx([warmup_lr(t, 0.0, 1e-4, 3, 12) for t in range(5, 9)])
+    with offload.initialize(make(seed=3), config(tmp_path / "c", "cpu", scheduler=second)) as engine:
+        # a state saved before this change held the whole schedule: its position counts, its shape does not
+        engine.lr_scheduler.load_state_dict({"last_epoch": 5, "_step_count": 6, "base_lrs": [3e-3], "min_lr": 0.0,
+                                             "max_lrs": [3e-3], "warmup": 10, "kind": "log", "total": None,
+                                             "_last_lr": [3e-3]})
+        assert engine.lr_scheduler.get_last_lr() == pytest.approx([warmup_lr(5, 0.0, 1e-4, 3, 12)])
 
 
 def test_the_boundary_is_deepspeeds_before_a_backward_and_after_it(tmp_path):

@@ -462,7 +462,8 @@ def test_an_incomplete_or_doubled_expert_set_is_named_and_the_rest_loads(tmp_pat
 
 def test_a_conversion_that_keeps_the_name_still_applies(tmp_path):
     """Qwen3-VL-MoE's checkpoints for transformers 4.57 hold its experts transposed under the names the model
-    has now (transformers' mapping transposes them back): read as from_pretrained reads them."""
+    has now (transformers' mapping transposes them back): read as from_pretrained reads them, the base model's
+    checkpoint into the model with a head too."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("transformers.core_model_loading")
     if not hasattr(transformers, "Qwen3VLMoeConfig"):
@@ -488,6 +489,13 @@ def test_a_conversion_that_keeps_the_name_still_applies(tmp_path):
     model = cls(cfg)
     offload.load_state_dict(model, tmp_path)
     assert [k for k, v in model.state_dict().items() if not torch.equal(v, want[k])] == []
+    # the base model's checkpoint (no "model." prefix): the transpose looks its target up under the model's name
+    base = {k.removeprefix("model."): v for k, v in released.items() if k.startswith("model.")}
+    torch.manual_seed(1)
+    model = cls(cfg)
+    result = offload.load_state_dict(model, base, strict=False)
+    assert result.missing == ["lm_head.weight"] and result.unexpected == []
+    assert [k for k, v in model.state_dict().items() if k != "lm_head.weight" and not torch.equal(v, want[k])] == []
 
 
 @pytest.mark.parametrize("arch", ["Dinov2", "NomicBert"])

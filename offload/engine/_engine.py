@@ -783,11 +783,12 @@ class Engine:
 
         return save_engine(self, path, max_shard_size)
 
-    def save_16bit_model(self, save_dir: str | Path, save_filename: str = "pytorch_model.bin", *,
+    def save_16bit_model(self, save_dir: str | Path, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> Path:
         """DeepSpeed's: the model in the training dtype in one file, ``save_dir/save_filename`` (a torch state
         dict; safetensors for a ``.safetensors`` name), built in RAM on rank 0 as DeepSpeed builds it; returns
-        the file. ``save_safetensors`` writes the fp32 masters in shards, one in RAM at a time. Collective with
+        the file (DeepSpeed returns True; a path is true too). With the delayed update it holds the newest
+        weights, which the device gets at the next step. ``save_safetensors`` writes the fp32 masters in shards, one in RAM at a time. Collective with
         several ranks."""
         if not save_filename or os.sep in save_filename or save_filename in (".", ".."):
             raise ValueError(f"engine.save_16bit_model: save_filename must be a file name inside save_dir, got "
@@ -817,9 +818,9 @@ class Engine:
         return _checkpoint.save(self, Path(path), f"step{self.global_steps}" if tag is None else str(tag),
                                 frozen=not exclude_frozen_parameters, client_state=client_state)
 
-    def load_checkpoint(self, path: str | Path, tag: str | int | None = None, *, load_module_strict: bool = True,
+    def load_checkpoint(self, path: str | Path, tag: str | int | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False) -> tuple[Path, dict[str, Any]]:
+                        load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[Path, dict[str, Any]]:
         """Restores a checkpoint written by save_checkpoint (``latest`` unless ``tag``); returns, as DeepSpeed's,
         the folder it loaded and the client_state saved with it ({} if none). DeepSpeed's partial loads (a run
         fine-tuned from another's checkpoint): ``load_optimizer_states=False`` loads the weights and the step
@@ -829,12 +830,21 @@ class Engine:
             raise ValueError("engine.load_checkpoint(load_module_strict=False): a checkpoint of this engine loads "
                              "whole; for the weights of another model, export it (python -m offload export CKPT "
                              "OUT) and load what matches with engine.load_state_dict(OUT, strict=False)")
+        if custom_load_fn is not None:
+            raise ValueError("engine.load_checkpoint(custom_load_fn=...): DeepSpeed's hook for its own module "
+                             "format; here load the weights with engine.load_state_dict(source) after the load")
         self._expect("engine.load_checkpoint()", Phase.IDLE, Phase.ACCUMULATING, Phase.FAILED)
-        partial = load_module_only or not load_optimizer_states
+        partial = "load_module_only=True" if load_module_only else \
+            "load_optimizer_states=False" if not load_optimizer_states else None
         if partial and self.phase is Phase.FAILED:
-            raise RuntimeError(f"engine.load_checkpoint(load_optimizer_states=False / load_module_only=True) after "
-                               f"a failed step ({self._failure}) would keep the Adam state that step half updated: "
-                               "load a checkpoint whole first (this run's last one), then the weights of the other")
+            raise RuntimeError(f"engine.load_checkpoint({partial}) after a failed step ({self._failure}) would keep "
+                               "the Adam state that step half updated: load a checkpoint whole first (this run's "
+                               "last one), then the weights of the other")
+        if partial and self.phase is Phase.ACCUMULATING and \
+                self.optimizer.sub_groups_overlapped != self._window_start[1]:
+            raise RuntimeError(f"engine.load_checkpoint({partial}): this window's updates have started (its last "
+                               "micro-batch's backward ran them), so the Adam state it would keep holds a step "
+                               "that never completes; call engine.step() first, or load the checkpoint whole")
         window = self._window_start[0] if self.phase is Phase.ACCUMULATING else None
         try:
             self._settle()
