@@ -292,17 +292,31 @@ def save_16bit(engine: "Engine", out: str | os.PathLike[str], filename: str, exc
 
 
 def save_checkpoint_folder(root: Path, out: Path, tag: str | None = None, max_shard_size: int | str = "5GB",
-                           progress: Callable[[int], object] | None = None) -> tuple[str, list[Path]]:
-    """A checkpoint written by save_checkpoint (any world size) as a safetensors folder; returns (tag, files)."""
+                           progress: Callable[[int], object] | None = None,
+                           module: torch.nn.Module | None = None) -> tuple[str, list[Path]]:
+    """A checkpoint written by save_checkpoint (any world size) as a safetensors folder; returns (tag, files).
+    ``module``: the model it holds (on the meta device will do): a transformers model's export is then in the
+    Hub's layout, as save_pretrained writes it; a module whose names are not the checkpoint's is ignored, logged."""
     from ._checkpoint import Checkpoint
 
     ck = Checkpoint(root, tag)
     try:
         entries = ck.state_dict_entries()
-        keys = _unique(entries)
+        keys = _unique(entries, _tied_targets(module) if module is not None else frozenset())
+
+        def read(names: list[str]) -> dict[str, torch.Tensor]:
+            return {n: ck.read(entries[n]) for n in names}
+
         sizes = [(k, math.prod(ck.shapes[entries[k]]) * ck.dtypes[entries[k]].itemsize) for k in keys]
-        files = write_safetensors(out, sizes, lambda names: {n: ck.read(entries[n]) for n in names}, max_shard_size,
-                                  progress)
+        hub = None
+        if module is not None and not set(keys) <= set(module.state_dict(keep_vars=True)):
+            log.warning("export: the model given (%s) does not name the checkpoint's tensors; writing their own "
+                        "names", type(module).__name__)
+        elif module is not None:
+            hub = hub_layout(module, {k: (tuple(ck.shapes[entries[k]]), ck.dtypes[entries[k]]) for k in keys})
+        if hub is not None:
+            sizes, read = hub.sizes(), hub.reader(read)
+        files = write_safetensors(out, sizes, read, max_shard_size, progress)
     finally:
         ck.close()
     return ck.tag, files

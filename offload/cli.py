@@ -4,7 +4,7 @@
     python -m offload estimate (--params N | --model config.json|module:callable) [--gpu-mem 24GiB] ...
     python -m offload tune --nvme-path DIR [--size 1GiB] [--quick] [--out aio.json]
     python -m offload bench {adam,nvme,step,params,train,gpu,load} [--out results/] [script flags ...]
-    python -m offload export CHECKPOINT OUT [--format auto|safetensors|torch] [--max-shard-size 5GB]
+    python -m offload export CHECKPOINT OUT [--format auto|safetensors|torch] [--max-shard-size 5GB] [--model CFG]
 
 ``demo`` trains a GPT (offload/models.py) that is larger than the device budget it is given, with optimizer
 state and parameters offloaded (NVMe by default), on a synthetic task it can learn (each next token is a fixed
@@ -399,16 +399,33 @@ def export_command(args: argparse.Namespace) -> int:
         return 0
     from ._export import save_checkpoint_folder
 
+    model = _load_model(args.model) if args.model else None
+    beside = None if args.model else _config_beside(Path(args.checkpoint))
+    if beside is not None:
+        try:
+            model = _load_model(str(beside))
+        except Exception as exc:  # noqa: BLE001 - found, not asked for: the export goes on under the model's names
+            print(f"export: {beside} does not build a transformers model ({exc}); writing the tensors' own names "
+                  "(--model CFG to choose one)")
     written = bar(desc="export", unit="B", unit_scale=True)
     try:
         tag, files = save_checkpoint_folder(Path(args.checkpoint), out, args.tag, args.max_shard_size,
-                                            progress=written.update)
+                                            progress=written.update, module=model)
     finally:
         written.close()
     total = sum(f.stat().st_size for f in files)
     print(f"wrote {out}: {len(files)} file(s), {fmt_bytes(total)}, of checkpoint {tag} "
           f"(offload.load_state_dict or from_pretrained with a config.json beside them)")
     return 0
+
+
+def _config_beside(checkpoint: Path) -> Path | None:
+    """The config.json of the model a checkpoint holds, where OffloadTrainer leaves it: in the checkpoint-N folder
+    that holds ``offload_state`` (or in the checkpoint's own folder)."""
+    for folder in (checkpoint, checkpoint.parent):
+        if (folder / "config.json").is_file():
+            return folder / "config.json"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -478,6 +495,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="auto: torch for a .pt/.pth/.bin name, else safetensors")
     x.add_argument("--max-shard-size", default="5GB", help="safetensors shard size (default 5GB)")
     x.add_argument("--tag", default=None, help="which checkpoint (default: the latest)")
+    x.add_argument("--model", default=None,
+                   help="the model's transformers config.json (or its folder): safetensors in the Hub's layout, as "
+                   "save_pretrained writes them (default: a config.json beside the checkpoint, as OffloadTrainer's "
+                   "checkpoint-N folders hold; without one, the model's own names)")
     args = ap.parse_args(argv)
     commands = {"demo": demo, "estimate": estimate_command, "tune": tune_command, "bench": bench_command,
                 "export": export_command}

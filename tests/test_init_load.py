@@ -431,6 +431,35 @@ def test_hub_layouts_of_moe_and_renamed_models_load_as_from_pretrained(tmp_path,
         assert all(torch.equal(ours.get(n), hub.get(n)) for n in hub.names())
 
 
+def test_the_cli_export_of_a_checkpoint_takes_the_hubs_layout_from_the_config_beside_it(tmp_path):
+    """``python -m offload export`` of an engine checkpoint of a MoE: with the model's config.json beside the
+    checkpoint (as OffloadTrainer's checkpoint-N folders hold it) or given with --model, the files are
+    save_pretrained's; without one, the model's own names, which from_pretrained loads too."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers.core_model_loading")
+    from offload.cli import main
+
+    cfg = transformers.MixtralConfig(**HUB_LAYOUTS["Mixtral"])
+    torch.manual_seed(0)
+    transformers.MixtralForCausalLM(cfg).save_pretrained(tmp_path / "hub")
+    with offload.initialize(transformers.MixtralForCausalLM(cfg), config(tmp_path / "e", "cpu", "none")) as engine:
+        engine.load_state_dict(tmp_path / "hub")
+        engine.save_checkpoint(tmp_path / "run" / "offload_state")
+    with offload_load.StateSource(tmp_path / "hub") as hub:
+        saved = {n: hub.get(n) for n in hub.names()}
+    assert main(["export", str(tmp_path / "run" / "offload_state"), str(tmp_path / "own")]) == 0
+    with offload_load.StateSource(tmp_path / "own") as own:
+        assert "model.layers.0.mlp.experts.gate_up_proj" in own.names()  # no config: the model's names
+    cfg.save_pretrained(tmp_path / "run")  # beside the checkpoint, as the Trainer leaves it
+    assert main(["export", str(tmp_path / "run" / "offload_state"), str(tmp_path / "beside")]) == 0
+    assert main(["export", str(tmp_path / "run" / "offload_state"), str(tmp_path / "given"), "--model",
+                 str(tmp_path / "run" / "config.json"), "--max-shard-size", "20KB"]) == 0
+    for out in ("beside", "given"):
+        with offload_load.StateSource(tmp_path / out) as ours:
+            assert sorted(ours.names()) == sorted(saved), out
+            assert all(torch.equal(ours.get(n), saved[n]) for n in saved), out
+
+
 def test_an_incomplete_or_doubled_expert_set_is_named_and_the_rest_loads(tmp_path):
     """One expert's projection missing: strictly refused, naming how many tensors of each kind the checkpoint holds
     for that fused tensor; with strict=False everything else loads and that tensor is missing, its parts
