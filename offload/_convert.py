@@ -20,7 +20,7 @@ import copy
 import logging
 import math
 import sys
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
 
@@ -51,14 +51,23 @@ def _mapping(module: torch.nn.Module) -> list[Any]:
     return list(get_model_conversion_mapping(module))
 
 
-def _prefix_change(module: torch.nn.Module, model_keys: set[str], names: list[str]) -> Callable[[str], str]:
-    """How the checkpoint's (renamed) names take the model's base-model prefix, decided once for the whole
-    checkpoint as the loader decides it: added to a base model's checkpoint read into the model with a head,
-    removed from a checkpoint with a head read into the base model, else kept."""
+def prefix_side(module: torch.nn.Module, model_names: Iterable[str],
+                checkpoint_names: Iterable[str]) -> tuple[str, bool] | None:
+    """Where the model's base-model prefix (``lead``, with its dot) differs between the model's names and a
+    checkpoint's, decided once for the whole checkpoint as ``from_pretrained`` decides it: ``(lead, True)`` for a
+    base model's checkpoint into the model with a head (the model's names carry it), ``(lead, False)`` for the
+    reverse, None where both spell it alike."""
     lead = (getattr(module, "base_model_prefix", "") or "") + "."
-    model_has, checkpoint_has = (any(n.startswith(lead) for n in group) for group in (model_keys, names))
-    if lead == "." or model_has == checkpoint_has:
+    model_has, checkpoint_has = (any(n.startswith(lead) for n in group) for group in (model_names, checkpoint_names))
+    return None if lead == "." or model_has == checkpoint_has else (lead, model_has)
+
+
+def _to_model_prefix(module: torch.nn.Module, model_keys: set[str], names: list[str]) -> Callable[[str], str]:
+    """The checkpoint's (renamed) names in the model's prefix (:func:`prefix_side`)."""
+    side = prefix_side(module, model_keys, names)
+    if side is None:
         return lambda n: n
+    lead, model_has = side
     if model_has:
         return lambda n: lead + n
     return lambda n: n[len(lead):] if n.startswith(lead) else n
@@ -91,7 +100,7 @@ class ConvertedSource:
         self.unused: list[str] = []  # checkpoint keys no model name reads (a failed group's; a doubled key)
         self.renames = False  # some key is read under another name, or converted (a Transpose keeps its name)
         entries = [(key, *rename_source_key(key, renamings, converters)) for key in sorted(src.names(), key=_natural)]
-        prefix = _prefix_change(module, model_keys, [renamed for _, renamed, _ in entries])
+        prefix = _to_model_prefix(module, model_keys, [renamed for _, renamed, _ in entries])
         for key, renamed, pattern in entries:
             renamed = prefix(renamed)  # a converter looks its target up in the model by this name
             if renamed not in model_keys and key in model_keys:

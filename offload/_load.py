@@ -36,7 +36,7 @@ import torch
 
 from nvme_swapper import evict_pages
 
-from ._convert import ConvertedSource, converted
+from ._convert import ConvertedSource, converted, prefix_side
 from ._hooks import unwrap_compiled
 
 if TYPE_CHECKING:
@@ -320,10 +320,10 @@ def _spelling(module: torch.nn.Module, names: list[str], have: set[str]) -> Call
     checkpoint as ``from_pretrained`` decides it: a model whose names carry its ``base_model_prefix`` and a
     checkpoint whose names do not (the base model's) match without the prefix, the head's tensors then missing;
     the reverse (a checkpoint with a head, into the base model) with the prefix added; else as they are."""
-    lead = (getattr(module, "base_model_prefix", "") or "") + "."
-    model_has, checkpoint_has = (any(n.startswith(lead) for n in group) for group in (names, have))
-    if lead == "." or model_has == checkpoint_has:
+    side = prefix_side(module, names, have)
+    if side is None:
         return lambda n: n
+    lead, model_has = side
     if model_has:
         return lambda n: n[len(lead):] if n.startswith(lead) else None
     return lambda n: lead + n
