@@ -377,14 +377,18 @@ class Engine:
         self._expect("engine.zero_grad()", Phase.IDLE, Phase.ACCUMULATING)
         if self.phase is Phase.IDLE:
             return
-        micro, queued = self._window_start
-        if self.optimizer.sub_groups_overlapped != queued:
+        if self._window_updates_started():
             raise RuntimeError("engine.zero_grad(): this window's updates have started (its last micro-batch's "
                                "backward ran them beside backward), so its gradients are partly applied; call "
                                "engine.step() to finish the step, or load a checkpoint")
         self._discard_window()
-        self.micro_steps, self._backward_done = micro, False
+        self.micro_steps, self._backward_done = self._window_start[0], False
         self.phase = Phase.IDLE
+
+    def _window_updates_started(self) -> bool:
+        """The open window's last backward has started its updates (they run beside backward): its gradients are
+        partly applied, and dropping the window would leave Adam's state holding a step that never completes."""
+        return self.optimizer.sub_groups_overlapped != self._window_start[1]
 
     def _check_finite(self, loss: torch.Tensor) -> None:
         """bf16/fp32: a non-finite loss would make every gradient NaN and Adam would write NaN into the masters and
@@ -788,8 +792,8 @@ class Engine:
         """DeepSpeed's: the model in the training dtype in one file, ``save_dir/save_filename`` (a torch state
         dict; safetensors for a ``.safetensors`` name), built in RAM on rank 0 as DeepSpeed builds it; returns
         the file (DeepSpeed returns True; a path is true too). With the delayed update it holds the newest
-        weights, which the device gets at the next step. ``save_safetensors`` writes the fp32 masters in shards, one in RAM at a time. Collective with
-        several ranks."""
+        weights, which the device gets at the next step. ``save_safetensors`` writes the fp32 masters in shards,
+        one in RAM at a time. Collective with several ranks."""
         if not save_filename or os.sep in save_filename or save_filename in (".", ".."):
             raise ValueError(f"engine.save_16bit_model: save_filename must be a file name inside save_dir, got "
                              f"{save_filename!r} (put folders in save_dir)")
@@ -840,8 +844,7 @@ class Engine:
             raise RuntimeError(f"engine.load_checkpoint({partial}) after a failed step ({self._failure}) would keep "
                                "the Adam state that step half updated: load a checkpoint whole first (this run's "
                                "last one), then the weights of the other")
-        if partial and self.phase is Phase.ACCUMULATING and \
-                self.optimizer.sub_groups_overlapped != self._window_start[1]:
+        if partial and self.phase is Phase.ACCUMULATING and self._window_updates_started():
             raise RuntimeError(f"engine.load_checkpoint({partial}): this window's updates have started (its last "
                                "micro-batch's backward ran them), so the Adam state it would keep holds a step "
                                "that never completes; call engine.step() first, or load the checkpoint whole")
