@@ -761,8 +761,8 @@ def export(root: Path, out: Path, tag: str | None = None) -> tuple[str, int]:
             state[key] = cache[entry]
     finally:
         ck.close()
+    from ._export import _write_tmp
+
     make_folder(out.parent, "export")
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    torch.save(state, tmp)
-    os.replace(tmp, out)
+    os.replace(_write_tmp(out.parent, out.name, state, torch_file=True), out)
     return ck.tag, len(state)

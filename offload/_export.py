@@ -256,10 +256,10 @@ def save_engine(engine: "Engine", out: str | os.PathLike[str], max_shard_size: i
 def save_16bit(engine: "Engine", out: str | os.PathLike[str], filename: str, exclude_frozen: bool) -> Path:
     """DeepSpeed's ``save_16bit_model``: the model's state dict with the trainable parameters in the training dtype
     (the fp32 masters rounded, as the parameters on the device are once any delayed update has landed; fp32 when
-    training in fp32), frozen parameters
-    and buffers as they are, in the one file ``out/filename``: a torch state dict, or safetensors for a
-    ``.safetensors`` name (tied tensors once). Built in RAM on rank 0 as DeepSpeed's is (``save_engine`` streams
-    shards instead). Written under a temporary name and renamed into place. Collective with several ranks."""
+    training in fp32), frozen parameters and buffers as they are, in the one file ``out/filename``: a torch state
+    dict, or safetensors for a ``.safetensors`` name (tied tensors once). Built in RAM on rank 0 as DeepSpeed's is
+    (``save_engine`` streams shards instead). Written under a temporary name and renamed into place. Collective
+    with several ranks."""
     from ._checkpoint import engine_tensors
 
     sd = engine.module.state_dict(keep_vars=True)
@@ -268,7 +268,7 @@ def save_16bit(engine: "Engine", out: str | os.PathLike[str], filename: str, exc
     keys = [k for k, t in sd.items() if not (exclude_frozen and id(t) in frozen)]
     safetensors = filename.endswith(".safetensors")
     if safetensors:
-        keys = [k for k in _unique({k: id(sd[k]) for k in keys}, _tied_targets(engine.module))]
+        keys = _unique({k: id(sd[k]) for k in keys}, _tied_targets(engine.module))
     writer, folder = engine.rank == 0, Path(out)
     tensors = engine_tensors(engine, keys, keep=writer)  # the masters gathered, with several ranks
     error: BaseException | None = None

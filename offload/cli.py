@@ -399,14 +399,7 @@ def export_command(args: argparse.Namespace) -> int:
         return 0
     from ._export import save_checkpoint_folder
 
-    model = _load_model(args.model) if args.model else None
-    beside = None if args.model else _config_beside(Path(args.checkpoint))
-    if beside is not None:
-        try:
-            model = _load_model(str(beside))
-        except Exception as exc:  # noqa: BLE001 - found, not asked for: the export goes on under the model's names
-            print(f"export: {beside} does not build a transformers model ({exc}); writing the tensors' own names "
-                  "(--model CFG to choose one)")
+    model = _load_model(args.model) if args.model else _model_beside(Path(args.checkpoint))
     written = bar(desc="export", unit="B", unit_scale=True)
     try:
         tag, files = save_checkpoint_folder(Path(args.checkpoint), out, args.tag, args.max_shard_size,
@@ -419,13 +412,19 @@ def export_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _config_beside(checkpoint: Path) -> Path | None:
-    """The config.json of the model a checkpoint holds, where OffloadTrainer leaves it: in the checkpoint-N folder
-    that holds ``offload_state`` (or in the checkpoint's own folder)."""
-    for folder in (checkpoint, checkpoint.parent):
-        if (folder / "config.json").is_file():
-            return folder / "config.json"
-    return None
+def _model_beside(checkpoint: Path) -> torch.nn.Module | None:
+    """The model a checkpoint holds, on the meta device, from the config.json where OffloadTrainer leaves it: in
+    the checkpoint-N folder that holds ``offload_state`` (or in the checkpoint's own folder). None without one, or
+    with one that does not build (said: the export then writes the tensors' own names)."""
+    config = next((f / "config.json" for f in (checkpoint, checkpoint.parent) if (f / "config.json").is_file()), None)
+    if config is None:
+        return None
+    try:
+        return _load_model(str(config))
+    except Exception as exc:  # noqa: BLE001 - found, not asked for: the export goes on under the model's names
+        print(f"export: {config} does not build a transformers model ({exc}); writing the tensors' own names "
+              "(--model CFG to choose one)")
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:
