@@ -1026,15 +1026,18 @@ def optimizer_blocks(engine) -> list[torch.Tensor]:
     return blocks
 
 
-@pytest.mark.parametrize("device", ["cpu", "nvme"])
+@pytest.mark.parametrize("device", ["cpu", "nvme", "none"])
 def test_deepspeeds_partial_checkpoint_loads(tmp_path, device, monkeypatch):
     """A run fine-tuned from another's checkpoint, as DeepSpeed's load_checkpoint options do it: without the
     optimizer states the weights and step counters come from the checkpoint, and Adam's moments, the optimizer's
     step count and hyperparameters stay this engine's; without the LR scheduler's state its schedule stays;
     ``load_module_only`` takes the weights alone (and drops an open window's micro-batches from the count). The
-    parameters the model computes with are the loaded masters. After a failed step only a whole load is taken."""
+    parameters the model computes with are the loaded masters. After a failed step only a whole load is taken.
+    "none": the state on the device, as on CUDA (STAGE_ON_CPU: torch's fused Adam, state read through copies)."""
     from offload.optim import offloaded
 
+    if device == "none":
+        monkeypatch.setattr(offload.plan, "STAGE_ON_CPU", True)
     data = batches(8)
     sched = {"type": "WarmupLR", "params": {"warmup_num_steps": 20, "warmup_type": "linear", "warmup_max_lr": LR}}
     cfg = config(tmp_path / "a", device, scheduler=sched)
@@ -1075,7 +1078,12 @@ def test_deepspeeds_partial_checkpoint_loads(tmp_path, device, monkeypatch):
             engine.step()
             applied.append(engine.was_step_applied())
         assert applied == [False, True, False, True]
-        monkeypatch.setattr(offloaded, "adam_step", fails_on_call(offloaded.adam_step, 2, RuntimeError("injected")))
+        if device == "none":  # torch's fused Adam, on the device
+            monkeypatch.setattr(offloaded.OffloadedAdam, "_fused_torch", fails_on_call(
+                offloaded.OffloadedAdam._fused_torch, 2, RuntimeError("injected")))
+        else:
+            monkeypatch.setattr(offloaded, "adam_step", fails_on_call(offloaded.adam_step, 2,
+                                                                      RuntimeError("injected")))
         for x, y in data[4:6]:  # the window's second backward runs the updates: the second of them fails
             engine.backward(lm_loss(engine(x), y))
             with contextlib.suppress(RuntimeError):
