@@ -46,6 +46,7 @@ import math
 import os
 import re
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -520,7 +521,12 @@ class Checkpoint:
         return out
 
     def state_dict_entries(self) -> dict[str, str]:
-        """state_dict key -> entry (format v1 did not record tied names: each entry under its own name)."""
+        """state_dict key -> entry, for an export (format v1 did not record tied names: each entry under its own
+        name). One saved with exclude_frozen_parameters is not the whole model, which is said."""
+        if self.meta.get("frozen_excluded"):
+            log.warning("checkpoint %s was saved with exclude_frozen_parameters: its export holds the trainable "
+                        "parameters and the buffers, not the frozen ones; load it over the base model "
+                        "(offload.load_state_dict(model, OUT, strict=False))", self.folder)
         if "state_dict" in self.meta:
             return self.meta["state_dict"]
         return {n.split("/", 1)[1]: n for n in self.shapes if n.split("/")[0] in ("param", "frozen", "buffer")}
@@ -541,21 +547,12 @@ def load(engine: "Engine", root: Path, tag: str | None, before_write: Any = None
     engine's; without ``counters`` the engine's step counters stay; without ``scheduler`` its LR schedule does."""
     ck = Checkpoint(root, tag)
     meta = ck.meta
-    kinds = _KINDS if optimizer else _KINDS[:1]
     try:
         names = _names(engine)
         layout, opt = engine.layout, engine.optimizer
-        expected = {f"{k}/{n}": tuple(p.shape) for n, p in zip(names, layout.params) for k in kinds}
         frozen = not meta.get("frozen_excluded", False)
-        expected.update(_other_shapes(engine, frozen))
-        found = {n: tuple(s) for n, s in ck.shapes.items() if not n.startswith("device/")
-                 and (optimizer or not n.startswith(tuple(f"{k}/" for k in _KINDS[1:])))}
-        missing = sorted(set(expected) - set(found))
-        unexpected = sorted(set(found) - set(expected))
-        wrong = sorted(n for n in set(expected) & set(found) if expected[n] != found[n])
-        if missing or unexpected or wrong:
-            raise ValueError(f"checkpoint {ck.folder} does not match the model: missing {missing[:5]}, "
-                             f"unexpected {unexpected[:5]}, shape differs for {wrong[:5]}")
+        source = _sources(engine, names, ck.shapes, frozen, optimizer)
+        _check_matches(engine, ck, source, optimizer)
         if before_write is not None:
             before_write()
         for sg in layout.sub_groups:
@@ -566,14 +563,20 @@ def load(engine: "Engine", root: Path, tag: str | None, before_write: Any = None
                 block = opt.read_state(sg)
             try:
                 for name, view, offset in _pieces(sg, block, names):
-                    if optimizer or name.startswith("param/"):
-                        ck.read_range(name, view, offset)
+                    if name in source:
+                        ck.read_range(source[name], view, offset)
             finally:
                 opt.done_state(sg, dirty=True)
         opt.wait()
         state = engine.training_state()
-        if counters:
-            state.global_steps, state.micro_steps = meta["global_steps"], meta["micro_steps"]
+        if counters:  # saved where a window ended: the next micro-batch starts one under this engine's
+            # gradient_accumulation_steps too (saved with another, or by another number of ranks under a fixed
+            # train_batch_size), as if it had always run with it
+            gas, micro = engine.gradient_accumulation_steps, meta["micro_steps"]
+            state.global_steps = meta["global_steps"]
+            state.micro_steps = micro if micro % gas == 0 else meta["global_steps"] * gas
+            if not optimizer:  # the overflow skips are counted with the steps (DeepSpeed's skipped_steps)
+                state.loss_scaler = {**state.loss_scaler, "skipped": meta["loss_scaler"]["skipped"]}
         if optimizer:
             state.optimizer_steps, state.loss_scaler = meta["optimizer_steps"], meta["loss_scaler"]
             state.param_groups, state.pending_update = meta["param_groups"], bool(meta.get("pending_update"))
@@ -588,21 +591,65 @@ def load(engine: "Engine", root: Path, tag: str | None, before_write: Any = None
         pending = engine.training_state().pending_update  # only where this engine runs the delayed update too
         with torch.no_grad():
             for i, (name, p) in enumerate(zip(names, layout.params)):
-                master = ck.read(f"param/{name}")
+                master = ck.read(source[f"param/{name}"])
                 if pending:  # resume mid-pipeline: the device keeps the previous parameters one more step
                     engine.weights.write_pending(i, ck.read(f"device/{name}"), master)
                 else:
                     engine.write_parameter(p, master)  # the working copy: master rounded to the training dtype
             trainable = {id(p) for p in layout.params}
             for n, p in engine.module.named_parameters():
-                if frozen and id(p) not in trainable:
-                    engine.write_parameter(p, ck.read(f"frozen/{n}"))
+                if id(p) not in trainable and f"frozen/{n}" in source:
+                    engine.write_parameter(p, ck.read(source[f"frozen/{n}"]))
             for n, b in engine.module.named_buffers():
                 b.copy_(engine.copies.upload(ck.read(f"buffer/{n}")))
     finally:
         ck.close()
     client = meta.get("client_state")
     return ck.folder, torch.load(ck.folder / client, map_location="cpu", weights_only=True) if client else {}
+
+
+def _sources(engine: "Engine", names: list[str], held: Mapping[str, Any], frozen: bool,
+             optimizer: bool) -> dict[str, str]:
+    """The entry this engine would save -> the checkpoint's entry it loads from. A whole load needs the same
+    trainable set (Adam's state is per trainable parameter): each entry its own. The weights alone (DeepSpeed's
+    load_module_only, load_optimizer_states=False) go by name, as DeepSpeed's ``module.load_state_dict`` does: a
+    parameter trainable here and frozen in the checkpoint, or the reverse, takes the checkpoint's tensor. A frozen
+    parameter the checkpoint left out (``exclude_frozen_parameters``) keeps its value."""
+    trainable = {id(p) for p in engine.layout.params}
+    if optimizer:
+        ours = [f"{k}/{n}" for n in names for k in _KINDS] + list(_frozen_and_buffers(engine, frozen))
+        return {n: n for n in ours}
+    by_name = {n.split("/", 1)[1]: n for n in held if n.startswith(("param/", "frozen/"))}
+    source = {}
+    for n, p in engine.module.named_parameters():
+        mine = f"param/{n}" if id(p) in trainable else f"frozen/{n}"
+        if n in by_name:
+            source[mine] = by_name[n]
+        elif id(p) in trainable or frozen:
+            source[mine] = mine  # missing: named as this engine would save it
+    source.update({f"buffer/{n}": f"buffer/{n}" for n, _ in engine.module.named_buffers()})
+    return source
+
+
+def _check_matches(engine: "Engine", ck: Checkpoint, source: Mapping[str, str], optimizer: bool) -> None:
+    """Refuses, before anything is written, a checkpoint whose entries are not the ones ``source`` reads (every
+    one of them, the optimizer's aside in a load of the weights alone) at the model's shapes."""
+    shapes = {id(p): tuple(p.shape) for p in engine.module.parameters()}
+    expected = {f"{k}/{n}": shapes[id(p)] for n, p in zip(_names(engine), engine.layout.params) for k in _KINDS}
+    expected.update(_other_shapes(engine, frozen=True))
+    found = {n: tuple(s) for n, s in ck.shapes.items() if not n.startswith("device/")
+             and (optimizer or not n.startswith(tuple(f"{k}/" for k in _KINDS[1:])))}
+    missing = sorted(theirs for theirs in source.values() if theirs not in found)
+    unexpected = sorted(set(found) - set(source.values()))
+    wrong = sorted(theirs for mine, theirs in source.items() if theirs in found and found[theirs] != expected[mine])
+    if not (missing or unexpected or wrong):
+        return
+    flipped = sorted({n.split("/", 1)[1] for n in missing} & {n.split("/", 1)[1] for n in unexpected})
+    hint = (f"; {flipped[:5]} are trainable in one and frozen in the other: a whole load needs the same trainable "
+            "parameters (Adam's state is theirs), load_optimizer_states=False or load_module_only=True loads the "
+            "weights alone, by name") if flipped else ""
+    raise ValueError(f"checkpoint {ck.folder} does not match the model: missing {missing[:5]}, unexpected "
+                     f"{unexpected[:5]}, shape differs for {wrong[:5]}{hint}")
 
 
 def consolidated_state_dict(engine: "Engine") -> dict[str, torch.Tensor]:

@@ -116,7 +116,8 @@ def _demo(args: argparse.Namespace) -> int:
             state = (12 + param_bytes) * n  # parameters, fp32 master weights and moments
             print(f"offload demo: GPT {cfg.layers} layers x {cfg.width} wide, {n / 1e6:.1f}M parameters; "
                   f"parameters + Adam state = {fmt_bytes(state)}, device budget {fmt_bytes(budget)}"
-                  + (f" ({state / budget:.1f}x smaller)" if budget else "")
+                  + ((f" ({state / budget:.1f}x smaller)" if state > budget else " (the model fits it: raise "
+                      "--layers or --width, or lower --device-budget, to exceed it)") if budget else "")
                   + f"; optimizer state on {plan.optimizer_tier.value}, parameters on {plan.param_tier.value}"
                   + (f" (from {args.config}: its placement, budgets and lr, not --placement, --device-budget "
                      "and --lr)" if args.config else "")
@@ -207,7 +208,9 @@ def _memory(text: str | None, flag: str) -> int | None:
         return None
     n = parse_bytes(text, flag)
     if n < 1 << 20:
-        raise ValueError(f"{flag} {text} is {n} bytes: give a unit, e.g. {text}GiB")
+        bare = text.strip().replace(".", "", 1).isdigit()
+        raise ValueError(f"{flag} {text} is {n} bytes: " + (f"give a unit, e.g. {text}GiB" if bare else
+                                                            "a machine has at least 1 MiB; give its size"))
     return n
 
 

@@ -50,6 +50,8 @@ def test_demo_and_export_flags_are_checked_before_any_work(tmp_path, capsys):
     assert not (tmp_path / "model.safetensors").exists()
     assert main(["estimate", "--params", "3e9", "--gpu-mem", "24"]) == 2  # 24 bytes: a unit left out
     assert "--gpu-mem 24 is 24 bytes: give a unit, e.g. 24GiB" in capsys.readouterr().err
+    assert main(["estimate", "--params", "3e9", "--host-mem", "0GiB"]) == 2  # a unit given: no unit to add
+    assert "--host-mem 0GiB is 0 bytes: a machine has at least 1 MiB; give its size" in capsys.readouterr().err
     (tmp_path / "config.json").write_text('{"hidden_size": 64}')
     assert main(["estimate", "--model", str(tmp_path)]) == 2
     assert f'--model {tmp_path / "config.json"}: a transformers config.json names its architecture under ' \

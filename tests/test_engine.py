@@ -941,9 +941,11 @@ def test_a_device_budget_too_small_for_the_gradients_names_the_device_budget():
 @pytest.mark.parametrize("home", ["cpu", "nvme"])
 @pytest.mark.parametrize("limit, error, match", [
     ({"offload": {"device_memory_budget": "1KiB"}}, offload.BudgetExceeded, r"device tier: the parameter window"),
+    ({"offload": {"device_memory_budget": "1KiB"}, "zero_optimization": {"stage3_param_persistence_threshold": 0}},
+     offload.BudgetExceeded, r"raise offload.device_memory_budget to at least \d+ B: the largest parameter"),
     ({"zero_optimization": {"stage3_max_live_parameters": 100, "stage3_param_persistence_threshold": 10}},
      ValueError, r"stage3_max_live_parameters \(100\) is smaller than the largest parameter"),
-], ids=["device budget", "window"])
+], ids=["device budget", "nothing persists", "window"])
 def test_a_parameter_window_that_cannot_fit_fails_before_any_parameter_moves(tmp_path, home, limit, error, match):
     """Parameter offload with bf16: the window is checked before the parameters go to their homes, so the model
     comes back as it was, fp32 and unrounded (before, the device budget's check came after the move)."""
@@ -1101,6 +1103,96 @@ def test_deepspeeds_partial_checkpoint_loads(tmp_path, device, monkeypatch):
         engine.step()
 
 
+def test_a_checkpoint_loads_into_another_accumulation_and_another_trainable_set(tmp_path):
+    """Fine-tuning from another run's checkpoint, as DeepSpeed's load_checkpoint does it: with another
+    gradient_accumulation_steps the first window after the load is a whole one, however much is loaded; the
+    weights alone load by name into a model with some layers frozen (or all: forward only), and a whole load
+    names the parameters whose trainability differs; fp16's skipped steps come back with the step count."""
+    data = batches(8)
+    with offload.initialize(make(), config(tmp_path / "a", "cpu")) as engine:
+        train(engine, data[:3])
+        engine.save_checkpoint(tmp_path / "ckpt")
+        saved = engine.consolidated_state_dict()
+    for options in ({}, {"load_optimizer_states": False}, {"load_module_only": True}):
+        with offload.initialize(make(), config(tmp_path / "b", "cpu", gradient_accumulation_steps=4)) as engine:
+            engine.load_checkpoint(tmp_path / "ckpt", **options)
+            applied = []
+            for x, y in data:
+                engine.backward(lm_loss(engine(x), y))
+                engine.step()
+                applied.append(engine.was_step_applied())
+            assert applied == [False, False, False, True] * 2, options
+    frozen = make(seed=7)
+    frozen.tok.requires_grad_(False)
+    cases = {"layer": (frozen, config(tmp_path / "c", "cpu")),
+             "all": (make(seed=7).requires_grad_(False), {"zero_optimization": {"stage": 3, "offload_param": {
+                 "device": "cpu"}}})}
+    for name, (model, cfg) in cases.items():
+        for options in ({"load_optimizer_states": False}, {"load_module_only": True}):
+            with offload.initialize(model, cfg) as engine:
+                engine.load_checkpoint(tmp_path / "ckpt", **options)
+                got = engine.consolidated_state_dict()
+                assert all(torch.equal(got[k], saved[k]) for k in saved), (name, options)
+    with offload.initialize(frozen, config(tmp_path / "d", "cpu")) as engine:
+        with pytest.raises(ValueError, match=r"\['tok.weight'\] are trainable in one and frozen in the other: a "
+                                             r"whole load needs the same trainable parameters"):
+            engine.load_checkpoint(tmp_path / "ckpt")
+    fp16 = config(tmp_path / "e", "cpu", fp16={"enabled": True, "initial_scale_power": 8, "hysteresis": 1})
+    with offload.initialize(make(), fp16) as engine:
+        for i, (x, y) in enumerate(data[:6]):
+            engine.backward(lm_loss(engine(x), y) * (float("inf") if i in (1, 4, 5) else 1.0))
+            engine.step()
+            if i == 2:
+                engine.save_checkpoint(tmp_path / "fp16")
+        assert (engine.global_steps, engine.skipped_steps) == (6, 3)
+        engine.load_checkpoint(tmp_path / "fp16", load_optimizer_states=False)
+        assert (engine.global_steps, engine.skipped_steps) == (3, 1)
+
+
+@pytest.mark.parametrize("how", ["engine", "model", "gathered"])
+def test_weights_written_inside_a_window(tmp_path, how):
+    """Weights written between backward and step(), by ``engine.load_state_dict``, the model's own
+    ``load_state_dict`` or an edit in ``engine.gathered()``: before the window's updates start (the first
+    micro-batch of 2) the step applies to them, as torch's does; once its last backward started the updates
+    (they run beside it) the write is refused, naming step(), and the step completes unchanged."""
+    data = batches(4)
+    loaded = {k: v + 0.01 for k, v in make(seed=5).state_dict().items()}
+
+    def write(engine) -> None:
+        if how == "engine":
+            engine.load_state_dict(loaded)
+        elif how == "model":
+            engine.module.load_state_dict(loaded)
+        else:
+            with engine.gathered():
+                for k, p in engine.module.named_parameters():
+                    p.data.copy_(loaded[k])
+
+    ref = reference_model()
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, betas=(0.9, 0.99), eps=1e-8)
+    for i, (x, y) in enumerate(data):
+        (lm_loss(ref(on_device(x)), y) / 2).backward()
+        if i == 0:
+            ref.load_state_dict(loaded)
+        if i % 2:
+            opt.step()
+            opt.zero_grad()
+    with offload.initialize(make(), config(tmp_path, "cpu", gradient_accumulation_steps=2)) as engine:
+        for i, (x, y) in enumerate(data):
+            engine.backward(lm_loss(engine(x), y))
+            if i == 0:
+                write(engine)
+            if i == 3:
+                assert engine.optimizer.sub_groups_overlapped > 0
+                with pytest.raises(RuntimeError, match=r"between the backward that started this window's updates "
+                                                       r".* call engine.step\(\) first"):
+                    write(engine)
+            engine.step()
+        got = engine.consolidated_state_dict()
+    for k, r in ref.state_dict().items():
+        close_enough(got[k], r, 1e-5)
+
+
 @pytest.mark.parametrize("device", ["cpu", "nvme"])
 def test_zero_grad_drops_an_unfinished_window_and_refuses_a_started_one(tmp_path, device):
     """A loop interrupted after the first micro-batch of a window of 2: ``engine.zero_grad()`` drops it, and the
@@ -1198,6 +1290,30 @@ def test_a_save_that_fills_the_disk_gives_the_space_back(small_ext4):
         loaded = engine.consolidated_state_dict()
     for k in expected:
         assert torch.equal(loaded[k], expected[k]), k
+
+
+def test_a_step_that_fills_the_disk_fails_once(small_ext4):
+    """Parameters and optimizer on a disk another process fills: the step's swap writes fail (a real ENOSPC), and
+    that error is raised by the step once, never again by ``close()`` (or a ``with`` block's exit) once the disk
+    has room; the swap files go."""
+    swap = small_ext4 / "swap"
+    cfg = config(small_ext4, "nvme", gradient_accumulation_steps=2, gradient_clipping=0.5, zero_optimization={
+        "stage": 3, "sub_group_size": 8192, "stage3_param_persistence_threshold": 0,
+        "offload_optimizer": {"device": "nvme", "nvme_path": str(swap)},
+        "offload_param": {"device": "nvme", "nvme_path": str(swap)}})
+    engine = offload.initialize(make(d=96), cfg)
+    filler = small_ext4 / "filler"
+    try:
+        with open(filler, "wb", buffering=0) as f, contextlib.suppress(OSError):
+            while True:  # to the last block (root's reserved ones too)
+                f.write(b"x" * (1 << 16))
+        with pytest.raises(OSError) as info:
+            train(engine, batches(2), gas=2)
+        assert info.value.errno == errno.ENOSPC and engine.phase is offload.Phase.FAILED
+    finally:
+        filler.unlink()
+        engine.close()
+    assert engine.phase is offload.Phase.CLOSED and not any(swap.rglob("*.swp"))
 
 
 def test_a_killed_save_is_cleared_by_the_next_save_of_its_tag(tmp_path):

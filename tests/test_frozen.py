@@ -114,10 +114,13 @@ def test_weights_loaded_into_an_engine_reach_the_frozen_homes(tmp_path, placemen
 
 
 @pytest.mark.parametrize("placement", ["opt-host", "params-nvme"])
-def test_a_checkpoint_without_the_frozen_base_resumes_bit_identically(tmp_path, placement):
+def test_a_checkpoint_without_the_frozen_base_resumes_bit_identically(tmp_path, placement, caplog):
     """``save_checkpoint(exclude_frozen_parameters=True)`` (what OffloadTrainer uses for peft models, as the Trainer
     asks of DeepSpeed): the frozen base is not written, a new engine on the same base resumes from it bit for bit,
-    and ``consolidated_state_dict(keys)`` reads just the entries asked for."""
+    and ``consolidated_state_dict(keys)`` reads just the entries asked for. Its export says it is not the whole
+    model."""
+    from offload.cli import main
+
     data = batches(STEPS)
     with offload.initialize(frozen_base(), config(tmp_path / "a", placement)) as engine:
         for x, y in data[:2]:
@@ -146,6 +149,10 @@ def test_a_checkpoint_without_the_frozen_base_resumes_bit_identically(tmp_path, 
             engine.step()
         resumed = engine.consolidated_state_dict()
     assert all(torch.equal(resumed[k], straight[k]) for k in straight)
+    assert main(["export", str(tmp_path / "thin"), str(tmp_path / "thin.pt")]) == 0
+    assert "saved with exclude_frozen_parameters: its export holds the trainable parameters" in caplog.text
+    exported = torch.load(tmp_path / "thin.pt", weights_only=True)
+    assert sorted(exported) == sorted([*trainable, *(n for n, _ in frozen_base().named_buffers())])
 
 
 # A model with nothing to train: a forward-only engine (a DPO reference model, a distillation teacher) ----------------

@@ -390,6 +390,14 @@ class Engine:
         partly applied, and dropping the window would leave Adam's state holding a step that never completes."""
         return self.optimizer.sub_groups_overlapped != self._window_start[1]
 
+    def _refuse_writes_over_started_updates(self, what: str) -> None:
+        """Weights written once the window's updates have started would be overwritten by them, all or some (as
+        each sub-group's update ends), so the step would be lost where torch applies it to the weights written."""
+        if self.phase is Phase.ACCUMULATING and self._window_updates_started():
+            raise RuntimeError(f"{what} between the backward that started this window's updates (they run beside "
+                               "backward) and engine.step(): the updates would overwrite the weights written; call "
+                               "engine.step() first, or write them before that backward")
+
     def _check_finite(self, loss: torch.Tensor) -> None:
         """bf16/fp32: a non-finite loss would make every gradient NaN and Adam would write NaN into the masters and
         moments; refused before its backward runs, so nothing changes (fp16 leaves it to the loss scaler, which
@@ -761,6 +769,7 @@ class Engine:
         tensor by tensor into the fp32 master weights and each parameter's home; Adam's moments and the counters
         stay. Returns what did not match (``missing``, ``unexpected``); ``strict`` makes either an error."""
         self._expect("engine.load_state_dict()", Phase.IDLE, Phase.ACCUMULATING)
+        self._refuse_writes_over_started_updates("engine.load_state_dict()")
         self._parameters_current()  # a pending delayed update would overwrite the loaded values at the next step
         from .._load import load_into_engine
 

@@ -146,6 +146,7 @@ class Gathered:
             elif mine:  # edited on this rank but not on rank 0: back to the master here
                 engine.write_parameter(p, masters[name])
         if kept:
+            engine._refuse_writes_over_started_updates(f"engine.gathered(): an edit of {sorted(kept)[:3]}")
             engine.load_state_dict(kept, strict=False)
         if misfit:
             raise ValueError(misfit)

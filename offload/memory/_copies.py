@@ -205,10 +205,10 @@ class StagingRing:
         self._busy[i] = by
 
     def wait_all(self) -> None:
-        for i, busy in enumerate(self._busy):
-            if busy is not None:
-                busy.wait()
-                self._busy[i] = None
+        """Waits for every use, each forgotten before it is waited for, so a failed one raises once: the first
+        error, once all have settled (a failed step's errors are not raised again by the next wait, or close)."""
+        busy, self._busy = [b for b in self._busy if b is not None], [None] * len(self._busy)
+        wait_all(busy)
 
     def close(self) -> None:
         try:

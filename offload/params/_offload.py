@@ -136,10 +136,15 @@ def check_window(sizes: list[int], persistence_threshold: int, max_live: int, dt
         raise ValueError(f"zero_optimization.stage3_max_live_parameters ({max_live}) is smaller than the "
                          f"largest parameter ({largest} elements); raise it to at least {largest}")
     if budget is not None and max_live * size + persistent > budget:
-        fix = (f"lower zero_optimization.stage3_max_live_parameters to at most {(budget - persistent) // size}"
-               if budget - persistent >= largest * size else
-               "lower zero_optimization.stage3_param_persistence_threshold (fewer parameters kept on the "
-               "device)") + " or raise offload.device_memory_budget"
+        if budget - persistent >= largest * size:
+            fix = (f"lower zero_optimization.stage3_max_live_parameters to at most {(budget - persistent) // size} "
+                   "or raise offload.device_memory_budget")
+        elif persistent:
+            fix = ("lower zero_optimization.stage3_param_persistence_threshold (fewer parameters kept on the "
+                   "device) or raise offload.device_memory_budget")
+        else:  # nothing persists: the largest parameter alone does not fit
+            fix = (f"raise offload.device_memory_budget to at least {largest * size} B: the largest parameter "
+                   f"({largest} elements) is on the device whole while its module runs")
         raise BudgetExceeded(Tier.DEVICE, f"the parameter window (stage3_max_live_parameters {max_live} "
                              f"x {size} B) plus {persistent} B of persistent parameters",
                              max_live * size + persistent, 0, budget, fix)
