@@ -451,7 +451,10 @@ class OffloadedAdam(torch.optim.Optimizer):
         for bias, by 1 - beta**step: without bias correction it is given an infinite step, where that is exactly 1
         (betas are below 1). Scalars are filled on the device: a tensor made from a Python number would be a
         blocking copy, which waits for the compute stream. Returns the squared norm of grad / grad_scale, a 0-d
-        float64 tensor on the device (fp32 squares, as the CPU kernel's; no wider copy of the gradients)."""
+        float64 tensor on the device (fp32 squares, as the CPU kernel's; no wider copy of the gradients). Where
+        those overflow the sub-group keeps its values this step: torch's CUDA kernel forms the second moment as
+        fma(-beta2, g*g, g*g), which is inf - inf = NaN for |g| above about 1.8e19, and would write NaN into the
+        masters and moments. The kernel leaves ``grad`` divided by ``grad_scale``."""
         fn = torch._fused_adamw_ if group["adamw_mode"] else torch._fused_adam_
         grad = grad.float()  # the fused kernel takes one dtype for state and gradients
         squares = torch.linalg.vector_norm(grad).double().square() / grad_scale**2
@@ -459,7 +462,8 @@ class OffloadedAdam(torch.optim.Optimizer):
         step = torch.full((), float(step_number) if group["bias_correction"] else float("inf"), **on)
         fn([master], [grad], [m], [v], [], [step], lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
            weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False, maximize=False,
-           grad_scale=torch.full((), grad_scale, **on) if grad_scale != 1.0 else None)
+           grad_scale=torch.full((), grad_scale, **on) if grad_scale != 1.0 else None,
+           found_inf=squares.isinf().to(torch.float32))
         return squares
 
     # state access (the stepper is idle whenever these run) ------------------------------------------------------
