@@ -181,6 +181,48 @@ def test_write_parameter_reaches_a_prefetched_or_landed_copy(tmp_path, home):
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("home", ["cpu", "nvme"])
+def test_persistent_parameters_read_between_steps_hold_the_new_values(tmp_path, home):
+    """A persistent parameter (small: on the device all along) read outside a forward, as a Trainer callback or
+    code after train() reads ``model.ln.weight``: after each step it holds that step's value, not the one before,
+    and after a load the loaded one."""
+    data = batches(3)
+    model = make()
+    ref, _ = reference(make(), data[:1], gpt_loss)
+    with offload.initialize(model, config(tmp_path, home)) as engine:
+        small = [(n, p) for n, p in model.named_parameters() if p.numel() <= 100]
+        assert small
+        run(engine, data[:1], gpt_loss)
+        want = dict(ref.named_parameters())
+        for name, p in small:
+            assert torch.allclose(p.detach(), want[name].detach(), rtol=1e-5, atol=1e-7), name
+        initial = dict(make().named_parameters())
+        engine.load_state_dict({n: initial[n].detach() for n, _ in small}, strict=False)
+        for name, p in small:
+            assert torch.equal(p.detach().cpu(), initial[name].detach()), name
+
+
+@pytest.mark.parametrize("host", [None, 400_000], ids=["host holds it", "nothing holds it"])
+def test_close_hands_back_a_model_larger_than_the_device_where_it_fits(tmp_path, host, caplog):
+    """A model offloaded because the device budget cannot hold it (113 KiB of parameters, 59 KiB of budget):
+    close() hands its parameters back in host memory, with their trained values, instead of running the device
+    out of memory; where the host budget cannot hold them either they stay NaN placeholders. Either is logged."""
+    model = make()
+    cfg = config(tmp_path, "nvme", "nvme", live=10_000, bucket=4_000)
+    cfg["offload"] = {"device_memory_budget": 60_000, **({"host_memory_budget": host} if host else {})}
+    with offload.initialize(model, cfg) as engine:
+        run(engine, batches(2), gpt_loss)
+        state = engine.consolidated_state_dict()
+    assert "do not fit the device budget (58.59 KiB)" in caplog.text
+    for name, p in model.named_parameters():
+        assert p.device.type == "cpu", name
+        if host is None:
+            assert torch.equal(p.detach(), state[name]), name
+        else:
+            assert p.isnan().all(), name
+    assert ("handed back in host memory" if host is None else "they stay NaN placeholders") in caplog.text
+
+
 def test_a_skipped_step_cancels_the_landing(tmp_path):
     """An fp16 step skipped for overflow writes nothing: the parameters set to land are read from their homes."""
     data = batches(4)

@@ -56,6 +56,7 @@ import collections
 import concurrent.futures
 import contextlib
 import functools
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -71,8 +72,10 @@ from nvme_swapper import AioConfig, SwapEngine, aligned_tensor
 from .._cleanup import close_after_failure, run_all
 from .._hooks import Hook
 from .._worker import bind_thread
-from ..memory import (DONE, AllOf, BudgetExceeded, Copy, CopyStreams, StagingArena, Tier, TieredStore, start_all,
-                      wait_all)
+from ..memory import (DONE, AllOf, BudgetExceeded, Copy, CopyStreams, StagingArena, Tier, TieredStore, fmt_bytes,
+                      start_all, wait_all)
+
+log = logging.getLogger("offload")
 
 _NO_COPY = ("copy.deepcopy or torch.save of a model whose parameters are offloaded (offload_param) would copy the "
             "placeholders the modules hold between uses, not the weights: write them with "
@@ -811,8 +814,8 @@ class ParameterOffload:
             self.release(rec)
 
     def updated(self) -> None:
-        """The optimizer has written new parameters to every home: landed parameters are AVAILABLE, other device
-        copies stale; start the next forward's fetches."""
+        """The optimizer has written new parameters to every home: landed parameters are AVAILABLE, persistent ones
+        copied again, other device copies released; start the next forward's fetches."""
         landed = {rec.index for rec in self.params if rec.state is ParamState.LANDING and self._complete_landing(rec)}
         self.last_step = self._rates({k: v - self._mark[k] for k, v in self.counters.items()})
         self._mark = dict(self.counters)
@@ -820,10 +823,8 @@ class ParameterOffload:
         for rec in self.params:
             if rec.index in landed or (rec.persistent and not rec.trains):  # a frozen one's value is unchanged
                 continue
-            if rec.persistent:
-                rec.stale = True
-                if rec.sharded:  # a collective: now, in index order on every rank, not at whichever fetch
-                    self._refresh(rec)
+            if rec.persistent:  # now, not at its next fetch: read between steps (a callback, the model after
+                self._refresh(rec)  # train()) it holds the new value; sharded, a collective in index order
             elif rec.state is not ParamState.RELEASED:
                 self.release(rec)  # fetched before the update: holds the old values
         self._phase = "forward"
@@ -846,7 +847,8 @@ class ParameterOffload:
                 self._upload_now(rec, value)
         elif rec.home is not None:
             rec.home.copy_(value.reshape(-1))
-            rec.stale = True
+            if rec.state is ParamState.AVAILABLE:
+                self._refresh(rec)
         else:
             flat = value.reshape(-1)
             wait_all([self.write_home_part(index, start, flat[start : start + n]) for start, n in rec.parts])
@@ -922,8 +924,24 @@ class ParameterOffload:
         run_all([self._hand_back, self._free])  # the swap file goes even if the GPU failed the hand-back
 
     def _hand_back(self) -> None:
-        """Every parameter back as a plain tensor holding its current value."""
+        """Every parameter back as a plain tensor holding its current value: on the device where the whole model
+        fits its budget beside what else is there, else in host memory, else (neither holds it) left a NaN
+        placeholder; said in the log. A model offloaded because the device cannot hold it would otherwise run the
+        device out of memory as its engine closes."""
         self.copies.synchronize()  # fetches' copies land first: homes and staging are freed after
+        self._trim(0)  # the cached buffers are ours to drop
+        size = torch.empty((), dtype=self.dtype).element_size()
+        need = sum(rec.numel for rec in self.params) * size
+        held = sum(rec.device.numel() for rec in self.params if rec.device is not None) * size
+        device, host = self.store.accounts[Tier.DEVICE], self.store.accounts[Tier.HOST]
+        where = ("device" if device.budget is None or device.current - held + need <= device.budget else
+                 "host" if host.budget is None or host.current + need <= host.budget else None)
+        if where != "device":
+            log.warning("offload: the model's offloaded parameters (%s) do not fit the device budget (%s) beside "
+                        "what it holds; %s", fmt_bytes(need), fmt_bytes(device.budget or 0),
+                        "they are handed back in host memory (move the model when it fits)" if where else
+                        "nor does host memory hold them: they stay NaN placeholders (save the weights before close, "
+                        "with engine.save_safetensors or save_checkpoint, and load them from there)")
         for rec in self.params:
             if rec.state is ParamState.LANDING:
                 self._cancel_landing(rec)
@@ -932,13 +950,22 @@ class ParameterOffload:
                     self._finish(rec)
                 except Exception:  # noqa: BLE001 - a prefetch nobody waited for: its home is read again just below,
                     pass  # and that read raises if the fault is still there
-            if rec.state is ParamState.RELEASED or rec.stale:
-                rec.param.data = self.copies.upload(self.read_home(rec.index))
-                if rec.device is not None:
-                    self.store.free(Tier.DEVICE, rec.device)
-                    rec.device = None
+            if where is None:
+                rec.param.data = self._placeholder(rec)
             else:
-                rec.param.data = rec.device.view(rec.shape).clone()
+                fresh = rec.state is ParamState.RELEASED or rec.stale
+                value = self.read_home(rec.index) if fresh else rec.device.view(rec.shape)
+                if where == "device":
+                    try:
+                        value = self.copies.upload(value) if fresh else value.clone()
+                    except torch.OutOfMemoryError:  # the budget had room, the card not: the rest go to the host
+                        where = "host"
+                        log.warning("offload: the device ran out of memory handing the model back; parameter "
+                                    "%d and those after it are handed back in host memory", rec.index)
+                if where == "host" and not fresh:
+                    value = value.to("cpu", copy=True)
+                rec.param.data = value
+            if rec.device is not None:
                 self.store.free(Tier.DEVICE, rec.device)
                 rec.device = None
             rec.state = ParamState.RELEASED
