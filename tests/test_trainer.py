@@ -284,10 +284,11 @@ def test_two_ranks_under_torchrun_match_the_plain_trainer_with_ddp(tmp_path):
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_half_precision_evaluation_before_training_and_the_best_checkpoint(tmp_path, precision):
+def test_half_precision_evaluation_before_training_and_the_best_checkpoint(tmp_path, precision, caplog):
     """bf16 or fp16 through TrainingArguments (the engine's half-precision parameters with fp32 masters and, for
     fp16, its loss scaling; no autocast, no GradScaler), evaluate() before train() (builds the engine), and
-    load_best_model_at_end (the best checkpoint's weights into the engine)."""
+    load_best_model_at_end (the best checkpoint's weights into the engine). save_model after close writes the
+    training dtype's weights, and says so (the masters closed with the engine)."""
     val = dataset(8, seed=5)
     args = arguments(tmp_path / "run", max_steps=4, eval_strategy="steps", eval_steps=2, **{precision: True},
                      save_strategy="steps", save_steps=2, load_best_model_at_end=True, metric_for_best_model="loss",
@@ -310,6 +311,11 @@ def test_half_precision_evaluation_before_training_and_the_best_checkpoint(tmp_p
         saved = load_file(str(Path(best) / "model.safetensors"))
         state = trainer.engine.consolidated_state_dict()
         assert all(torch.equal(state[k], v) for k, v in saved.items())
+    trainer.save_model(str(tmp_path / "after"))
+    assert f"save_model after close() writes the model's {dtype} training weights".replace("torch.", "") in \
+        caplog.text
+    after = load_file(str(tmp_path / "after" / "model.safetensors"))
+    assert all(v.dtype == dtype and torch.equal(v, state[k].to(dtype)) for k, v in after.items())
 
 
 def test_resume_from_a_plain_trainer_checkpoint_loads_its_weights(tmp_path, caplog):

@@ -265,13 +265,17 @@ class OffloadTrainer(Trainer):
         self.engine: Engine | None = None
         self._finalizer: Any = None
         self._closed = False
+        self._closed_dtype: torch.dtype | None = None  # the dtype the engine trained in, once closed
         self._creating = False  # a subclass's create_optimizer is running (see _groups)
 
     def close(self) -> None:
         """Stops the engine (its threads, swap files and buffers); the model keeps its trained parameters, and a
-        later save_model writes them as a plain Trainer would. ``with OffloadTrainer(...) as trainer:`` calls it."""
+        later save_model writes them as a plain Trainer would, in the engine's training dtype: the fp32 masters
+        of a bf16 or fp16 run close with it (save_model before, for those). ``with OffloadTrainer(...) as
+        trainer:`` calls it."""
         self._closed = True
         if self.engine is not None:
+            self._closed_dtype = self.engine.dtype
             self.engine = None
             self._finalizer()
 
@@ -459,6 +463,10 @@ class OffloadTrainer(Trainer):
         from the engine (a peft model: its adapter, as the Trainer saves it); with several ranks every rank takes
         part and rank 0 writes."""
         if self.engine is None or state_dict is not None:  # (a state dict given: written as the Trainer writes it)
+            if self.engine is None and state_dict is None and self._closed_dtype not in (None, torch.float32):
+                log.warning("offload: save_model after close() writes the model's %s training weights: the fp32 "
+                            "masters closed with the engine (save_model before close for them)",
+                            str(self._closed_dtype).removeprefix("torch."))
             return super()._save(output_dir, state_dict)
         out = Path(output_dir if output_dir is not None else self.args.output_dir)
         model, adapter = self.model, self._peft()
