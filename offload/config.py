@@ -166,11 +166,12 @@ class OptimizerConfig(_Section):
     eps: float = 1e-8
     weight_decay: float = 0.0
     bias_correction: bool = True
-    adam_w_mode: bool | None = None  # DeepSpeed's switch for type "Adam"; None: AdamW for "adamw", L2 for "adam"
+    adam_w_mode: bool = True  # DeepSpeed's switch, read as DeepSpeed reads it: false makes type "Adam" add L2
 
     @property
     def adamw_mode(self) -> bool:
-        return self.adam_w_mode if self.adam_w_mode is not None else self.type == "adamw"
+        """Decoupled weight decay: DeepSpeed's "Adam" is AdamW unless ``adam_w_mode`` is false; "AdamW" always."""
+        return self.type == "adamw" or self.adam_w_mode
 
     @classmethod
     def from_dict(cls, d: Any, path: str | None = None) -> "OptimizerConfig":

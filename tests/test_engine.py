@@ -87,6 +87,30 @@ def reference_fp32(steps: int, data, gas: int = 1, clip: float = 0.0, norms: lis
     return model
 
 
+@pytest.mark.parametrize("kind, adam_w_mode, reference", [
+    ("Adam", None, torch.optim.AdamW), ("Adam", False, torch.optim.Adam), ("AdamW", False, torch.optim.AdamW)])
+def test_adam_types_decay_as_deepspeed_reads_them(tmp_path, kind, adam_w_mode, reference):
+    """A DeepSpeed config's optimizer type as DeepSpeed trains it: "Adam" decouples the weight decay (AdamW) unless
+    adam_w_mode is false, where it adds it to the gradient (torch's Adam); "AdamW" always decouples it."""
+    data = batches(4)
+    cfg = config(tmp_path, "cpu")
+    cfg["optimizer"]["type"] = kind
+    cfg["optimizer"]["params"]["weight_decay"] = 0.1
+    if adam_w_mode is not None:
+        cfg["optimizer"]["params"]["adam_w_mode"] = adam_w_mode
+    with offload.initialize(make(), cfg) as engine:
+        train(engine, data)
+        got = engine.consolidated_state_dict()
+    model = reference_model()
+    opt = reference(model.parameters(), lr=LR, weight_decay=0.1, betas=(0.9, 0.99), eps=1e-8)
+    for x, y in data:
+        lm_loss(model(on_device(x)), y).backward()
+        opt.step()
+        opt.zero_grad()
+    for k, r in model.state_dict().items():
+        close_enough(got[k], r, 1e-5)
+
+
 @pytest.mark.parametrize("device", ["none", "cpu", "nvme", "cpu, overlap_forward"])
 def test_fp32_matches_torch_adamw(tmp_path, device, gradients):
     data = batches(20)
