@@ -203,10 +203,11 @@ def run_config(tmp: Path, name: str, stage: int, device: str, gas: int, clip: fl
 
 SEEDED_BY_RANK = {"s2-host", "s3-pnvme-host"}  # each rank builds its model from its own seed (dist_worker.py)
 
-SPARSE_RUNS = [  # the 50k-row embedding model with sparse_gradients: name, stage, nn.Embedding(sparse=True)
-    ("bag-s2-sparse-module", 2, True),
-    ("bag-s1-dense-module", 1, False),  # a dense gradient whose touched rows are found by a scan
-    ("bag-s2-lazy", 2, True),  # sparse_gradients "lazy": untouched rows keep value and moments
+SPARSE_RUNS = [  # the 50k-row embedding model: name, stage, nn.Embedding(sparse=True), sparse_gradients
+    ("bag-s2-sparse-module", 2, True, True),
+    ("bag-s1-dense-module", 1, False, True),  # a dense gradient whose touched rows are found by a scan
+    ("bag-s2-lazy", 2, True, "lazy"),  # untouched rows keep value and moments
+    ("bag-s2-sparse-module-dense-sync", 2, True, False),  # DeepSpeed's default: the sparse gradient sent dense
 ]
 
 
@@ -215,8 +216,8 @@ def spec_runs(tmp: Path) -> list[dict]:
              "seed_by_rank": name in SEEDED_BY_RANK, "config": run_config(tmp, name, stage, device, gas, clip)}
             for name, stage, device, gas, clip in RUNS] + \
            [{"name": name, "steps": STEPS, "gas": 1, "model": "bag", "sparse_module": module,
-             "config": config(stage, "cpu", tmp / "nvme", sparse_gradients="lazy" if "lazy" in name else True)}
-            for name, stage, module in SPARSE_RUNS]
+             "config": config(stage, "cpu", tmp / "nvme", sparse_gradients=sparse)}
+            for name, stage, module, sparse in SPARSE_RUNS]
 
 
 def launch(tmp: Path, world: int, runs: list[dict], init: str = "self", timeout: float = 240) -> Path:
@@ -373,7 +374,8 @@ def test_two_ranks_delayed_update_is_bit_identical_to_one_rank(two_ranks, tmp_pa
 @pytest.mark.parametrize("world", [2, 3])
 def test_sparse_gradients_match_dense_reference_and_send_rows(world, two_ranks, three_ranks):
     """A 50k-row embedding touched at under 0.3% per batch: its gradient goes to its owners as rows, the trained
-    parameters equal torch's AdamW on the whole batch, and the rows cost a small fraction of the dense reduce."""
+    parameters equal torch's AdamW on the whole batch, and the rows cost a small fraction of the dense reduce.
+    Without sparse_gradients an nn.Embedding(sparse=True) gradient is reduced dense (before, backward failed)."""
     out = two_ranks[0] if world == 2 else three_ranks
     data = bag_batches(STEPS)
     model = make_bag()
@@ -385,11 +387,14 @@ def test_sparse_gradients_match_dense_reference_and_send_rows(world, two_ranks, 
     touched = max(len(torch.unique(x)) for x, _ in data) / 50_000
     assert touched < 0.05
     lazy = lazy_adamw_reference(data, STEPS)
-    for name, stage, module in SPARSE_RUNS:
-        assert_close(torch.load(out / f"{name}.pt", weights_only=True), lazy if "lazy" in name else model.state_dict())
+    for name, stage, module, sparse in SPARSE_RUNS:
+        want = lazy if sparse == "lazy" else model.state_dict()
+        assert_close(torch.load(out / f"{name}.pt", weights_only=True), want)
         for r in range(world):
             info = json.loads((out / f"{name}.rank{r}.json").read_text())
-            assert info["reduce"]["sparse_sent"] == {"rows": STEPS, "dense": 0}, (name, info["reduce"])
+            assert info["reduce"]["sparse_sent"] == {"rows": STEPS if sparse else 0, "dense": 0}, (name, info["reduce"])
+            if not sparse:
+                continue
             rows = info["comm"]["payload_bytes"]["all_to_all"] / STEPS  # bytes this rank sent as rows per step
             dense = 4 * 50_000 * 16  # the embedding's dense gradient, fp32
             assert rows < dense / 20, (name, rows, dense)

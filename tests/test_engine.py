@@ -532,6 +532,43 @@ def test_a_non_finite_loss_is_refused_before_its_backward(tmp_path, placement):
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
+@pytest.mark.parametrize("refused", [(3,), (2,), (2, 3)], ids=["last of a window", "first", "a whole window"])
+def test_a_loop_that_steps_past_a_refused_batch_keeps_its_windows(tmp_path, refused):
+    """The loop ``try: engine.backward(loss) except FloatingPointError: pass; engine.step()`` (every rank refuses
+    together): the refused batch counts, with no gradient, so windows still end every gradient_accumulation_steps
+    step() calls, as DeepSpeed counts them; a window of refused batches only is a skipped step. Against torch's
+    AdamW fed the same windows (before, every later window was shifted by one batch)."""
+    data, gas = batches(6), 2
+    with offload.initialize(make(), config(tmp_path, "cpu", gradient_accumulation_steps=gas)) as engine:
+        applied = []
+        for i, (x, y) in enumerate(data):
+            out = engine(x)
+            if i in refused:
+                loss = torch.nn.functional.cross_entropy(out.flatten(0, 1), torch.full_like(y, -100).flatten()
+                                                         .to(engine.device))  # no label counts: 0/0
+                with pytest.raises(FloatingPointError, match="a step\\(\\) after it counts the batch"):
+                    engine.backward(loss)
+            else:
+                engine.backward(lm_loss(out, y))
+            engine.step()
+            applied.append(engine.was_step_applied())
+        got = engine.consolidated_state_dict()
+        assert engine.global_steps == 3 and engine.skipped_steps == (1 if len(refused) == 2 else 0)
+    assert applied == [False, True, False, len(refused) < 2, False, True]
+    model = reference_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, betas=(0.9, 0.99), eps=1e-8)
+    for start in range(0, len(data), gas):
+        window = [i for i in range(start, start + gas) if i not in refused]
+        for i in window:
+            x, y = data[i]
+            (lm_loss(model(on_device(x)), y) / gas).backward()
+        if window:
+            opt.step()
+        opt.zero_grad()
+    for k, r in model.state_dict().items():
+        close_enough(got[k], r, 1e-5)
+
+
 def test_a_parameter_read_outside_its_forward_is_named_instead_of_training_nan(tmp_path):
     """Stage 3: the head's weight read by the loss outside any module's forward is the NaN placeholder; the
     engine refuses the loss naming the cause (before, NaN went into every master weight)."""

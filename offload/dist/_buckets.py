@@ -161,9 +161,15 @@ class ReduceBuckets:
         self._next = 0
 
     def add(self, i: int, grad: torch.Tensor) -> None:
-        """Parameter ``i``'s gradient (flat, on the device) into its bucket; may issue reduces."""
+        """Parameter ``i``'s gradient (on the device) into its bucket; may issue reduces. A sparse one
+        (``nn.Embedding(sparse=True)``) stays sparse in a sparse bucket only: without sparse_gradients it is sent
+        dense, as any other."""
         b = self._of_param[i]
         assert b is not None and i not in b.arrived
+        if grad.is_sparse and not b.sparse:
+            grad = grad.to_dense()
+        if not grad.is_sparse:
+            grad = grad.reshape(-1)
         if b.own:  # sparse buckets too: ``grad`` may be a sparse COO tensor there
             b.buf = grad  # held until its reduce is done; autograd's reference goes
         else:

@@ -145,6 +145,7 @@ class Engine:
         self._boundary: bool | None = None  # set_gradient_accumulation_boundary's override
         self._window_start = (0, 0)  # micro_steps and sub_groups_overlapped when the open window began
         self._backward_done = False  # a backward ran since the last step() (its micro-batch is counted)
+        self._refused = False  # the last backward refused its non-finite loss (a step() after it counts the batch)
         self._held = 0  # engine.gathered() blocks open
         self.lr_scheduler: WarmupSchedule | None = None
         self.store: TieredStore | None = None
@@ -325,6 +326,7 @@ class Engine:
         self._expect("engine.backward(loss)", Phase.IDLE, Phase.ACCUMULATING)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("engine.backward expects a scalar loss tensor")
+        self._refused = False
         self._check_finite(loss)
         self.weights.check_trainable()
         self._settle()  # parameters no forward hook reached, and the gradient slots the updates read
@@ -382,7 +384,7 @@ class Engine:
                                "backward ran them beside backward), so its gradients are partly applied; call "
                                "engine.step() to finish the step, or load a checkpoint")
         self._discard_window()
-        self.micro_steps, self._backward_done = self._window_start[0], False
+        self.micro_steps, self._backward_done, self._refused = self._window_start[0], False, False
         self.phase = Phase.IDLE
 
     def _window_updates_started(self) -> bool:
@@ -410,6 +412,7 @@ class Engine:
             self.comm.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
         if bool(finite.item()):
             return
+        self._refused = True
         value = loss.item()
         where = f"the loss is {value}" if not math.isfinite(value) else \
             "the loss is finite here but not on another rank"
@@ -421,7 +424,8 @@ class Engine:
         raise FloatingPointError(
             f"{where} at micro-batch {self.micro_steps} (step {self.global_steps}): its backward would train NaN into "
             "the optimizer state, so it was not run and nothing changed (earlier micro-batches of the window keep "
-            "their gradients: catch the error to skip this batch, on every rank). Check the data (a batch whose "
+            "their gradients: catch the error to skip this batch, on every rank; a step() after it counts the "
+            "batch, with no gradient, as DeepSpeed counts micro-batches by step()). Check the data (a batch whose "
             "labels are all ignored gives 0/0) and the learning rate." + cause)
 
     def _on_grad(self, i: int, p: torch.Tensor) -> None:
@@ -443,7 +447,7 @@ class Engine:
         if self.weights.params is not None:  # before the update can start: a parameter set to land is marked so
             self.weights.params.grad_done(p)
         if self._reduce is not None:  # several ranks, stages 0-2: summed onto the owners bucket by bucket
-            self._reduce.add(i, grad if grad.is_sparse else grad.reshape(-1))
+            self._reduce.add(i, grad)
         else:
             flat = (grad.to_dense() if grad.is_sparse else grad).reshape(-1)  # nn.Embedding(sparse=True)
             if self.layout.per_param:  # stage 3 on several ranks: summed over ranks now, this rank's piece kept
@@ -468,14 +472,25 @@ class Engine:
         if self._held:
             raise RuntimeError("engine.step() inside an engine.gathered() block: the update would change the "
                                "parameters the block holds; step after the block")
-        if self.phase is Phase.IDLE:
+        refused, self._refused = self._refused and not self._backward_done, False
+        if refused:  # the loop stepped past a refused batch: it counts, with no gradient, so the windows keep
+            boundary = self.is_gradient_accumulation_boundary()  # ending every gradient_accumulation_steps step()s
+            self.micro_steps += 1
+            if not boundary:
+                return
+            if self.phase is Phase.IDLE:  # no batch of the window trained: nothing to update, a skipped step
+                self.global_steps += 1
+                self.scaler.update(True)
+                return
+        elif self.phase is Phase.IDLE:
             raise RuntimeError("engine.step() called before engine.backward(loss)" if self.micro_steps == 0 else
                                "engine.step() called twice without an engine.backward(loss) in between")
         self._expect("engine.step()", Phase.ACCUMULATING)
-        boundary = self.is_gradient_accumulation_boundary()
-        self._backward_done = False
-        if not boundary:
-            return
+        if not refused:
+            boundary = self.is_gradient_accumulation_boundary()
+            self._backward_done = False
+            if not boundary:
+                return
         self.phase = Phase.STEP
         try:
             self._step()
@@ -754,7 +769,7 @@ class Engine:
 
     def load_training_state(self, state: TrainingState) -> None:
         self.global_steps, self.micro_steps = state.global_steps, state.micro_steps
-        self._backward_done = False
+        self._backward_done = self._refused = False
         self.optimizer.restart_at(state.optimizer_steps)
         self._norm_step = self._grad_norm_value = None  # the norm of a step the checkpoint does not hold
         self.scaler.load_state_dict(state.loss_scaler)
