@@ -13,6 +13,11 @@ store behind MASTER_ADDR:MASTER_PORT; no shared files), next to the number of th
 On a failure, a rank marks itself failed in the store, watches the others' heartbeats for a few intervals, and
 raises :class:`CommError` naming each rank whose heartbeat stopped (died or frozen), or that is alive but has not
 reached this collective (stuck in its own code, or running a different number of steps).
+
+Collectives about one parameter (stage 3's all-gathers and reduce-scatters) name it (``key``), and each rank folds
+the names into ``trace`` in the order it issued them: ranks that ran different modules of the same shapes (a
+branch, an MoE expert taken on some ranks only) gather each other's pieces of different parameters without any
+error, and the engine compares the traces over ranks at each backward (see ``Engine._check_finite``).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import torch.distributed as dist
 from ._group import ProcessGroup
 
 _generation = itertools.count()  # engines made in this process, in the same order on every rank
+_TRACE_MOD = (1 << 61) - 1  # a prime: the trace stays an int64 for the all-reduce that compares it
 
 
 class CommError(RuntimeError):
@@ -60,6 +66,7 @@ class Comm:
         self.wire_bytes: collections.Counter[str] = collections.Counter()
         self.calls: collections.Counter[str] = collections.Counter()
         self.seq = 0  # collectives entered, the same sequence on every rank
+        self.trace = 0  # the keyed collectives issued since the owner last compared it over ranks
         self._error: CommError | None = None
         self._beat: _Heartbeat | None = None
         self.interval = min(1.0, max(0.05, pg.timeout / 10))
@@ -74,14 +81,14 @@ class Comm:
 
     # collectives ------------------------------------------------------------------------------------------------
 
-    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor) -> None:
-        """``out`` = this rank's 1/N chunk of the sum of every rank's ``inp``."""
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, *, key: int | None = None) -> None:
+        """``out`` = this rank's 1/N chunk of the sum of every rank's ``inp``; ``key``: what it is about (traced)."""
         if self.world_size == 1:
             if out.data_ptr() != inp.data_ptr():
                 out.copy_(inp)
             return
         self._run("reduce_scatter", inp, 1.0,
-                  lambda: dist.reduce_scatter_tensor(out, inp, group=self.pg.group))
+                  lambda: dist.reduce_scatter_tensor(out, inp, group=self.pg.group), key=key)
 
     def reduce(self, t: torch.Tensor, dst: int) -> Any:
         """Starts summing every rank's ``t`` into rank ``dst``'s ``t`` (the others' are left undefined); returns a
@@ -104,19 +111,21 @@ class Comm:
         self._call("all_to_all", seq, t0, lambda: dist.all_to_all_single(
             out, inp, output_split_sizes=out_splits, input_split_sizes=in_splits, group=self.pg.group))
 
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, *, async_op: bool = False) -> Any:
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, *, async_op: bool = False,
+                   key: int | None = None) -> Any:
         """``out`` = every rank's ``inp`` end to end (``inp`` may be this rank's chunk of ``out``). With
-        ``async_op`` returns a handle whose ``wait()`` completes it."""
+        ``async_op`` returns a handle whose ``wait()`` completes it. ``key``: what it is about (traced)."""
         if self.world_size == 1:
             if out.data_ptr() != inp.data_ptr():
                 out.copy_(inp)
             return _Done() if async_op else None
         if async_op:
-            seq, t = self._enter("all_gather", out, 1.0)
+            seq, t = self._enter("all_gather", out, 1.0, key=key)
             work = self._call("all_gather", seq, t,
                               lambda: dist.all_gather_into_tensor(out, inp, group=self.pg.group, async_op=True))
             return _Pending(self, work, "all_gather", seq, t)
-        self._run("all_gather", out, 1.0, lambda: dist.all_gather_into_tensor(out, inp, group=self.pg.group))
+        self._run("all_gather", out, 1.0, lambda: dist.all_gather_into_tensor(out, inp, group=self.pg.group),
+                  key=key)
         return None
 
     def all_reduce(self, t: torch.Tensor, op: Any = None) -> None:
@@ -177,6 +186,20 @@ class Comm:
         self.broadcast(t, 0)
         return t.tolist()
 
+    def min_and_trace(self, values: list[int]) -> tuple[list[int], bool]:
+        """The MIN over ranks of ``values`` (integers), and whether every rank's ``trace`` is the same, in one
+        all-reduce; collectives deferred by their owner are issued first, so they are in it. Every rank's trace
+        starts anew."""
+        if self.world_size == 1:
+            self.trace = 0
+            return list(values), True
+        self._flush_deferred()
+        t = torch.tensor([*values, self.trace, -self.trace], dtype=torch.int64, device=self._scalar_device)
+        self.all_reduce(t, op=dist.ReduceOp.MIN)
+        self.trace = 0
+        *mins, low, minus_high = t.tolist()
+        return mins, low == -minus_high
+
     def sum_float(self, value: float) -> float:
         """The sum over ranks of one float64 number (gradient norms)."""
         if self.world_size == 1:
@@ -187,18 +210,17 @@ class Comm:
 
     # accounting and failure ----------------------------------------------------------------------------------------
 
-    def _enter(self, op: str, t: torch.Tensor, wire_factor: float, *, sent: int | None = None) -> tuple[int, float]:
+    def _enter(self, op: str, t: torch.Tensor, wire_factor: float, *, sent: int | None = None,
+               key: int | None = None) -> tuple[int, float]:
         """Counts a collective about ``t`` (``sent``: the bytes this rank sends, payload and wire, for
-        collectives whose size differs per rank) and returns its sequence number and start time."""
+        collectives whose size differs per rank), folds its ``key`` into ``trace``, and returns its sequence
+        number and start time."""
         if self.state is not CommState.OPEN:
             raise self._error or RuntimeError("the engine's process group is closed")
-        if self.before_collective is not None and not self._in_hook:
-            self._in_hook = True
-            try:
-                self.before_collective()
-            finally:
-                self._in_hook = False
+        self._flush_deferred()
         nbytes = t.numel() * t.element_size() if sent is None else sent
+        if key is not None:
+            self.trace = (self.trace * 1_000_003 + zlib.crc32(op.encode()) + 2 * key + 1) % _TRACE_MOD
         self.seq += 1
         self.calls[op] += 1
         self.payload_bytes[op] += nbytes
@@ -206,14 +228,24 @@ class Comm:
             int(nbytes * wire_factor * (self.world_size - 1) / self.world_size)
         return self.seq, time.monotonic()
 
+    def _flush_deferred(self) -> None:
+        """Issues the collectives their owner deferred (``before_collective``), unless they are being issued."""
+        if self.before_collective is not None and not self._in_hook:
+            self._in_hook = True
+            try:
+                self.before_collective()
+            finally:
+                self._in_hook = False
+
     def _call(self, op: str, seq: int, t0: float, fn: Callable[[], Any]) -> Any:
         try:
             return fn()
         except RuntimeError as exc:  # gloo/NCCL errors (DistBackendError is one)
             raise self._fail(op, seq, t0, exc) from exc
 
-    def _run(self, op: str, t: torch.Tensor, wire_factor: float, fn: Callable[[], Any]) -> None:
-        seq, t0 = self._enter(op, t, wire_factor)
+    def _run(self, op: str, t: torch.Tensor, wire_factor: float, fn: Callable[[], Any], *,
+             key: int | None = None) -> None:
+        seq, t0 = self._enter(op, t, wire_factor, key=key)
         self._call(op, seq, t0, fn)
 
     def _fail(self, op: str, seq: int, t0: float, exc: BaseException) -> CommError:

@@ -59,9 +59,10 @@ class _Gathered:
 class _PieceRead:
     """Stage 3, NVMe pieces: a fetch whose reads are in flight and whose all-gather is not issued yet."""
 
-    def __init__(self, shards: "ParamShards", out: torch.Tensor, inp: torch.Tensor, dst: torch.Tensor,
+    def __init__(self, shards: "ParamShards", index: int, out: torch.Tensor, inp: torch.Tensor, dst: torch.Tensor,
                  staging: torch.Tensor, reads: list[SwapHandle]) -> None:
-        self.shards, self.out, self.inp, self.dst, self.staging, self.reads = shards, out, inp, dst, staging, reads
+        self.shards, self.index, self.out, self.inp, self.dst = shards, index, out, inp, dst
+        self.staging, self.reads = staging, reads
         self.gathered: _Gathered | None = None
         self.error: BaseException | None = None  # its reads failed: no all-gather was issued
 
@@ -199,7 +200,7 @@ class ParamShards:
         out = self._out_buffer(i) if out is None else out
         inp = out[r * piece : (r + 1) * piece]  # the all-gather takes this rank's chunk of out in place
         if self._swap is None:
-            return self._gather(out, inp, self.pieces[i], dst)[0]
+            return self._gather(i, out, inp, self.pieces[i], dst)[0]
         self.issue_ready()
         assert self._arena is not None
         staging = self._arena.take(piece)
@@ -210,7 +211,7 @@ class ParamShards:
             self.issue_next()
             staging = self._arena.take(piece)
         reads = self._start_reads(i, staging)
-        pending = _PieceRead(self, out, inp, dst, staging, reads)
+        pending = _PieceRead(self, i, out, inp, dst, staging, reads)
         self._queue.append(pending)
         return pending
 
@@ -227,10 +228,10 @@ class ParamShards:
         staging[sum(n for _, n in self._parts[i]) :].zero_()
         return reads.handles
 
-    def _gather(self, out: torch.Tensor, inp: torch.Tensor, source: torch.Tensor,
+    def _gather(self, i: int, out: torch.Tensor, inp: torch.Tensor, source: torch.Tensor,
                 dst: torch.Tensor) -> tuple[_Gathered, Copy]:
-        """Starts the all-gather of a piece from ``source`` (host); returns it and the copy still reading
-        ``source``."""
+        """Starts the all-gather of parameter ``i``'s piece from ``source`` (host); returns it and the copy still
+        reading ``source``."""
         copy = DONE
         if self.device.type == "cpu":
             inp.copy_(source)
@@ -238,7 +239,7 @@ class ParamShards:
             copy = self.copies.to_device(inp, source, after=None)
         try:
             self.copies.use(copy, out)  # the collective, issued behind the current stream, sees it
-            return _Gathered(self.comm.all_gather(out, inp, async_op=True), out, dst), copy
+            return _Gathered(self.comm.all_gather(out, inp, async_op=True, key=i), out, dst), copy
         except BaseException:
             copy.wait()  # ``source`` may be lent again once this raises
             raise
@@ -257,8 +258,8 @@ class ParamShards:
             t = time.perf_counter()
             self._wait(pending.reads, Tier.NVME, Tier.HOST)
             self.read_stats["wait_seconds"] += time.perf_counter() - t
-            pending.gathered, copy = self._gather(pending.out, pending.inp, pending.staging[: pending.inp.numel()],
-                                                  pending.dst)
+            pending.gathered, copy = self._gather(pending.index, pending.out, pending.inp,
+                                                  pending.staging[: pending.inp.numel()], pending.dst)
         except BaseException as exc:
             pending.error = exc
             raise
@@ -319,7 +320,7 @@ class ParamShards:
                     f"{2 * p.numel() * self.dtype.itemsize / 2**20:.1f} MiB that gathering parameter {i} of shape "
                     f"{shape} for a read takes; free device memory (torch.cuda.empty_cache(), a smaller batch "
                     "before the save) and retry") from error
-            gathered, copy = self._gather(out, out[r * piece : (r + 1) * piece],
+            gathered, copy = self._gather(i, out, out[r * piece : (r + 1) * piece],
                                           self.pieces[i] if staging is None else staging[:piece], dst)
             gathered.wait()
         finally:  # the piece comes back however the read ended (a vote that raised, an interrupt included)
@@ -376,7 +377,7 @@ class GradPartition:
         padded = torch.zeros(piece * self.comm.world_size, dtype=grad.dtype, device=grad.device)
         padded[: grad.numel()].copy_(grad)
         out = torch.empty(piece, dtype=grad.dtype, device=grad.device)
-        self.comm.reduce_scatter(out, padded)
+        self.comm.reduce_scatter(out, padded, key=i)
         return out
 
     def gather_params(self, flats: list[torch.Tensor]) -> None:

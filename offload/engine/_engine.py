@@ -404,13 +404,29 @@ class Engine:
         """bf16/fp32: a non-finite loss would make every gradient NaN and Adam would write NaN into the masters and
         moments; refused before its backward runs, so nothing changes (fp16 leaves it to the loss scaler, which
         skips the step). With several ranks every rank refuses together (a MIN over ranks), so none is left in a
-        backward's collectives alone. Costs one host wait for the forward's result before backward is launched."""
-        if self.config.fp16.enabled:
+        backward's collectives alone. Costs one host wait for the forward's result before backward is launched.
+        Stage 3 on several ranks (fp16 too): the same all-reduce compares the parameters each rank gathered and
+        reduced since the last backward (``Comm.trace``), as ranks that ran different modules of the same shapes
+        computed with each other's pieces of different parameters, without any error."""
+        fp16, traced = self.config.fp16.enabled, self.world_size > 1 and self.layout.per_param
+        if fp16 and not traced:
             return
-        finite = torch.isfinite(loss.detach()).reshape(1).to(self.comm.pg.device, torch.int32)
-        if self.world_size > 1:
-            self.comm.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
-        if bool(finite.item()):
+        if not traced:
+            flag = torch.isfinite(loss.detach()).reshape(1).to(self.comm.pg.device, torch.int32)
+            if self.world_size > 1:
+                self.comm.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+            finite = int(flag.item())
+        else:
+            (finite,), same = self.comm.min_and_trace([1 if fp16 else int(bool(torch.isfinite(loss.detach())))])
+            if not same:
+                raise RuntimeError(
+                    f"engine.backward at micro-batch {self.micro_steps} (step {self.global_steps}): the ranks "
+                    "gathered different parameters since the last backward (stage 3 on several ranks: a module "
+                    "run on some ranks only, such as an MoE expert the router chose on one rank, or a branch taken "
+                    "on one), so each computed with another parameter's pieces; this backward was not run and "
+                    "nothing changed. Under stage 3 every rank must run the same modules in the same order: call "
+                    "each expert on every rank, in one order (an empty batch will do), or train with stage 1 or 2")
+        if finite:
             return
         self._refused = True
         value = loss.item()

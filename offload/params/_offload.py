@@ -953,7 +953,8 @@ class ParameterOffload:
             if where is None:
                 rec.param.data = self._placeholder(rec)
             else:
-                fresh = rec.state is ParamState.RELEASED or rec.stale
+                # a piece of a parameter is read (a collective) on every rank alike, whatever each holds
+                fresh = rec.state is ParamState.RELEASED or rec.stale or rec.sharded
                 value = self.read_home(rec.index) if fresh else rec.device.view(rec.shape)
                 if where == "device":
                     try:
