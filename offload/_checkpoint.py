@@ -46,6 +46,7 @@ import math
 import os
 import re
 import shutil
+import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -220,6 +221,13 @@ def save(engine: "Engine", root: Path, tag: str, frozen: bool = True, client_sta
                          "'latest')")
     comm, rank = engine.comm, engine.rank
     final = root / tag
+    if comm.world_size > 1:  # DeepSpeed's tag validation: a rank with another tag would write another folder
+        mine = [zlib.crc32(tag.encode())]
+        other = ValueError(f"rank {rank} saves checkpoint tag {tag!r}, rank 0 another: every rank passes the same "
+                           "tag (or none: step{N})") if comm.rank0s(mine) != mine else None
+        if comm.vote("checkpoint tag", other):
+            raise other or ValueError(f"another rank passes another checkpoint tag than rank 0's {tag!r}: every "
+                                      "rank passes the same tag (or none: step{N})")
     pid = int(comm.sum_float(float(os.getpid()) if rank == 0 else 0.0))
     tmp = root / f".tmp-{tag}-{pid}"
     status = 0.0  # rank 0's preparation: 0 ready, 1 the tag exists, 2 failed (``error``)

@@ -44,6 +44,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_script(script: Path, world: int, *args: str, cwd: Path) -> str:
+    """Runs ``script`` in one process (world 1) or under ``torchrun --nproc-per-node world`` with the project
+    importable; asserts it exits 0 and returns what it printed."""
+    launch = [sys.executable] if world == 1 else [shutil.which("torchrun") or "torchrun", "--nproc-per-node",
+                                                  str(world), "--master-port", str(free_port())]
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([*launch, str(script), *args], capture_output=True, text=True, timeout=240, env=env,
+                          cwd=cwd)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return done.stdout
+
+
 def env_for(rank: int, world: int, port: int) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
@@ -762,14 +775,8 @@ def test_torchrun_runs_an_unchanged_training_script(tmp_path):
     for launcher in ("python", "torchrun"):
         script = tmp_path / f"train_{launcher}.py"
         script.write_text(TRAIN_SCRIPT.format(tests=str(TESTS), cfg=cfg, out=str(tmp_path / f"{launcher}.pt")))
-        cmd = [sys.executable, str(script)] if launcher == "python" else \
-            [shutil.which("torchrun") or "torchrun", "--nproc-per-node", "2", "--master-port", str(free_port()),
-             str(script)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
-        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-        assert f"world {1 if launcher == 'python' else 2}" in done.stdout
+        world = 1 if launcher == "python" else 2
+        assert f"world {world}" in run_script(script, world, cwd=tmp_path)
         results[launcher] = torch.load(tmp_path / f"{launcher}.pt", weights_only=True)
     assert_close(results["torchrun"], results["python"])
     assert not list((tmp_path / "nvme").iterdir())  # per-rank folders and swap files removed
@@ -1050,18 +1057,44 @@ def test_stage3_ranks_that_run_different_modules_are_refused(tmp_path):
     cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     script = tmp_path / "branch.py"
     script.write_text(BRANCH_SCRIPT.format(cfg=cfg))
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     said = tmp_path / "said"
-    done = subprocess.run([shutil.which("torchrun") or "torchrun", "--nproc-per-node", "2", "--master-port",
-                           str(free_port()), str(script), str(said)], capture_output=True, text=True, timeout=240,
-                          env=env, cwd=tmp_path)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    run_script(script, 2, str(said), cwd=tmp_path)
     for r in range(2):
         refused, trained = Path(f"{said}.{r}").read_text().split("\n")
         assert "the ranks gathered different parameters since the last backward" in refused, refused
         assert "call each expert on every rank, in one order (an empty batch will do)" in refused
         assert trained == "trained"
+
+
+TAG_SCRIPT = """
+import os, sys, torch
+import offload
+rank = int(os.environ.get("RANK", "0"))
+engine = offload.initialize(torch.nn.Linear(8, 8), {cfg!r})
+try:
+    engine.save_checkpoint({root!r}, tag=f"mine{{rank}}")
+    said = "saved"
+except ValueError as exc:
+    said = str(exc)
+print(engine.save_checkpoint({root!r}, tag="same").name, flush=True)
+engine.close()
+with open(f"{{sys.argv[1]}}.{{rank}}", "w") as f:
+    f.write(said)
+"""
+
+
+def test_ranks_saving_under_different_tags_are_told(tmp_path):
+    """Ranks passing different checkpoint tags (DeepSpeed validates them too): every rank raises, naming the tag,
+    before anything is written (before, one rank's shard went missing from another's folder); the same tag
+    saves."""
+    root = tmp_path / "ckpt"
+    script = tmp_path / "tags.py"
+    script.write_text(TAG_SCRIPT.format(cfg=config(2, "cpu", tmp_path / "nvme"), root=str(root)))
+    said = tmp_path / "said"
+    assert run_script(script, 2, str(said), cwd=tmp_path).split() == ["same", "same"]
+    assert "rank 1 saves checkpoint tag 'mine1', rank 0 another" in Path(f"{said}.1").read_text()
+    assert "another rank passes another checkpoint tag than rank 0's 'mine0'" in Path(f"{said}.0").read_text()
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "same"]
 
 
 def test_delayed_update_without_clipping_trains_on_a_nonfinite_norm_on_several_ranks(tmp_path):
@@ -1071,13 +1104,7 @@ def test_delayed_update_without_clipping_trains_on_a_nonfinite_norm_on_several_r
     cfg["zero_optimization"]["offload_optimizer"]["delayed_update"] = True
     script = tmp_path / "nonfinite.py"
     script.write_text(NONFINITE_SCRIPT.format(tests=str(TESTS), cfg=cfg))
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    for world, launch in ((1, [sys.executable]),
-                          (2, [shutil.which("torchrun") or "torchrun", "--nproc-per-node", "2", "--master-port",
-                               str(free_port())])):
+    for world in (1, 2):
         said = tmp_path / f"said{world}"
-        done = subprocess.run([*launch, str(script), str(said)], capture_output=True, text=True, timeout=240, env=env,
-                              cwd=tmp_path)
-        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+        run_script(script, world, str(said), cwd=tmp_path)
         assert [Path(f"{said}.{r}").read_text() for r in range(world)] == ["norm nan"] * world
