@@ -216,18 +216,20 @@ def save(engine: "Engine", root: Path, tag: str, frozen: bool = True, client_sta
     """Collective with several ranks: each writes its shard; rank 0 commits once all succeeded. ``frozen``:
     whether the frozen parameters are written (else loads keep the model's own). ``client_state``: rank 0's,
     written beside them (see :func:`client_bytes`)."""
-    if not tag or "/" in tag or "\0" in tag or tag.startswith(".") or tag == "latest":
-        raise ValueError(f"checkpoint tag {tag!r} must be a plain name (no '/' or NUL, not starting with '.', not "
-                         "'latest')")
     comm, rank = engine.comm, engine.rank
+    bad = None if tag and "/" not in tag and "\0" not in tag and not tag.startswith(".") and tag != "latest" else \
+        ValueError(f"checkpoint tag {tag!r} must be a plain name (no '/' or NUL, not starting with '.', not 'latest')")
+    if comm.world_size > 1:  # DeepSpeed's tag validation: a rank with another tag would write another folder; every
+        mine = [zlib.crc32(tag.encode())]  # rank takes part, so one refusing a tag leaves none in a collective
+        if comm.rank0s(mine) != mine and bad is None:
+            bad = ValueError(f"rank {rank} saves checkpoint tag {tag!r}, rank 0 another: every rank passes the same "
+                             "tag (or none: step{N})")
+        if comm.vote("checkpoint tag", bad):
+            raise bad or ValueError(f"another rank passes another checkpoint tag than rank 0's {tag!r}, or one "
+                                    "that is not a plain name: every rank passes the same tag (or none: step{N})")
+    elif bad is not None:
+        raise bad
     final = root / tag
-    if comm.world_size > 1:  # DeepSpeed's tag validation: a rank with another tag would write another folder
-        mine = [zlib.crc32(tag.encode())]
-        other = ValueError(f"rank {rank} saves checkpoint tag {tag!r}, rank 0 another: every rank passes the same "
-                           "tag (or none: step{N})") if comm.rank0s(mine) != mine else None
-        if comm.vote("checkpoint tag", other):
-            raise other or ValueError(f"another rank passes another checkpoint tag than rank 0's {tag!r}: every "
-                                      "rank passes the same tag (or none: step{N})")
     pid = int(comm.sum_float(float(os.getpid()) if rank == 0 else 0.0))
     tmp = root / f".tmp-{tag}-{pid}"
     status = 0.0  # rank 0's preparation: 0 ready, 1 the tag exists, 2 failed (``error``)
@@ -338,6 +340,7 @@ def _commit(engine: "Engine", index: dict[str, dict[str, Any]], frozen: bool, tm
         "shards": [dict(zip(("tensors", "index"), _shard_names(r))) for r in range(engine.world_size)],
         "global_steps": state.global_steps,
         "micro_steps": state.micro_steps,
+        "gradient_accumulation_steps": engine.gradient_accumulation_steps,
         "optimizer_steps": state.optimizer_steps,
         "loss_scaler": state.loss_scaler,
         "param_groups": state.param_groups,
@@ -523,6 +526,16 @@ class Checkpoint:
             raise ValueError(f"checkpoint {self.folder}: elements [{start}, {start + n}) of {name} are not all in "
                              "its shards (a shard is missing or does not match meta.json)")
 
+    def read_range_as(self, name: str, out: torch.Tensor, start: int) -> None:
+        """``read_range`` into ``out`` of another dtype too (a parameter frozen when saved, in the training dtype,
+        trainable now: its fp32 master), converted."""
+        if self.dtypes[name] == out.dtype:
+            self.read_range(name, out, start)
+            return
+        staged = torch.empty(out.numel(), dtype=self.dtypes[name], device="cpu")
+        self.read_range(name, staged, start)
+        out.copy_(staged)
+
     def read(self, name: str) -> torch.Tensor:
         out = torch.empty(self.shapes[name], dtype=self.dtypes[name], device="cpu")
         self.read_range(name, out.view(-1), 0)
@@ -572,17 +585,18 @@ def load(engine: "Engine", root: Path, tag: str | None, before_write: Any = None
             try:
                 for name, view, offset in _pieces(sg, block, names):
                     if name in source:
-                        ck.read_range(source[name], view, offset)
+                        ck.read_range_as(source[name], view, offset)
             finally:
                 opt.done_state(sg, dirty=True)
         opt.wait()
         state = engine.training_state()
-        if counters:  # saved where a window ended: the next micro-batch starts one under this engine's
-            # gradient_accumulation_steps too (saved with another, or by another number of ranks under a fixed
-            # train_batch_size), as if it had always run with it
+        if counters:  # saved where a window ended: under another gradient_accumulation_steps (or another number
+            # of ranks under a fixed train_batch_size) the next micro-batch starts one too, as if the run had always
+            # had this engine's; under the same, the count goes on (windows a loop ended early included)
             gas, micro = engine.gradient_accumulation_steps, meta["micro_steps"]
+            same = meta.get("gradient_accumulation_steps", gas if micro % gas == 0 else None) == gas
             state.global_steps = meta["global_steps"]
-            state.micro_steps = micro if micro % gas == 0 else meta["global_steps"] * gas
+            state.micro_steps = micro if same else meta["global_steps"] * gas
             if not optimizer:  # the overflow skips are counted with the steps (DeepSpeed's skipped_steps)
                 state.loss_scaler = {**state.loss_scaler, "skipped": meta["loss_scaler"]["skipped"]}
         if optimizer:

@@ -35,7 +35,7 @@ from torch.overrides import TorchFunctionMode
 
 from nvme_swapper import FileArena, evict_pages, in_arena
 
-from .config import OffloadConfig
+from .config import OffloadConfig, read_json
 
 
 class _EvictAfterUse(TorchFunctionMode):
@@ -54,6 +54,20 @@ class _EvictAfterUse(TorchFunctionMode):
         return out
 
 
+def _placement(config: OffloadConfig | Mapping[str, Any] | str | os.PathLike[str] | None) -> OffloadConfig:
+    """The config as ``init`` needs it, where the state lives: its ``"auto"`` values (a config written for
+    OffloadTrainer, which fills them from the TrainingArguments) are left out, as nothing here depends on them."""
+    if config is None or isinstance(config, OffloadConfig):
+        return OffloadConfig.load(config)
+    return OffloadConfig.load(_without_auto(read_json(config) if isinstance(config, (str, os.PathLike)) else config))
+
+
+def _without_auto(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _without_auto(v) for k, v in value.items() if not (isinstance(v, str) and v.lower() == "auto")}
+    return value
+
+
 class init:  # noqa: N801 - used as ``with offload.init(config):``, like torch.no_grad
     """A context in which modules build their parameters in a file-backed arena on the config's NVMe path (see
     the module docstring). ``arena_path`` overrides where the arena goes; ``init.active`` says whether one is
@@ -61,7 +75,7 @@ class init:  # noqa: N801 - used as ``with offload.init(config):``, like torch.n
 
     def __init__(self, config: OffloadConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None, *,
                  arena_path: str | os.PathLike[str] | None = None) -> None:
-        cfg = OffloadConfig.load(config)
+        cfg = _placement(config)
         zero = cfg.zero_optimization
         path = arena_path
         for section in (zero.offload_param, zero.offload_optimizer):
@@ -126,6 +140,7 @@ class init:  # noqa: N801 - used as ``with offload.init(config):``, like torch.n
         self.params += 1
         self.bytes += home.numel() * home.element_size()
         moved = torch.nn.Parameter(home, requires_grad=param.requires_grad)
+        moved.__dict__.update(param.__dict__)  # its marks (transformers' _is_hf_initialized: else re-initialized)
         key = id(param)
         self._moved[key] = (weakref.ref(param, lambda _: self._moved.pop(key, None)), weakref.ref(moved))
         return moved

@@ -354,6 +354,10 @@ def _into_engine(engine: "Engine", src: StateSource | ConvertedSource, strict: b
             left[seg.param] += 1
     counted = list(left)
     given = [key_of[id(p)] in found for p in layout.params]
+    trained = [key_of[id(p)] for p, g in zip(layout.params, given) if g]
+    engine._refuse_writes_over_started_updates(f"engine.load_state_dict() of trainable parameters ({trained[:3]}; the "
+                                               "model's load_state_dict and edits in engine.gathered() load this way)",
+                                               bool(trained))
     current: tuple[int, torch.Tensor | None] = (-1, None)
 
     def value(i: int) -> torch.Tensor | None:

@@ -220,11 +220,16 @@ def estimate_command(args: argparse.Namespace) -> int:
     if args.gpus < 1:
         raise ValueError(f"--gpus must be at least 1, got {args.gpus}")
     gpu_mem = _memory(args.gpu_mem, "--gpu-mem")
-    if gpu_mem is None and torch.cuda.is_available():  # initialize's device budget there: sizes derive from it
+    cuda = gpu_mem is not None or torch.cuda.is_available()
+    if gpu_mem is None and cuda:  # initialize's device budget there: sizes derive from it
         gpu_mem = torch.cuda.get_device_properties(0).total_memory
         print(f"--gpu-mem: {fmt_bytes(gpu_mem)}, this machine's {torch.cuda.get_device_name(0)} (the budget "
               "initialize takes on it; give --gpu-mem to plan for another)")
-    kw = dict(gpus=args.gpus, sub_group_size=None if args.sub_group_size is None else int(args.sub_group_size),
+    elif not cuda:
+        print("no CUDA here and no --gpu-mem: planned for this machine, its CPU as the device (give --gpu-mem to "
+              "plan for a GPU)")
+    kw = dict(gpus=args.gpus, cuda=cuda,
+              sub_group_size=None if args.sub_group_size is None else int(args.sub_group_size),
               buffer_count=args.buffer_count,
               gradient_clipping=args.gradient_clipping, gpu_mem=gpu_mem,
               host_mem=_memory(args.host_mem, "--host-mem"), nvme_free=_memory(args.nvme_free, "--nvme-free"))
@@ -251,7 +256,8 @@ def estimate_command(args: argparse.Namespace) -> int:
                 raise ValueError(f"--largest-param must be a number of elements in [1, --params], got "
                                  f"{args.largest_param!r}")
         ests = estimate(n, largest_param=largest, **kw)
-    print(f"{n / 1e9:.3g}B parameters, bf16 with fp32 Adam state, {args.gpus} GPU(s); peak bytes per tier per rank:\n")
+    ranks = f"{args.gpus} GPU(s)" if cuda else f"{args.gpus} rank(s) on the CPU"
+    print(f"{n / 1e9:.3g}B parameters, bf16 with fp32 Adam state, {ranks}; peak bytes per tier per rank:\n")
     print(table(ests))
     choice = best(ests)
     if choice is None:

@@ -64,6 +64,7 @@ class _Section:
 
     _path = ""
     _aliases: dict[str, str] = {}
+    _inert: frozenset[str] = frozenset()  # DeepSpeed's keys read and checked here, without effect: said when given
 
     @classmethod
     def from_dict(cls, d: Any, path: str | None = None):
@@ -94,6 +95,8 @@ class _Section:
                 raise ValueError(f"unknown key {full}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
                                  + f"; allowed: {allowed}")
             values[name] = cls._convert(name, value, full)
+            if name in cls._inert:
+                log.warning("offload: config key accepted but without effect: %s", full)
         return values
 
     @classmethod
@@ -325,6 +328,7 @@ class OffloadOptimizerConfig(_OffloadTarget):
     """``zero_optimization.offload_optimizer``: where fp32 master weights and Adam moments live."""
 
     _path = "zero_optimization.offload_optimizer"
+    _inert = frozenset({"fast_init"})
     buffer_count: int | None = None  # None or "auto": derived by the plan (offload/plan.py)
     fast_init: bool = False
     delayed_update: bool = False
@@ -343,6 +347,7 @@ class OffloadParamConfig(_OffloadTarget):
     """``zero_optimization.offload_param``: where low-precision parameters live between uses (stage 3)."""
 
     _path = "zero_optimization.offload_param"
+    _inert = frozenset({"pin_memory", "buffer_count", "buffer_size", "max_in_cpu"})  # the engine sizes its own
     buffer_count: int = 5
     buffer_size: int = 100_000_000
     max_in_cpu: int = 1_000_000_000
@@ -372,6 +377,8 @@ class ZeroConfig(_Section):
     stage3_prefetch_bucket_size and reduce_bucket_size."""
 
     _path = "zero_optimization"
+    _inert = frozenset({"stage3_max_reuse_distance", "contiguous_gradients", "reduce_scatter", "allgather_bucket_size",
+                        "allgather_partitions", "round_robin_gradients"})
     stage: int = 0
     sub_group_size: int | None = None  # None or "auto": derived from the budgets and the model (offload/plan.py)
     offload_optimizer: OffloadOptimizerConfig = field(default_factory=OffloadOptimizerConfig)
@@ -561,6 +568,13 @@ class OffloadConfig(_Section):
             out["scheduler"] = {"type": sched.pop("type"), "params": sched}
         out.update(dict.fromkeys(out.pop("ignored"), None))
         out.pop("batch_keys")
+        zero = out["zero_optimization"]
+        for section, kind in ((zero, ZeroConfig), (zero["offload_optimizer"], OffloadOptimizerConfig),
+                              (zero["offload_param"], OffloadParamConfig)):
+            defaults = {f.name: f.default for f in dataclasses.fields(kind)}
+            for key in kind._inert & set(section):  # at their defaults: left out, as loading them again says so
+                if section[key] == defaults[key]:
+                    del section[key]
         given = self._given_batch()  # the others are derived at initialize: written, they would count as set
         for key in self._BATCH:
             if key not in given:

@@ -271,6 +271,17 @@ def test_deepspeed_keys_without_effect_here_are_accepted_and_named(caplog):
                                                         "memory_efficient_linear": False}})
     assert cfg.zero_optimization.stage == 3 and cfg.ignored == ("prescale_gradients", "gradient_predivide_factor")
     assert "zero_optimization.stage3_gather_16bit_weights_on_model_save" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="offload"):  # read and checked, but the engine sizes its own
+        OffloadConfig.load({"zero_optimization": {
+            "stage": 3, "reduce_scatter": True, "allgather_bucket_size": 5e8, "stage3_max_reuse_distance": 1e9,
+            "offload_optimizer": {"device": "cpu", "fast_init": False},
+            "offload_param": {"device": "cpu", "pin_memory": True, "buffer_count": 5, "max_in_cpu": 1e9}}})
+    for key in ("zero_optimization.reduce_scatter", "zero_optimization.allgather_bucket_size",
+                "zero_optimization.stage3_max_reuse_distance", "zero_optimization.offload_optimizer.fast_init",
+                "zero_optimization.offload_param.pin_memory", "zero_optimization.offload_param.buffer_count",
+                "zero_optimization.offload_param.max_in_cpu"):
+        assert f"without effect: {key}" in caplog.text, key
 
 
 @pytest.mark.parametrize("bad, key", [({"seed": math.nan}, "seed"), ({"seed": math.inf}, "seed"),

@@ -1047,21 +1047,23 @@ with open(f"{{sys.argv[1]}}.{{rank}}", "w") as f:
 """
 
 
-def test_stage3_ranks_that_run_different_modules_are_refused(tmp_path):
+@pytest.mark.parametrize("persist", [0, 1000], ids=["gathered", "persistent"])
+def test_stage3_ranks_that_run_different_modules_are_refused(tmp_path, persist):
     """Stage 3 on 2 ranks, an MoE-like pair of experts of the same shape and each rank's batch routed to its own:
     the all-gathers pair one rank's piece of one expert with the other's piece of the other, silently (before,
     training went on with wrong weights). The first backward after it refuses on every rank, naming the cause
     and the fix, and the engine closes; with every expert called on every rank in one order (an empty batch for
-    the others) it trains."""
+    the others) it trains. Experts small enough to stay on the device (persistent: no gather marks their use)
+    alike, before any update."""
     cfg = config(3, "cpu", tmp_path / "nvme")
-    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = persist
     script = tmp_path / "branch.py"
     script.write_text(BRANCH_SCRIPT.format(cfg=cfg))
     said = tmp_path / "said"
     run_script(script, 2, str(said), cwd=tmp_path)
     for r in range(2):
         refused, trained = Path(f"{said}.{r}").read_text().split("\n")
-        assert "the ranks gathered different parameters since the last backward" in refused, refused
+        assert "at micro-batch 0 (step 0): the ranks used different parameters since the last backward" in refused
         assert "call each expert on every rank, in one order (an empty batch will do)" in refused
         assert trained == "trained"
 

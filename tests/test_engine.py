@@ -1198,6 +1198,16 @@ def test_a_checkpoint_loads_into_another_accumulation_and_another_trainable_set(
         with pytest.raises(ValueError, match=r"\['tok.weight'\] are trainable in one and frozen in the other: a "
                                              r"whole load needs the same trainable parameters"):
             engine.load_checkpoint(tmp_path / "ckpt")
+    bf16 = make(seed=7)  # frozen when saved, in bf16 (the training dtype); trainable now: its fp32 master
+    bf16.tok.requires_grad_(False)
+    with offload.initialize(bf16, config(tmp_path / "f", "cpu", bf16={"enabled": True})) as engine:
+        engine.save_checkpoint(tmp_path / "bf16")
+        saved_bf16 = engine.consolidated_state_dict()
+    for options in ({"load_optimizer_states": False}, {"load_module_only": True}):
+        with offload.initialize(make(), config(tmp_path / "g", "cpu", bf16={"enabled": True})) as engine:
+            engine.load_checkpoint(tmp_path / "bf16", **options)
+            got = engine.consolidated_state_dict()
+            assert all(torch.equal(got[k], saved_bf16[k].float()) for k in saved_bf16), options
     fp16 = config(tmp_path / "e", "cpu", fp16={"enabled": True, "initial_scale_power": 8, "hysteresis": 1})
     with offload.initialize(make(), fp16) as engine:
         for i, (x, y) in enumerate(data[:6]):
@@ -1208,6 +1218,33 @@ def test_a_checkpoint_loads_into_another_accumulation_and_another_trainable_set(
         assert (engine.global_steps, engine.skipped_steps) == (6, 3)
         engine.load_checkpoint(tmp_path / "fp16", load_optimizer_states=False)
         assert (engine.global_steps, engine.skipped_steps) == (3, 1)
+
+
+def test_a_resume_keeps_the_count_of_a_window_a_loop_ended_early(tmp_path):
+    """gradient_accumulation_steps 2, the first window ended after one batch (set_gradient_accumulation_boundary),
+    a checkpoint then: resumed under the same setting the windows fall where the straight run's fall, bit for
+    bit (the count is only realigned under another setting)."""
+    data = batches(5)
+
+    def run(engine, batches_: list, applied: list) -> None:
+        for i, (x, y) in batches_:
+            engine.set_gradient_accumulation_boundary(True if i == 0 else None)
+            engine.backward(lm_loss(engine(x), y))
+            engine.step()
+            applied.append(engine.was_step_applied())
+
+    straight, resumed = [], []
+    with offload.initialize(make(), config(tmp_path / "a", "cpu", gradient_accumulation_steps=2)) as engine:
+        run(engine, list(enumerate(data))[:1], straight)
+        engine.save_checkpoint(tmp_path / "ckpt")
+        run(engine, list(enumerate(data))[1:], straight)
+        want = engine.consolidated_state_dict()
+    with offload.initialize(make(), config(tmp_path / "b", "cpu", gradient_accumulation_steps=2)) as engine:
+        engine.load_checkpoint(tmp_path / "ckpt")
+        run(engine, list(enumerate(data))[1:], resumed)
+        got = engine.consolidated_state_dict()
+    assert straight == [True, True, False, True, False] and resumed == straight[1:]
+    assert all(torch.equal(got[k], want[k]) for k in want)
 
 
 @pytest.mark.parametrize("how", ["engine", "model", "gathered"])
@@ -1941,23 +1978,26 @@ def test_grad_norm_reads_after_a_close_that_raised(tmp_path, monkeypatch):
     assert engine.last_grad_norm is None
 
 
-def test_grad_norm_of_huge_gradients_with_the_state_on_the_device(tmp_path, monkeypatch):
+@pytest.mark.parametrize("clip", [0.0, 1.0])
+def test_grad_norm_of_huge_gradients_with_the_state_on_the_device(tmp_path, monkeypatch, clip):
     """The fused update (state on the device, the CUDA path; STAGE_ON_CPU runs it on any machine) sums fp32 squares
     and does not retry in float64, which would cost a float64 pass over every gradient on the GPU: gradients whose
     squares overflow fp32 (a loss times 1e22) read as an inf norm, never as a wrong finite one, and train on. The
     sub-group (here the whole model) keeps its values: torch's CUDA kernel would write NaN into them (on an H200
-    the next loss was NaN)."""
+    the next loss was NaN). Clipped, the gradients the kernel sees are small: it updates (the norm, taken before,
+    in float64, is finite)."""
     monkeypatch.setattr(offload.plan, "STAGE_ON_CPU", True)
     data, scale = batches(2), 1e22
     initial = make().state_dict()
-    cfg = config(tmp_path, "none", zero_optimization={"sub_group_size": 1 << 24})
+    cfg = config(tmp_path, "none", zero_optimization={"sub_group_size": 1 << 24}, gradient_clipping=clip)
     with offload.initialize(make(), cfg) as engine:
         for x, y in data:
             engine.backward(lm_loss(engine(x), y) * scale)
             engine.step()
-            assert engine.last_grad_norm == math.inf
+            assert (engine.last_grad_norm == math.inf) is not bool(clip) and engine.was_step_applied()
         state = engine.consolidated_state_dict()
-    assert all(torch.equal(v, initial[k]) for k, v in state.items())
+    assert all(bool(v.isfinite().all()) for v in state.values())
+    assert all(torch.equal(v, initial[k]) is not bool(clip) for k, v in state.items())
 
 
 def test_a_step_that_raises_is_not_applied(tmp_path):

@@ -53,6 +53,26 @@ def test_a_model_built_in_the_arena_trains_like_one_built_plainly(tmp_path):
         assert torch.equal(results[0][k], results[1][k]), k
 
 
+def test_from_pretrained_inside_init_loads_the_checkpoint(tmp_path):
+    """DeepSpeed's ``with zero.Init(): model = from_pretrained(...)``, with offload.init and a config written for
+    OffloadTrainer ("auto" values, which init does not need): every tensor is the checkpoint's (before, the moved
+    parameters lost transformers' mark of a loaded tensor, and from_pretrained initialized them again at random)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "ck")
+    auto = {"bf16": {"enabled": "auto"}, "train_micro_batch_size_per_gpu": "auto",
+            "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
+            "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path / "p")},
+                                  "stage3_prefetch_bucket_size": "auto"}}
+    with offload.init(auto) as ctx:
+        model = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "ck"))
+    assert ctx.active and all(in_arena(p) for p in model.parameters())
+    want = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "ck")).state_dict()
+    assert [k for k, v in model.state_dict().items() if not torch.equal(v, want[k])] == []
+
+
 def test_a_model_built_under_a_device_context_goes_to_the_arena_too(tmp_path):
     """``with torch.device("cuda"), offload.init(...)`` (a habit, or a library that picks the device): each
     parameter is made on the device and moved into the arena as its module registers it, so the device never holds

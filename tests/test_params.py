@@ -202,25 +202,21 @@ def test_persistent_parameters_read_between_steps_hold_the_new_values(tmp_path, 
             assert torch.equal(p.detach().cpu(), initial[name].detach()), name
 
 
-@pytest.mark.parametrize("host", [None, 400_000], ids=["host holds it", "nothing holds it"])
+@pytest.mark.parametrize("host", [None, 400_000], ids=["host budget free", "host budget tight"])
 def test_close_hands_back_a_model_larger_than_the_device_where_it_fits(tmp_path, host, caplog):
     """A model offloaded because the device budget cannot hold it (113 KiB of parameters, 59 KiB of budget):
     close() hands its parameters back in host memory, with their trained values, instead of running the device
-    out of memory; where the host budget cannot hold them either they stay NaN placeholders. Either is logged."""
+    out of memory, logged; a host budget the training filled does not matter (what it holds is freed then)."""
     model = make()
     cfg = config(tmp_path, "nvme", "nvme", live=10_000, bucket=4_000)
     cfg["offload"] = {"device_memory_budget": 60_000, **({"host_memory_budget": host} if host else {})}
     with offload.initialize(model, cfg) as engine:
         run(engine, batches(2), gpt_loss)
         state = engine.consolidated_state_dict()
-    assert "do not fit the device budget (58.59 KiB)" in caplog.text
+    assert "do not fit the device budget (58.59 KiB) beside what it holds: they are handed back in host memory" \
+        in caplog.text
     for name, p in model.named_parameters():
-        assert p.device.type == "cpu", name
-        if host is None:
-            assert torch.equal(p.detach(), state[name]), name
-        else:
-            assert p.isnan().all(), name
-    assert ("handed back in host memory" if host is None else "they stay NaN placeholders") in caplog.text
+        assert p.device.type == "cpu" and torch.equal(p.detach(), state[name]), name
 
 
 def test_a_skipped_step_cancels_the_landing(tmp_path):

@@ -15,9 +15,10 @@ raises :class:`CommError` naming each rank whose heartbeat stopped (died or froz
 reached this collective (stuck in its own code, or running a different number of steps).
 
 Collectives about one parameter (stage 3's all-gathers and reduce-scatters) name it (``key``), and each rank folds
-the names into ``trace`` in the order it issued them: ranks that ran different modules of the same shapes (a
-branch, an MoE expert taken on some ranks only) gather each other's pieces of different parameters without any
-error, and the engine compares the traces over ranks at each backward (see ``Engine._check_finite``).
+the names into ``trace`` in the order it issued them, with the uses of parameters that stay whole on the device:
+ranks that ran different modules of the same shapes (a branch, an MoE expert taken on some ranks only) gather each
+other's pieces of different parameters without any error, and the engine compares the traces over ranks at each
+backward (see ``Engine._check_finite``).
 """
 
 from __future__ import annotations
@@ -186,6 +187,11 @@ class Comm:
         self.broadcast(t, 0)
         return t.tolist()
 
+    def note(self, what: str, key: int) -> None:
+        """Folds ``what`` happened to ``key`` into ``trace`` (keyed collectives; stage 3's uses of a parameter
+        kept whole on the device, which no collective marks)."""
+        self.trace = (self.trace * 1_000_003 + zlib.crc32(what.encode()) + 2 * key + 1) % _TRACE_MOD
+
     def min_and_trace(self, values: list[int]) -> tuple[list[int], bool]:
         """The MIN over ranks of ``values`` (integers), and whether every rank's ``trace`` is the same, in one
         all-reduce; collectives deferred by their owner are issued first, so they are in it. Every rank's trace
@@ -220,7 +226,7 @@ class Comm:
         self._flush_deferred()
         nbytes = t.numel() * t.element_size() if sent is None else sent
         if key is not None:
-            self.trace = (self.trace * 1_000_003 + zlib.crc32(op.encode()) + 2 * key + 1) % _TRACE_MOD
+            self.note(op, key)
         self.seq += 1
         self.calls[op] += 1
         self.payload_bytes[op] += nbytes

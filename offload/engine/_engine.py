@@ -392,10 +392,11 @@ class Engine:
         partly applied, and dropping the window would leave Adam's state holding a step that never completes."""
         return self.optimizer.sub_groups_overlapped != self._window_start[1]
 
-    def _refuse_writes_over_started_updates(self, what: str) -> None:
-        """Weights written once the window's updates have started would be overwritten by them, all or some (as
-        each sub-group's update ends), so the step would be lost where torch applies it to the weights written."""
-        if self.phase is Phase.ACCUMULATING and self._window_updates_started():
+    def _refuse_writes_over_started_updates(self, what: str, trainable: bool) -> None:
+        """Weights of ``trainable`` parameters written once the window's updates have started would be overwritten
+        by them, all or some (as each sub-group's update ends), so the step would be lost where torch applies it
+        to the weights written (a frozen parameter's write stands)."""
+        if trainable and self.phase is Phase.ACCUMULATING and self._window_updates_started():
             raise RuntimeError(f"{what} between the backward that started this window's updates (they run beside "
                                "backward) and engine.step(): the updates would overwrite the weights written; call "
                                "engine.step() first, or write them before that backward")
@@ -405,9 +406,9 @@ class Engine:
         moments; refused before its backward runs, so nothing changes (fp16 leaves it to the loss scaler, which
         skips the step). With several ranks every rank refuses together (a MIN over ranks), so none is left in a
         backward's collectives alone. Costs one host wait for the forward's result before backward is launched.
-        Stage 3 on several ranks (fp16 too): the same all-reduce compares the parameters each rank gathered and
-        reduced since the last backward (``Comm.trace``), as ranks that ran different modules of the same shapes
-        computed with each other's pieces of different parameters, without any error."""
+        Stage 3 on several ranks (fp16 too): the same all-reduce compares the parameters each rank used, gathered
+        and reduced since the last backward (``Comm.trace``), as ranks that ran different modules of the same
+        shapes computed with each other's pieces of different parameters, without any error."""
         fp16, traced = self.config.fp16.enabled, self.world_size > 1 and self.layout.per_param
         if fp16 and not traced:
             return
@@ -421,7 +422,7 @@ class Engine:
             if not same:
                 raise RuntimeError(
                     f"engine.backward at micro-batch {self.micro_steps} (step {self.global_steps}): the ranks "
-                    "gathered different parameters since the last backward (stage 3 on several ranks: a module "
+                    "used different parameters since the last backward (stage 3 on several ranks: a module "
                     "run on some ranks only, such as an MoE expert the router chose on one rank, or a branch taken "
                     "on one), so each computed with another parameter's pieces; this backward was not run and "
                     "nothing changed. Under stage 3 every rank must run the same modules in the same order: call "
@@ -490,7 +491,8 @@ class Engine:
                                "parameters the block holds; step after the block")
         refused, self._refused = self._refused and not self._backward_done, False
         if refused:  # the loop stepped past a refused batch: it counts, with no gradient, so the windows keep
-            boundary = self.is_gradient_accumulation_boundary()  # ending every gradient_accumulation_steps step()s
+            self._expect("engine.step()", Phase.IDLE, Phase.ACCUMULATING)  # ending every gas step()s
+            boundary = self.is_gradient_accumulation_boundary()
             self.micro_steps += 1
             if not boundary:
                 return
@@ -800,7 +802,6 @@ class Engine:
         tensor by tensor into the fp32 master weights and each parameter's home; Adam's moments and the counters
         stay. Returns what did not match (``missing``, ``unexpected``); ``strict`` makes either an error."""
         self._expect("engine.load_state_dict()", Phase.IDLE, Phase.ACCUMULATING)
-        self._refuse_writes_over_started_updates("engine.load_state_dict()")
         self._parameters_current()  # a pending delayed update would overwrite the loaded values at the next step
         from .._load import load_into_engine
 

@@ -146,8 +146,13 @@ class Gathered:
             elif mine:  # edited on this rank but not on rank 0: back to the master here
                 engine.write_parameter(p, masters[name])
         if kept:
-            engine._refuse_writes_over_started_updates(f"engine.gathered(): an edit of {sorted(kept)[:3]}")
-            engine.load_state_dict(kept, strict=False)
+            try:
+                engine.load_state_dict(kept, strict=False)
+            except RuntimeError:  # refused before any write (the window's updates have started): the device
+                for i, e in zip(candidates, edited):  # copies of trained parameters get back what those computed
+                    if e and id(self.params[i]) in trains:
+                        engine.write_parameter(self.params[i], masters[names[id(self.params[i])]])
+                raise
         if misfit:
             raise ValueError(misfit)
 

@@ -51,7 +51,6 @@ class ModelStateHooks:
         return f"{path}.{name}" if path else name
 
     def _load(self, mod: torch.nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
-        self._engine._refuse_writes_over_started_updates("model.load_state_dict()")
         tensors = [*mod.named_parameters(remove_duplicate=False), *mod.named_buffers(remove_duplicate=False)]
         mine = {self._full(mod, name): state_dict.pop(prefix + name) for name, _ in tensors
                 if prefix + name in state_dict}

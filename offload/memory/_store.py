@@ -211,7 +211,8 @@ class TieredStore:
         spare = spare_writes * (-(-slot_bytes // 4096) * 4096)
         self.claim_nvme(root, total_bytes + spare, f"{what} on {root}",
                         f"free disk space at {root}, point zero_optimization.offload_optimizer.nvme_path at a larger "
-                        "filesystem, or lower the state offloaded there")
+                        "filesystem, lower the state offloaded there, or raise offload.nvme_memory_budget if it is "
+                        "below the free space")
         # the optimizer state's staging: the disk and CPU Adam read and write it, no device copy does (unpinned)
         self._pool = BufferPool(buffer_count, slot_bytes, self.accounts[Tier.HOST], pin_memory=False,
                                 what=f"{buffer_count} NVMe staging buffers of {fmt_bytes(slot_bytes)}",

@@ -42,6 +42,12 @@ from ._layout import FlatLayout, Segment, SubGroup
 
 _FIX_HOST = ("lower zero_optimization.sub_group_size, offload the optimizer to nvme, or raise "
              "offload.host_memory_budget")
+_FIX_STATE = {  # the whole state, charged at once: smaller sub-groups do not make it smaller
+    Tier.HOST: "offload the optimizer to nvme (zero_optimization.offload_optimizer.device), or raise "
+               "offload.host_memory_budget",
+    Tier.DEVICE: "offload the optimizer (zero_optimization.offload_optimizer.device \"cpu\" or \"nvme\"), or raise "
+                 "offload.device_memory_budget"}
+_SQUARE_LIMIT = math.sqrt(torch.finfo(torch.float32).max)  # a gradient element whose square overflows fp32
 
 
 class OffloadedAdam(torch.optim.Optimizer):
@@ -122,7 +128,7 @@ class OffloadedAdam(torch.optim.Optimizer):
             self._unfilled = sum(3 * sg.numel * 4 for sg in layout.sub_groups)
             store.accounts[placement].reserve(
                 self._unfilled, f"optimizer state ({len(layout.sub_groups)} sub-groups, "
-                f"{fmt_bytes(self._unfilled)})", _FIX_HOST)
+                f"{fmt_bytes(self._unfilled)})", _FIX_STATE[placement])
         self._warm_kernel()  # before the stepper starts: a failure here leaves no thread behind
         self._stepper = Worker("offload-stepper", copies.device)
 
@@ -451,19 +457,21 @@ class OffloadedAdam(torch.optim.Optimizer):
         for bias, by 1 - beta**step: without bias correction it is given an infinite step, where that is exactly 1
         (betas are below 1). Scalars are filled on the device: a tensor made from a Python number would be a
         blocking copy, which waits for the compute stream. Returns the squared norm of grad / grad_scale, a 0-d
-        float64 tensor on the device (fp32 squares, as the CPU kernel's; no wider copy of the gradients). Where
-        those overflow the sub-group keeps its values this step: torch's CUDA kernel forms the second moment as
-        fma(-beta2, g*g, g*g), which is inf - inf = NaN for |g| above about 1.8e19, and would write NaN into the
-        masters and moments. The kernel leaves ``grad`` divided by ``grad_scale``."""
+        float64 tensor on the device (fp32 squares, as the CPU kernel's; no wider copy of the gradients). A
+        sub-group with an element of ``grad / grad_scale`` above sqrt(fp32 max), about 1.8e19, keeps its values this
+        step: torch's CUDA kernel forms the second moment as fma(-beta2, g*g, g*g), which is inf - inf = NaN there,
+        and would write NaN into the masters and moments. Telling costs a max over the gradients, one more read of
+        them. The kernel leaves ``grad`` divided by ``grad_scale``."""
         fn = torch._fused_adamw_ if group["adamw_mode"] else torch._fused_adam_
         grad = grad.float()  # the fused kernel takes one dtype for state and gradients
         squares = torch.linalg.vector_norm(grad).double().square() / grad_scale**2
+        largest = torch.linalg.vector_norm(grad, ord=math.inf).double() / grad_scale
         on = dict(dtype=torch.float32, device=master.device)
         step = torch.full((), float(step_number) if group["bias_correction"] else float("inf"), **on)
         fn([master], [grad], [m], [v], [], [step], lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
            weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False, maximize=False,
            grad_scale=torch.full((), grad_scale, **on) if grad_scale != 1.0 else None,
-           found_inf=squares.isinf().to(torch.float32))
+           found_inf=(largest > _SQUARE_LIMIT).to(torch.float32))
         return squares
 
     # state access (the stepper is idle whenever these run) ------------------------------------------------------

@@ -394,7 +394,10 @@ class ParameterOffload:
     # fetch and release ------------------------------------------------------------------------------------------
 
     def fetch(self, rec: _Param) -> None:
-        """Makes ``rec`` AVAILABLE on the device (waiting if needed), then prefetches along the trace."""
+        """Makes ``rec`` AVAILABLE on the device (waiting if needed), then prefetches along the trace. A piece's
+        use goes into the ranks' trace (``Comm.trace``): a persistent one is gathered by no collective."""
+        if rec.sharded:
+            self.shards.comm.note("use", rec.index)
         self._follow_trace(rec)
         self.counters["fetches"] += 1
         self.counters[self._ready(rec)] += 1
@@ -925,23 +928,20 @@ class ParameterOffload:
 
     def _hand_back(self) -> None:
         """Every parameter back as a plain tensor holding its current value: on the device where the whole model
-        fits its budget beside what else is there, else in host memory, else (neither holds it) left a NaN
-        placeholder; said in the log. A model offloaded because the device cannot hold it would otherwise run the
-        device out of memory as its engine closes."""
+        fits its budget beside what else is there, else in host memory (said in the log), whose budget counts the
+        optimizer state and homes about to be freed. A model offloaded because the device cannot hold it would
+        otherwise run the device out of memory as its engine closes."""
         self.copies.synchronize()  # fetches' copies land first: homes and staging are freed after
         self._trim(0)  # the cached buffers are ours to drop
         size = torch.empty((), dtype=self.dtype).element_size()
         need = sum(rec.numel for rec in self.params) * size
         held = sum(rec.device.numel() for rec in self.params if rec.device is not None) * size
-        device, host = self.store.accounts[Tier.DEVICE], self.store.accounts[Tier.HOST]
-        where = ("device" if device.budget is None or device.current - held + need <= device.budget else
-                 "host" if host.budget is None or host.current + need <= host.budget else None)
-        if where != "device":
+        device = self.store.accounts[Tier.DEVICE]
+        where = "device" if device.budget is None or device.current - held + need <= device.budget else "host"
+        if where == "host":
             log.warning("offload: the model's offloaded parameters (%s) do not fit the device budget (%s) beside "
-                        "what it holds; %s", fmt_bytes(need), fmt_bytes(device.budget or 0),
-                        "they are handed back in host memory (move the model when it fits)" if where else
-                        "nor does host memory hold them: they stay NaN placeholders (save the weights before close, "
-                        "with engine.save_safetensors or save_checkpoint, and load them from there)")
+                        "what it holds: they are handed back in host memory (move the model when it fits)",
+                        fmt_bytes(need), fmt_bytes(device.budget or 0))
         for rec in self.params:
             if rec.state is ParamState.LANDING:
                 self._cancel_landing(rec)
@@ -950,22 +950,19 @@ class ParameterOffload:
                     self._finish(rec)
                 except Exception:  # noqa: BLE001 - a prefetch nobody waited for: its home is read again just below,
                     pass  # and that read raises if the fault is still there
-            if where is None:
-                rec.param.data = self._placeholder(rec)
-            else:
-                # a piece of a parameter is read (a collective) on every rank alike, whatever each holds
-                fresh = rec.state is ParamState.RELEASED or rec.stale or rec.sharded
-                value = self.read_home(rec.index) if fresh else rec.device.view(rec.shape)
-                if where == "device":
-                    try:
-                        value = self.copies.upload(value) if fresh else value.clone()
-                    except torch.OutOfMemoryError:  # the budget had room, the card not: the rest go to the host
-                        where = "host"
-                        log.warning("offload: the device ran out of memory handing the model back; parameter "
-                                    "%d and those after it are handed back in host memory", rec.index)
-                if where == "host" and not fresh:
-                    value = value.to("cpu", copy=True)
-                rec.param.data = value
+            # a piece of a parameter is read (a collective) on every rank alike, whatever each holds
+            fresh = rec.state is ParamState.RELEASED or rec.stale or rec.sharded
+            value = self.read_home(rec.index) if fresh else rec.device.view(rec.shape)
+            if where == "device":
+                try:
+                    value = self.copies.upload(value) if fresh else value.clone()
+                except torch.OutOfMemoryError:  # the budget had room, the card not: the rest go to the host
+                    where = "host"
+                    log.warning("offload: the device ran out of memory handing the model back; parameter %d and "
+                                "those after it are handed back in host memory", rec.index)
+            if where == "host" and not fresh:
+                value = value.to("cpu", copy=True)
+            rec.param.data = value
             if rec.device is not None:
                 self.store.free(Tier.DEVICE, rec.device)
                 rec.device = None
