@@ -296,6 +296,21 @@ def _match_tied(module: torch.nn.Module, aliases: dict[int, list[str]], src: Sta
         else:
             first_to_found[ns[0]] = hit
     every = {spell(n) for ns in aliases.values() for n in ns} - {None}
+    # a tensor this model ties that the checkpoint holds under several of its names with other values (saved
+    # untied): the first is loaded, the others are not (transformers unties such a model instead)
+    untied: dict[str, str] = {}
+    for ns in aliases.values():
+        hits = [c for c in map(spell, ns) if c in have]
+        if len(hits) > 1:
+            first = src.get(hits[0])
+            untied.update({h: hits[0] for h in hits[1:] if not torch.equal(src.get(h), first)})
+    if strict and untied:
+        other, first_name = next(iter(untied.items()))
+        raise ValueError(f"the checkpoint holds {other} apart from {first_name}, with other values (saved untied), "
+                         "but this model ties them: build it untied (tie_word_embeddings=False) to load both, or "
+                         f"pass strict=False to take {first_name} for both ({other} is then reported unexpected); "
+                         "nothing was loaded")
+    every -= set(untied)
     # buffers no state dict holds, by module and name (``rotary_emb.inv_freq``: older transformers kept one per
     # layer). The names come from the model's tree: a state_dict() call would read every offloaded parameter
     transient = {_tail(n) for n, _ in module.named_buffers()} - {_tail(n) for ns in aliases.values() for n in ns}

@@ -73,6 +73,28 @@ def test_from_pretrained_inside_init_loads_the_checkpoint(tmp_path):
     assert [k for k, v in model.state_dict().items() if not torch.equal(v, want[k])] == []
 
 
+def test_a_checkpoint_saved_untied_into_a_tied_model_is_named(tmp_path):
+    """A checkpoint holding its own lm_head.weight (saved untied) into a model that ties it to the embedding: strict
+    refuses, naming both and the fix, loading nothing; strict=False takes the embedding's for both and reports the
+    head unexpected (before, it was dropped without a word, strict or not)."""
+    transformers = pytest.importorskip("transformers")
+    kw = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    untied = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw, tie_word_embeddings=False))
+    untied.save_pretrained(tmp_path / "untied")
+    torch.manual_seed(1)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw, tie_word_embeddings=True))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"holds lm_head.weight apart from model.embed_tokens.weight, with other "
+                                         r"values \(saved untied\), but this model ties them"):
+        offload.load_state_dict(model, tmp_path / "untied")
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    result = offload.load_state_dict(model, tmp_path / "untied", strict=False)
+    assert result.missing == [] and result.unexpected == ["lm_head.weight"]
+    assert torch.equal(model.model.embed_tokens.weight, untied.model.embed_tokens.weight)
+
+
 def test_a_model_built_under_a_device_context_goes_to_the_arena_too(tmp_path):
     """``with torch.device("cuda"), offload.init(...)`` (a habit, or a library that picks the device): each
     parameter is made on the device and moved into the arena as its module registers it, so the device never holds
