@@ -1078,10 +1078,10 @@ try:
     said = "saved"
 except ValueError as exc:
     said = str(exc)
-print(engine.save_checkpoint({root!r}, tag="same").name, flush=True)
+same = engine.save_checkpoint({root!r}, tag="same").name
 engine.close()
-with open(f"{{sys.argv[1]}}.{{rank}}", "w") as f:
-    f.write(said)
+with open(f"{{sys.argv[1]}}.{{rank}}", "w") as f:  # two ranks' prints would interleave
+    f.write(said + "\\n" + same)
 """
 
 
@@ -1093,9 +1093,11 @@ def test_ranks_saving_under_different_tags_are_told(tmp_path):
     script = tmp_path / "tags.py"
     script.write_text(TAG_SCRIPT.format(cfg=config(2, "cpu", tmp_path / "nvme"), root=str(root)))
     said = tmp_path / "said"
-    assert run_script(script, 2, str(said), cwd=tmp_path).split() == ["same", "same"]
-    assert "rank 1 saves checkpoint tag 'mine1', rank 0 another" in Path(f"{said}.1").read_text()
-    assert "another rank passes another checkpoint tag than rank 0's 'mine0'" in Path(f"{said}.0").read_text()
+    run_script(script, 2, str(said), cwd=tmp_path)
+    refused = [Path(f"{said}.{r}").read_text().split("\n") for r in range(2)]
+    assert [same for _, same in refused] == ["same", "same"]
+    assert "rank 1 saves checkpoint tag 'mine1', rank 0 another" in refused[1][0]
+    assert "another rank passes another checkpoint tag than rank 0's 'mine0'" in refused[0][0]
     assert sorted(p.name for p in root.iterdir()) == ["latest", "same"]
 
 

@@ -15,10 +15,10 @@ raises :class:`CommError` naming each rank whose heartbeat stopped (died or froz
 reached this collective (stuck in its own code, or running a different number of steps).
 
 Collectives about one parameter (stage 3's all-gathers and reduce-scatters) name it (``key``), and each rank folds
-the names into ``trace`` in the order it issued them, with the uses of parameters that stay whole on the device:
-ranks that ran different modules of the same shapes (a branch, an MoE expert taken on some ranks only) gather each
-other's pieces of different parameters without any error, and the engine compares the traces over ranks at each
-backward (see ``Engine._check_finite``).
+the names into ``trace`` in the order it issued them, and the parameters it used into a second trace (apart: a
+deferred gather is issued whenever its read ends, between uses): ranks that ran different modules of the same
+shapes (a branch, an MoE expert taken on some ranks only) gather each other's pieces of different parameters
+without any error, and the engine compares the traces over ranks at each backward (see ``Engine._check_finite``).
 """
 
 from __future__ import annotations
@@ -38,6 +38,11 @@ from ._group import ProcessGroup
 
 _generation = itertools.count()  # engines made in this process, in the same order on every rank
 _TRACE_MOD = (1 << 61) - 1  # a prime: the trace stays an int64 for the all-reduce that compares it
+
+
+def _fold(trace: int, what: str, key: int) -> int:
+    """``trace`` followed by ``what`` of ``key``: the same on every rank that saw the same in the same order."""
+    return (trace * 1_000_003 + zlib.crc32(what.encode()) + 2 * key + 1) % _TRACE_MOD
 
 
 class CommError(RuntimeError):
@@ -68,6 +73,7 @@ class Comm:
         self.calls: collections.Counter[str] = collections.Counter()
         self.seq = 0  # collectives entered, the same sequence on every rank
         self.trace = 0  # the keyed collectives issued since the owner last compared it over ranks
+        self._uses = 0  # apart: deferred collectives interleave with uses as their reads happen to end
         self._error: CommError | None = None
         self._beat: _Heartbeat | None = None
         self.interval = min(1.0, max(0.05, pg.timeout / 10))
@@ -188,21 +194,22 @@ class Comm:
         return t.tolist()
 
     def note(self, what: str, key: int) -> None:
-        """Folds ``what`` happened to ``key`` into ``trace`` (keyed collectives; stage 3's uses of a parameter
-        kept whole on the device, which no collective marks)."""
-        self.trace = (self.trace * 1_000_003 + zlib.crc32(what.encode()) + 2 * key + 1) % _TRACE_MOD
+        """Folds ``what`` happened to ``key`` into the trace of uses (stage 3's uses of parameters: one kept whole
+        on the device is marked by no collective)."""
+        self._uses = _fold(self._uses, what, key)
 
     def min_and_trace(self, values: list[int]) -> tuple[list[int], bool]:
         """The MIN over ranks of ``values`` (integers), and whether every rank's ``trace`` is the same, in one
         all-reduce; collectives deferred by their owner are issued first, so they are in it. Every rank's trace
         starts anew."""
         if self.world_size == 1:
-            self.trace = 0
+            self.trace = self._uses = 0
             return list(values), True
         self._flush_deferred()
-        t = torch.tensor([*values, self.trace, -self.trace], dtype=torch.int64, device=self._scalar_device)
+        both = _fold(self.trace, "uses", self._uses)
+        t = torch.tensor([*values, both, -both], dtype=torch.int64, device=self._scalar_device)
         self.all_reduce(t, op=dist.ReduceOp.MIN)
-        self.trace = 0
+        self.trace = self._uses = 0
         *mins, low, minus_high = t.tolist()
         return mins, low == -minus_high
 
@@ -226,7 +233,7 @@ class Comm:
         self._flush_deferred()
         nbytes = t.numel() * t.element_size() if sent is None else sent
         if key is not None:
-            self.note(op, key)
+            self.trace = _fold(self.trace, op, key)
         self.seq += 1
         self.calls[op] += 1
         self.payload_bytes[op] += nbytes
