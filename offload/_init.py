@@ -55,11 +55,15 @@ class _EvictAfterUse(TorchFunctionMode):
 
 
 def _placement(config: OffloadConfig | Mapping[str, Any] | str | os.PathLike[str] | None) -> OffloadConfig:
-    """The config as ``init`` needs it, where the state lives: its ``"auto"`` values (a config written for
-    OffloadTrainer, which fills them from the TrainingArguments) are left out, as nothing here depends on them."""
+    """The config as ``init`` needs it, where the state lives: its placement sections, without their ``"auto"``
+    values (a config written for OffloadTrainer, which fills them and the rest from the TrainingArguments)."""
     if config is None or isinstance(config, OffloadConfig):
         return OffloadConfig.load(config)
-    return OffloadConfig.load(_without_auto(read_json(config) if isinstance(config, (str, os.PathLike)) else config))
+    raw = read_json(config) if isinstance(config, (str, os.PathLike)) else config
+    if not isinstance(raw, Mapping):
+        return OffloadConfig.load(raw)  # its error
+    return OffloadConfig.load(_without_auto({k: v for k, v in raw.items()
+                                             if k in ("zero_optimization", "offload", "aio")}))
 
 
 def _without_auto(value: Any) -> Any:

@@ -42,6 +42,10 @@ from ._hooks import unwrap_compiled
 if TYPE_CHECKING:
     from .engine import Engine
 
+
+class WriteRefused(RuntimeError):
+    """Trainable weights written once an accumulation window's updates have started: refused before any write."""
+
 _INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")  # transformers' names
 _SINGLES = ("model.safetensors", "pytorch_model.bin")
 

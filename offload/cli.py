@@ -227,7 +227,8 @@ def estimate_command(args: argparse.Namespace) -> int:
               "initialize takes on it; give --gpu-mem to plan for another)")
     elif not cuda:
         print("no CUDA here and no --gpu-mem: planned for this machine, its CPU as the device (give --gpu-mem to "
-              "plan for a GPU)")
+              "plan for a GPU); the device tier is its RAM, so it fits under --host-mem too")
+        gpu_mem = _memory(args.host_mem, "--host-mem")
     kw = dict(gpus=args.gpus, cuda=cuda,
               sub_group_size=None if args.sub_group_size is None else int(args.sub_group_size),
               buffer_count=args.buffer_count,

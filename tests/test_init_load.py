@@ -64,6 +64,8 @@ def test_from_pretrained_inside_init_loads_the_checkpoint(tmp_path):
     transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "ck")
     auto = {"bf16": {"enabled": "auto"}, "train_micro_batch_size_per_gpu": "auto",
             "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
+            "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                              "warmup_num_steps": "auto", "total_num_steps": "auto"}},
             "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path / "p")},
                                   "stage3_prefetch_bucket_size": "auto"}}
     with offload.init(auto) as ctx:

@@ -182,3 +182,17 @@ def test_requires_grad_flipped_after_initialize_fails_the_next_forward(tmp_path,
     with offload.initialize(model, placement_config(tmp_path / "again", placement)) as engine:
         train_steps(engine, data[1:])
         assert any(p is target for p in engine.layout.params) == (flip == "unfreeze")
+
+
+@pytest.mark.parametrize("placement", ["opt-host", "params-host"])
+def test_the_models_own_load_names_a_second_value_of_a_tied_weight(tmp_path, placement):
+    """A state dict saved untied (its own head.weight, other values) into the engine's model, whose head is tied to
+    the embedding, through the model's own load_state_dict: strict, torch's error names head.weight as unexpected
+    (before, it was dropped without a word); the embedding's value is loaded."""
+    model = make()
+    state = {k: v.clone() for k, v in make(seed=3).state_dict().items()}
+    state["head.weight"] = torch.randn_like(state["head.weight"])
+    with offload.initialize(model, placement_config(tmp_path, placement)) as engine:
+        with pytest.raises(RuntimeError, match='Unexpected key\\(s\\) in state_dict: "head.weight"'):
+            model.load_state_dict(state)
+        assert torch.equal(engine.consolidated_state_dict()["tok.weight"], state["tok.weight"])

@@ -202,13 +202,15 @@ def test_persistent_parameters_read_between_steps_hold_the_new_values(tmp_path, 
             assert torch.equal(p.detach().cpu(), initial[name].detach()), name
 
 
-@pytest.mark.parametrize("host", [None, 400_000], ids=["host budget free", "host budget tight"])
-def test_close_hands_back_a_model_larger_than_the_device_where_it_fits(tmp_path, host, caplog):
+@pytest.mark.parametrize("home, host", [("nvme", None), ("nvme", 400_000), ("cpu", None)],
+                         ids=["nvme homes", "nvme homes, host budget tight", "host homes"])
+def test_close_hands_back_a_model_larger_than_the_device_where_it_fits(tmp_path, home, host, caplog):
     """A model offloaded because the device budget cannot hold it (113 KiB of parameters, 59 KiB of budget):
     close() hands its parameters back in host memory, with their trained values, instead of running the device
-    out of memory, logged; a host budget the training filled does not matter (what it holds is freed then)."""
+    out of memory, logged; a host budget the training filled does not matter (what it holds is freed then); host
+    homes are handed over as they are."""
     model = make()
-    cfg = config(tmp_path, "nvme", "nvme", live=10_000, bucket=4_000)
+    cfg = config(tmp_path, home, "nvme", live=10_000, bucket=4_000)
     cfg["offload"] = {"device_memory_budget": 60_000, **({"host_memory_budget": host} if host else {})}
     with offload.initialize(model, cfg) as engine:
         run(engine, batches(2), gpt_loss)
@@ -217,6 +219,27 @@ def test_close_hands_back_a_model_larger_than_the_device_where_it_fits(tmp_path,
         in caplog.text
     for name, p in model.named_parameters():
         assert p.device.type == "cpu" and torch.equal(p.detach(), state[name]), name
+
+
+def test_close_of_a_model_no_memory_holds_says_so(tmp_path, monkeypatch, caplog):
+    """Parameters homed on NVMe that neither the device budget nor the machine's free memory can hold (the
+    ZeRO-Infinity case, a model larger than RAM; here the free memory is made small): close() leaves NaN
+    placeholders rather than read them all into memory the machine does not have, frees everything else, and
+    raises saying so and how to keep the weights."""
+    from offload.params import _offload
+
+    model = make()
+    cfg = config(tmp_path, "nvme", "nvme", live=10_000, bucket=4_000)
+    cfg["offload"] = {"device_memory_budget": 60_000}
+    engine = offload.initialize(model, cfg)
+    run(engine, batches(1), gpt_loss)
+    monkeypatch.setattr(_offload, "default_host_budget", lambda: 1000)
+    with pytest.raises(RuntimeError, match=r"fit neither the device budget nor this machine's free memory, so they "
+                                           r"were not handed back .* Save the weights before close"):
+        engine.close()
+    assert engine.phase is offload.Phase.CLOSED and not list((tmp_path / "param").rglob("*.swp"))
+    assert all(p.isnan().all() for p in model.parameters())
+    assert "nor does this machine's free memory hold" in caplog.text
 
 
 def test_a_skipped_step_cancels_the_landing(tmp_path):

@@ -58,6 +58,7 @@ from .. import _checkpoint
 from .._cleanup import close_after_failure, note_on, run_all
 from .._device import fast_bf16
 from .._hooks import Hook, unwrap_compiled
+from .._load import WriteRefused
 from .._precision import LossScaler
 from ..config import OffloadConfig
 from ..dist import Comm, GradPartition, ReduceBuckets, StartSync, agree_with_rank0, join
@@ -397,7 +398,7 @@ class Engine:
         by them, all or some (as each sub-group's update ends), so the step would be lost where torch applies it
         to the weights written (a frozen parameter's write stands)."""
         if trainable and self.phase is Phase.ACCUMULATING and self._window_updates_started():
-            raise RuntimeError(f"{what} between the backward that started this window's updates (they run beside "
+            raise WriteRefused(f"{what} between the backward that started this window's updates (they run beside "
                                "backward) and engine.step(): the updates would overwrite the weights written; call "
                                "engine.step() first, or write them before that backward")
 

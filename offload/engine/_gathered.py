@@ -31,7 +31,7 @@ import torch
 
 from nvme_swapper import tensor_checksum
 
-from .._load import _aliases
+from .._load import WriteRefused, _aliases
 from ..params import ParamState
 
 if TYPE_CHECKING:
@@ -148,7 +148,7 @@ class Gathered:
         if kept:
             try:
                 engine.load_state_dict(kept, strict=False)
-            except RuntimeError:  # refused before any write (the window's updates have started): the device
+            except WriteRefused:  # refused before any write (the window's updates have started): the device
                 for i, e in zip(candidates, edited):  # copies of trained parameters get back what those computed
                     if e and id(self.params[i]) in trains:
                         engine.write_parameter(self.params[i], masters[names[id(self.params[i])]])

@@ -50,14 +50,17 @@ class ModelStateHooks:
         path = self._path[id(mod)]
         return f"{path}.{name}" if path else name
 
-    def _load(self, mod: torch.nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
+    def _load(self, mod: torch.nn.Module, state_dict: dict[str, Any], prefix: str, _metadata: Any, _strict: bool,
+              _missing: list[str], unexpected: list[str], *_: Any) -> None:
         tensors = [*mod.named_parameters(remove_duplicate=False), *mod.named_buffers(remove_duplicate=False)]
         mine = {self._full(mod, name): state_dict.pop(prefix + name) for name, _ in tensors
                 if prefix + name in state_dict}
         if not mine:  # an enclosing module's pre-hook has loaded this tree already
             return
-        self._loaded[id(mod)] = {prefix + name for name, _ in tensors if self._full(mod, name) in mine}
-        self._engine.load_state_dict(mine, strict=False)
+        given = {self._full(mod, name): prefix + name for name, _ in tensors if self._full(mod, name) in mine}
+        self._loaded[id(mod)] = set(given.values())
+        result = self._engine.load_state_dict(mine, strict=False)
+        unexpected += [given.get(k, k) for k in result.unexpected]  # a tied tensor's second value, not loaded
 
     def _unmiss(self, mod: torch.nn.Module, incompatible: Any) -> None:
         loaded = self._loaded.pop(id(mod), None)

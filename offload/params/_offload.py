@@ -72,8 +72,8 @@ from nvme_swapper import AioConfig, SwapEngine, aligned_tensor
 from .._cleanup import close_after_failure, run_all
 from .._hooks import Hook
 from .._worker import bind_thread
-from ..memory import (DONE, AllOf, BudgetExceeded, Copy, CopyStreams, StagingArena, Tier, TieredStore, fmt_bytes,
-                      start_all, wait_all)
+from ..memory import (DONE, AllOf, BudgetExceeded, Copy, CopyStreams, StagingArena, Tier, TieredStore,
+                      default_host_budget, fmt_bytes, start_all, wait_all)
 
 log = logging.getLogger("offload")
 
@@ -395,8 +395,9 @@ class ParameterOffload:
 
     def fetch(self, rec: _Param) -> None:
         """Makes ``rec`` AVAILABLE on the device (waiting if needed), then prefetches along the trace. A piece's
-        use goes into the ranks' trace (``Comm.trace``): a persistent one is gathered by no collective."""
-        if rec.sharded:
+        use in a forward that trains goes into the ranks' trace (``Comm.trace``): a persistent one is gathered by
+        no collective. Uses that make no gradient (a no_grad forward, a gathered() block's) may differ by rank."""
+        if rec.sharded and not rec.held and torch.is_grad_enabled():
             self.shards.comm.note("use", rec.index)
         self._follow_trace(rec)
         self.counters["fetches"] += 1
@@ -928,20 +929,29 @@ class ParameterOffload:
 
     def _hand_back(self) -> None:
         """Every parameter back as a plain tensor holding its current value: on the device where the whole model
-        fits its budget beside what else is there, else in host memory (said in the log), whose budget counts the
-        optimizer state and homes about to be freed. A model offloaded because the device cannot hold it would
-        otherwise run the device out of memory as its engine closes."""
+        fits its budget beside what else is there; else in host memory, a host home handed over as it is and the
+        rest (NVMe homes, pieces, device copies) read into memory this machine has free now, every rank agreeing;
+        else left NaN placeholders, and close raises saying so once all is freed. A model offloaded because the
+        device cannot hold it would otherwise run the device, or the host, out of memory as its engine closes."""
         self.copies.synchronize()  # fetches' copies land first: homes and staging are freed after
         self._trim(0)  # the cached buffers are ours to drop
         size = torch.empty((), dtype=self.dtype).element_size()
         need = sum(rec.numel for rec in self.params) * size
         held = sum(rec.device.numel() for rec in self.params if rec.device is not None) * size
         device = self.store.accounts[Tier.DEVICE]
-        where = "device" if device.budget is None or device.current - held + need <= device.budget else "host"
+        where: str | None = "device" if device.budget is None or device.current - held + need <= device.budget \
+            else "host"
         if where == "host":
+            new = sum(rec.numel for rec in self.params if rec.home is None or rec.sharded) * size
+            room = int(new <= default_host_budget())
+            if self.shards is not None:  # the reads below are collectives: every rank takes the same way
+                (room,), _ = self.shards.comm.min_and_trace([room])
+            where = "host" if room else None
             log.warning("offload: the model's offloaded parameters (%s) do not fit the device budget (%s) beside "
-                        "what it holds: they are handed back in host memory (move the model when it fits)",
-                        fmt_bytes(need), fmt_bytes(device.budget or 0))
+                        "what it holds: %s", fmt_bytes(need), fmt_bytes(device.budget or 0),
+                        "they are handed back in host memory (move the model when it fits)" if room else
+                        f"nor does this machine's free memory hold the {fmt_bytes(new)} read back; they stay NaN "
+                        "placeholders")
         for rec in self.params:
             if rec.state is ParamState.LANDING:
                 self._cancel_landing(rec)
@@ -950,23 +960,34 @@ class ParameterOffload:
                     self._finish(rec)
                 except Exception:  # noqa: BLE001 - a prefetch nobody waited for: its home is read again just below,
                     pass  # and that read raises if the fault is still there
-            # a piece of a parameter is read (a collective) on every rank alike, whatever each holds
-            fresh = rec.state is ParamState.RELEASED or rec.stale or rec.sharded
-            value = self.read_home(rec.index) if fresh else rec.device.view(rec.shape)
-            if where == "device":
-                try:
-                    value = self.copies.upload(value) if fresh else value.clone()
-                except torch.OutOfMemoryError:  # the budget had room, the card not: the rest go to the host
-                    where = "host"
-                    log.warning("offload: the device ran out of memory handing the model back; parameter %d and "
-                                "those after it are handed back in host memory", rec.index)
-            if where == "host" and not fresh:
-                value = value.to("cpu", copy=True)
-            rec.param.data = value
+            if where is None:
+                rec.param.data = self._placeholder(rec)
+            elif where == "host" and rec.home is not None and not rec.sharded:
+                rec.param.data = rec.home.view(rec.shape)  # the home itself: the newest value, no copy
+            else:
+                # a piece of a parameter is read (a collective) on every rank alike, whatever each holds
+                fresh = rec.state is ParamState.RELEASED or rec.stale or rec.sharded
+                value = self.read_home(rec.index) if fresh else rec.device.view(rec.shape)
+                if where == "device":
+                    try:
+                        value = self.copies.upload(value) if fresh else value.clone()
+                    except torch.OutOfMemoryError:  # the budget had room, the card not: the rest go to the host
+                        where = "host"
+                        log.warning("offload: the device ran out of memory handing the model back; parameter %d "
+                                    "and those after it are handed back in host memory", rec.index)
+                if where == "host" and not fresh:
+                    value = value.to("cpu", copy=True)
+                rec.param.data = value
             if rec.device is not None:
                 self.store.free(Tier.DEVICE, rec.device)
                 rec.device = None
             rec.state = ParamState.RELEASED
+        if where is None:
+            raise RuntimeError(
+                f"close(): the model's parameters ({fmt_bytes(need)}) fit neither the device budget nor this "
+                "machine's free memory, so they were not handed back (the model holds NaN placeholders; everything "
+                "else was freed). Save the weights before close (engine.save_safetensors or save_checkpoint) and "
+                "load them where they fit, or into a model built inside offload.init")
 
     def _free(self) -> None:
         """Device cache, staging, the swap engine (its files), NVMe claims and private host copies."""
