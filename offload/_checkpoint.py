@@ -573,7 +573,7 @@ def load(engine: "Engine", root: Path, tag: str | None, before_write: Any = None
         layout, opt = engine.layout, engine.optimizer
         frozen = not meta.get("frozen_excluded", False)
         source = _sources(engine, names, ck.shapes, frozen, optimizer)
-        _check_matches(engine, ck, source, optimizer)
+        _check_matches(engine, names, ck, source, optimizer)
         if before_write is not None:
             before_write()
         for sg in layout.sub_groups:
@@ -637,10 +637,10 @@ def _sources(engine: "Engine", names: list[str], held: Mapping[str, Any], frozen
     load_module_only, load_optimizer_states=False) go by name, as DeepSpeed's ``module.load_state_dict`` does: a
     parameter trainable here and frozen in the checkpoint, or the reverse, takes the checkpoint's tensor. A frozen
     parameter the checkpoint left out (``exclude_frozen_parameters``) keeps its value."""
-    trainable = {id(p) for p in engine.layout.params}
     if optimizer:
         ours = [f"{k}/{n}" for n in names for k in _KINDS] + list(_frozen_and_buffers(engine, frozen))
         return {n: n for n in ours}
+    trainable = {id(p) for p in engine.layout.params}
     by_name = {n.split("/", 1)[1]: n for n in held if n.startswith(("param/", "frozen/"))}
     source = {}
     for n, p in engine.module.named_parameters():
@@ -653,11 +653,11 @@ def _sources(engine: "Engine", names: list[str], held: Mapping[str, Any], frozen
     return source
 
 
-def _check_matches(engine: "Engine", ck: Checkpoint, source: Mapping[str, str], optimizer: bool) -> None:
+def _check_matches(engine: "Engine", names: list[str], ck: Checkpoint, source: Mapping[str, str],
+                   optimizer: bool) -> None:
     """Refuses, before anything is written, a checkpoint whose entries are not the ones ``source`` reads (every
     one of them, the optimizer's aside in a load of the weights alone) at the model's shapes."""
-    shapes = {id(p): tuple(p.shape) for p in engine.module.parameters()}
-    expected = {f"{k}/{n}": shapes[id(p)] for n, p in zip(_names(engine), engine.layout.params) for k in _KINDS}
+    expected = {f"{k}/{n}": tuple(p.shape) for n, p in zip(names, engine.layout.params) for k in _KINDS}
     expected.update(_other_shapes(engine, frozen=True))
     found = {n: tuple(s) for n, s in ck.shapes.items() if not n.startswith("device/")
              and (optimizer or not n.startswith(tuple(f"{k}/" for k in _KINDS[1:])))}

@@ -35,7 +35,7 @@ from torch.overrides import TorchFunctionMode
 
 from nvme_swapper import FileArena, evict_pages, in_arena
 
-from .config import OffloadConfig, read_json
+from .config import OffloadConfig, is_auto, read_json
 
 
 class _EvictAfterUse(TorchFunctionMode):
@@ -68,7 +68,7 @@ def _placement(config: OffloadConfig | Mapping[str, Any] | str | os.PathLike[str
 
 def _without_auto(value: Any) -> Any:
     if isinstance(value, Mapping):
-        return {k: _without_auto(v) for k, v in value.items() if not (isinstance(v, str) and v.lower() == "auto")}
+        return {k: _without_auto(v) for k, v in value.items() if not is_auto(v)}
     return value
 
 

@@ -219,7 +219,7 @@ def estimate_command(args: argparse.Namespace) -> int:
 
     if args.gpus < 1:
         raise ValueError(f"--gpus must be at least 1, got {args.gpus}")
-    gpu_mem = _memory(args.gpu_mem, "--gpu-mem")
+    gpu_mem, host_mem = _memory(args.gpu_mem, "--gpu-mem"), _memory(args.host_mem, "--host-mem")
     cuda = gpu_mem is not None or torch.cuda.is_available()
     if gpu_mem is None and cuda:  # initialize's device budget there: sizes derive from it
         gpu_mem = torch.cuda.get_device_properties(0).total_memory
@@ -228,12 +228,12 @@ def estimate_command(args: argparse.Namespace) -> int:
     elif not cuda:
         print("no CUDA here and no --gpu-mem: planned for this machine, its CPU as the device (give --gpu-mem to "
               "plan for a GPU); the device tier is its RAM, so it fits under --host-mem too")
-        gpu_mem = _memory(args.host_mem, "--host-mem")
+        gpu_mem = host_mem
     kw = dict(gpus=args.gpus, cuda=cuda,
               sub_group_size=None if args.sub_group_size is None else int(args.sub_group_size),
               buffer_count=args.buffer_count,
               gradient_clipping=args.gradient_clipping, gpu_mem=gpu_mem,
-              host_mem=_memory(args.host_mem, "--host-mem"), nvme_free=_memory(args.nvme_free, "--nvme-free"))
+              host_mem=host_mem, nvme_free=_memory(args.nvme_free, "--nvme-free"))
     if args.largest_param is not None and args.model:
         raise ValueError("--largest-param goes with --params (a --model's parameters are known)")
     if args.model:

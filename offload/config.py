@@ -43,6 +43,11 @@ _IGNORED_IN = {"zero_optimization": {"stage3_gather_16bit_weights_on_model_save"
                                      "ignore_unused_parameters", "elastic_checkpoint", "load_from_fp32_weights"}}
 
 
+def is_auto(value: Any) -> bool:
+    """DeepSpeed's ``"auto"`` (any case): a value filled in from elsewhere (the TrainingArguments, the plan)."""
+    return isinstance(value, str) and value.lower() == "auto"
+
+
 def parse_bytes(value: Any, key: str) -> int:
     """An integer byte count from 1073741824, 1e9 or "1GiB" / "512 MB"; raises ValueError naming ``key``."""
     if isinstance(value, bool):
@@ -122,7 +127,7 @@ def _typed_section(cls: type[_Section], d: Any, path: str, types: tuple[str, ...
 def _check_type(full: str, value: Any, kind: type | tuple[type, ...], what: str) -> None:
     kinds = kind if isinstance(kind, tuple) else (kind,)
     if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
-        if isinstance(value, str) and value.lower() == "auto":
+        if is_auto(value):
             raise ValueError(f"{full} must be {what}, got {value!r}: \"auto\" is filled in from the "
                              "TrainingArguments by OffloadTrainer (offload.integrations.transformers); with "
                              "offload.initialize give the value, or leave the key out for its default")
@@ -365,7 +370,7 @@ _DERIVED = ("sub_group_size", "stage3_max_live_parameters", "stage3_prefetch_buc
 def _derived_int(full: str, value: Any, lo: int, hi: int | None = None) -> int | None:
     """A size the plan derives when unset: ``"auto"`` (DeepSpeed configs written for transformers use it) and null
     mean unset; anything else must be an integer in range."""
-    if value is None or isinstance(value, str) and value.lower() == "auto":
+    if value is None or is_auto(value):
         return None
     return _int(full, value, lo, hi)
 
@@ -437,7 +442,7 @@ class BudgetConfig(_Section):
         if name == "comm_timeout":
             return _float(full, value, 0.0, open_lo=True)
         if name == "trim_host_heap":
-            if value is None or (isinstance(value, str) and value.lower() == "auto"):
+            if value is None or is_auto(value):
                 return None
             if not isinstance(value, bool):
                 raise ValueError(f"{full} must be true, false or \"auto\", got {value!r}")

@@ -198,19 +198,23 @@ class Comm:
         on the device is marked by no collective)."""
         self._uses = _fold(self._uses, what, key)
 
+    def min_ints(self, values: list[int]) -> list[int]:
+        """The MIN over ranks of ``values`` (int64s; every rank passes as many): what every rank can do."""
+        if self.world_size == 1:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.int64, device=self._scalar_device)
+        self.all_reduce(t, op=dist.ReduceOp.MIN)
+        return t.tolist()
+
     def min_and_trace(self, values: list[int]) -> tuple[list[int], bool]:
         """The MIN over ranks of ``values`` (integers), and whether every rank's ``trace`` is the same, in one
         all-reduce; collectives deferred by their owner are issued first, so they are in it. Every rank's trace
         starts anew."""
-        if self.world_size == 1:
-            self.trace = self._uses = 0
-            return list(values), True
-        self._flush_deferred()
+        if self.world_size > 1:
+            self._flush_deferred()
         both = _fold(self.trace, "uses", self._uses)
-        t = torch.tensor([*values, both, -both], dtype=torch.int64, device=self._scalar_device)
-        self.all_reduce(t, op=dist.ReduceOp.MIN)
+        *mins, low, minus_high = self.min_ints([*values, both, -both])
         self.trace = self._uses = 0
-        *mins, low, minus_high = t.tolist()
         return mins, low == -minus_high
 
     def sum_float(self, value: float) -> float:

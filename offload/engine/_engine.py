@@ -490,26 +490,23 @@ class Engine:
         if self._held:
             raise RuntimeError("engine.step() inside an engine.gathered() block: the update would change the "
                                "parameters the block holds; step after the block")
-        refused, self._refused = self._refused and not self._backward_done, False
-        if refused:  # the loop stepped past a refused batch: it counts, with no gradient, so the windows keep
-            self._expect("engine.step()", Phase.IDLE, Phase.ACCUMULATING)  # ending every gas step()s
-            boundary = self.is_gradient_accumulation_boundary()
-            self.micro_steps += 1
-            if not boundary:
-                return
-            if self.phase is Phase.IDLE:  # no batch of the window trained: nothing to update, a skipped step
-                self.global_steps += 1
-                self.scaler.update(True)
-                return
+        if self._refused and not self._backward_done:  # the loop stepped past a refused batch: it counts, with
+            self._expect("engine.step()", Phase.IDLE, Phase.ACCUMULATING)  # no gradient, so the windows keep
+            self.micro_steps, self._backward_done = self.micro_steps + 1, True  # ending every gas step()s
         elif self.phase is Phase.IDLE:
             raise RuntimeError("engine.step() called before engine.backward(loss)" if self.micro_steps == 0 else
                                "engine.step() called twice without an engine.backward(loss) in between")
-        self._expect("engine.step()", Phase.ACCUMULATING)
-        if not refused:
-            boundary = self.is_gradient_accumulation_boundary()
-            self._backward_done = False
-            if not boundary:
-                return
+        else:
+            self._expect("engine.step()", Phase.ACCUMULATING)
+        self._refused = False
+        boundary = self.is_gradient_accumulation_boundary()
+        self._backward_done = False
+        if not boundary:
+            return
+        if self.phase is Phase.IDLE:  # a window of refused batches only: nothing to update, a skipped step
+            self.global_steps += 1
+            self.scaler.update(True)
+            return
         self.phase = Phase.STEP
         try:
             self._step()

@@ -945,7 +945,7 @@ class ParameterOffload:
             new = sum(rec.numel for rec in self.params if rec.home is None or rec.sharded) * size
             room = int(new <= default_host_budget())
             if self.shards is not None:  # the reads below are collectives: every rank takes the same way
-                (room,), _ = self.shards.comm.min_and_trace([room])
+                (room,) = self.shards.comm.min_ints([room])
             where = "host" if room else None
             log.warning("offload: the model's offloaded parameters (%s) do not fit the device budget (%s) beside "
                         "what it holds: %s", fmt_bytes(need), fmt_bytes(device.budget or 0),
