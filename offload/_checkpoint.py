@@ -57,6 +57,7 @@ from nvme_swapper import aligned_tensor
 from nvme_swapper._native import memory_at
 
 from .dist import CommError
+from .optim._schedule import WarmupSchedule
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -607,7 +608,8 @@ def load(engine: "Engine", root: Path, tag: str | None, before_write: Any = None
         if scheduler:
             state.lr_scheduler = meta.get("lr_scheduler")
         engine.load_training_state(state)
-        if engine.lr_scheduler is not None:  # the config's schedule, at the position kept or loaded, sets the lr
+        if isinstance(engine.lr_scheduler, WarmupSchedule):  # the config's schedule, at the position kept or
+            # loaded, sets the lr; a scheduler assigned in its place keeps the param groups' (DeepSpeed's order)
             for group, lr in zip(opt.param_groups, engine.lr_scheduler.get_last_lr()):
                 group["lr"] = lr
         pending = engine.training_state().pending_update  # only where this engine runs the delayed update too

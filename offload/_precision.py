@@ -27,12 +27,17 @@ class LossScaler:
         self.skipped = 0
 
     def update(self, overflow: bool) -> None:
-        """Called once per optimizer step with whether that step's gradients overflowed."""
+        """Called once per optimizer step with whether that step's gradients overflowed; DeepSpeed's
+        DynamicLossScaler rule: the scale doubles after ``window`` clean steps that follow the clean step after the
+        last overflow. An overflow with the scale already at ``min_loss_scale`` (and no hysteresis left) is counted,
+        then raises FloatingPointError, as DeepSpeed ends the run there: every later step would be skipped too."""
+        at_floor = False
         if overflow:
             self.skipped += 1
         if self.dynamic:
             if overflow:
                 if self.hysteresis == 1 or self.hysteresis_left == 1:
+                    at_floor = self.scale == self.min_scale
                     self.scale = max(self.scale / 2, self.min_scale)
                 else:
                     self.hysteresis_left -= 1
@@ -40,11 +45,18 @@ class LossScaler:
             else:
                 if self.consecutive_hysteresis:
                     self.hysteresis_left = self.hysteresis
-                if (self.iteration - self.last_overflow) % self.window == 0:
+                stable = self.iteration - self.last_overflow - 1
+                if stable > 0 and stable % self.window == 0:
                     if not self.consecutive_hysteresis:
                         self.hysteresis_left = self.hysteresis
                     self.scale *= 2
         self.iteration += 1
+        if at_floor:
+            raise FloatingPointError(
+                f"fp16: the gradients overflowed with the loss scale already at fp16.min_loss_scale "
+                f"({self.min_scale:g}), so every step from here would be skipped (the step was skipped; "
+                f"{self.skipped} skipped so far). The loss or the model produce inf/NaN, or fp16's range is too "
+                "small for them: check the loss, use bf16 (no loss scaling), or lower min_loss_scale")
 
     def state_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in ("scale", "hysteresis_left", "iteration", "last_overflow", "skipped")}

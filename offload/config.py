@@ -212,27 +212,49 @@ class OptimizerConfig(_Section):
         return value
 
 
-_SCHEDULERS = ("warmuplr", "warmupdecaylr")
+_SCHEDULERS = ("warmuplr", "warmupdecaylr", "warmupcosinelr")
+# each type's params, as DeepSpeed's constructors take them
+_SCHEDULER_PARAMS = {"warmuplr": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"),
+                     "warmupdecaylr": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type",
+                                       "total_num_steps"),
+                     "warmupcosinelr": ("warmup_min_ratio", "warmup_num_steps", "cos_min_ratio", "warmup_type",
+                                        "total_num_steps")}
+_CLIENT_SCHEDULER = ("a torch scheduler on engine.optimizer, stepped after engine.step() when "
+                     "engine.was_step_applied(), its state_dict() saved in client_state (docs/getting-started.md, "
+                     "section 7)")
 
 
 @dataclass(frozen=True)
 class SchedulerConfig(_Section):
-    """``scheduler``: DeepSpeed's WarmupLR / WarmupDecayLR, stepped by ``engine.step()`` after every update (see
-    offload/optim/_schedule.py for the formula). ``type`` None: no scheduler, the optimizer's lr stays."""
+    """``scheduler``: DeepSpeed's WarmupLR / WarmupDecayLR / WarmupCosineLR, stepped by ``engine.step()`` after
+    every update (see offload/optim/_schedule.py for the formulas). ``type`` None: no scheduler, the optimizer's lr
+    stays."""
 
     _path = "scheduler"
     type: str | None = None
     warmup_min_lr: float = 0.0
-    warmup_max_lr: float | None = None  # None: each param group's lr (DeepSpeed >= 0.17.2)
+    warmup_max_lr: float | None = None  # None: each param group's lr (WarmupLR, DeepSpeed >= 0.17.2); 1e-3 (decay)
     warmup_num_steps: int = 1000
     warmup_type: str = "log"
-    total_num_steps: int | None = None  # WarmupDecayLR: the step at which the lr reaches warmup_min_lr
+    total_num_steps: int | None = None  # WarmupDecayLR / WarmupCosineLR: where the decay ends
+    warmup_min_ratio: float = 0.0  # WarmupCosineLR: the share of each group's lr the warm-up starts from
+    cos_min_ratio: float = 0.0001  # WarmupCosineLR: the share it ends at
 
     @classmethod
     def from_dict(cls, d: Any, path: str | None = None) -> "SchedulerConfig":
         if d is None:
             return cls()
-        kind, params = _typed_section(cls, d, path or cls._path, _SCHEDULERS, required=True)
+        path = path or cls._path
+        if isinstance(d, Mapping) and isinstance(d.get("type"), str) and d["type"].lower() in ("onecycle",
+                                                                                               "lrrangetest"):
+            raise ValueError(f"{path}.type {d['type']!r} is not built in here (built in: WarmupLR, WarmupDecayLR, "
+                             f"WarmupCosineLR); for it use {_CLIENT_SCHEDULER}")
+        kind, params = _typed_section(cls, d, path, _SCHEDULERS, required=True)
+        allowed = _SCHEDULER_PARAMS[kind]
+        for name in params:
+            if name not in allowed:
+                raise ValueError(f"{path}.params.{name} does not apply to {kind} (DeepSpeed's {kind} takes "
+                                 f"{', '.join(allowed)})")
         return cls(**{**params, "type": kind})
 
     @classmethod
@@ -241,8 +263,10 @@ class SchedulerConfig(_Section):
             return _float(full, value, 0.0)
         if name == "warmup_max_lr":
             return None if value is None else _float(full, value, 0.0)
+        if name in ("warmup_min_ratio", "cos_min_ratio"):
+            return _float(full, value, 0.0, 1.0)
         if name == "warmup_num_steps":
-            return _int(full, value, 0)  # (0 and 1 count as 2, as in DeepSpeed)
+            return _int(full, value, 0)  # (0 and 1 count as 2, as DeepSpeed's max(2, n); 0.19 refuses 0)
         if name == "total_num_steps":
             return None if value is None else _int(full, value, 1)
         if name == "warmup_type":
@@ -252,8 +276,9 @@ class SchedulerConfig(_Section):
         return value
 
     def __post_init__(self) -> None:
-        if self.type == "warmupdecaylr" and self.total_num_steps is None:
-            raise ValueError("scheduler.params.total_num_steps is required for WarmupDecayLR")
+        if self.type in ("warmupdecaylr", "warmupcosinelr") and self.total_num_steps is None:
+            name = {"warmupdecaylr": "WarmupDecayLR", "warmupcosinelr": "WarmupCosineLR"}[self.type]
+            raise ValueError(f"scheduler.params.total_num_steps is required for {name}")
 
 
 @dataclass(frozen=True)
@@ -570,7 +595,9 @@ class OffloadConfig(_Section):
         out["optimizer"] = {"type": opt.pop("type"), "params": opt}
         sched = out.pop("scheduler")
         if "type" in sched:
-            out["scheduler"] = {"type": sched.pop("type"), "params": sched}
+            kind = sched.pop("type")
+            out["scheduler"] = {"type": kind, "params": {k: v for k, v in sched.items()
+                                                         if k in _SCHEDULER_PARAMS[kind]}}
         out.update(dict.fromkeys(out.pop("ignored"), None))
         out.pop("batch_keys")
         zero = out["zero_optimization"]

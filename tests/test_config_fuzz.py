@@ -309,8 +309,17 @@ def test_auto_outside_the_trainer_says_where_it_is_filled_in(key, cfg):
 
 @pytest.mark.parametrize("section, message", [
     ({"params": {}}, "scheduler.type is required"),
-    ({"type": "OneCycle"}, "scheduler.type must be one of warmuplr, warmupdecaylr"),
-    ({"type": "WarmupDecayLR"}, "scheduler.params.total_num_steps is required"),
+    ({"type": "Cosine"}, "scheduler.type must be one of warmuplr, warmupdecaylr, warmupcosinelr"),
+    ({"type": "OneCycle"}, r"scheduler.type 'OneCycle' is not built in here .* a torch scheduler on "
+                           r"engine.optimizer"),
+    ({"type": "WarmupDecayLR"}, "scheduler.params.total_num_steps is required for WarmupDecayLR"),
+    ({"type": "WarmupCosineLR"}, "scheduler.params.total_num_steps is required for WarmupCosineLR"),
+    ({"type": "WarmupCosineLR", "params": {"total_num_steps": 9, "warmup_max_lr": 1e-3}},
+     r"scheduler.params.warmup_max_lr does not apply to warmupcosinelr .*takes warmup_min_ratio"),
+    ({"type": "WarmupLR", "params": {"total_num_steps": 9}}, "scheduler.params.total_num_steps does not apply to "
+                                                             "warmuplr"),
+    ({"type": "WarmupCosineLR", "params": {"total_num_steps": 9, "cos_min_ratio": 2}},
+     r"scheduler.params.cos_min_ratio must be in \[0.0, 1.0\]"),
     ({"type": "WarmupLR", "params": {"warmup_type": "cosine"}}, "scheduler.params.warmup_type must be one of"),
     ({"type": "WarmupLR", "params": {"warmup_num_steps": -1}}, r"scheduler.params.warmup_num_steps must be in"),
     ({"type": "WarmupLR", "params": {"warmup_steps": 3}}, "unknown key scheduler.params.warmup_steps"),
@@ -321,9 +330,12 @@ def test_scheduler_section_errors_name_the_key(section, message):
         OffloadConfig.load({"scheduler": section})
 
 
-def test_scheduler_section_round_trips():
-    cfg = OffloadConfig.load({"scheduler": {"type": "WarmupDecayLR", "params": {
-        "warmup_min_lr": 1e-5, "warmup_max_lr": 1e-3, "warmup_num_steps": 10, "warmup_type": "linear",
-        "total_num_steps": 100}}})
+@pytest.mark.parametrize("section", [
+    {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 1e-5, "warmup_max_lr": 1e-3, "warmup_num_steps": 10,
+                                         "warmup_type": "linear", "total_num_steps": 100}},
+    {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-3}},
+    {"type": "WarmupCosineLR", "params": {"total_num_steps": 100, "warmup_min_ratio": 0.1, "cos_min_ratio": 0.0}}])
+def test_scheduler_section_round_trips(section):
+    cfg = OffloadConfig.load({"scheduler": section})
     assert OffloadConfig.load(json.loads(json.dumps(cfg.to_dict()))) == cfg
     assert "scheduler" not in OffloadConfig.load({}).to_dict()

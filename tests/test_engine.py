@@ -277,19 +277,47 @@ def test_fp16_dynamic_loss_scale_skips_overflow(tmp_path):
                                         "hysteresis": 1})
     with offload.initialize(model, cfg) as engine:
         assert not engine.was_step_applied()
-        train(engine, data[:2])
-        assert engine.scaler.scale == 512.0  # doubled after a clean window of 2
+        scales = []
+        for batch in data[:3]:
+            train(engine, [batch])
+            scales.append(engine.scaler.scale)
+        # DeepSpeed's DynamicLossScaler: doubled once a window of 2 clean steps follows the first one
+        assert scales == [256.0, 256.0, 512.0]
         assert engine.was_step_applied()
         before = [p.detach().clone() for p in model.parameters()]
-        x, y = data[2]
+        x, y = data[3]
         engine.backward(lm_loss(engine(x), y) * float("inf"))
         engine.step()
         assert not engine.was_step_applied()  # DeepSpeed's name for a skipped step
         assert engine.scaler.scale == 256.0 and engine.stats()["skipped_steps"] == 1
+        assert engine.get_global_grad_norm() == math.inf  # DeepSpeed's norm of an overflowed step
         assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # the step was skipped
-        assert engine.global_steps == 3 and engine.skipped_steps == 1  # counted, as DeepSpeed and the Trainer do
-        train(engine, data[3:])
+        assert engine.global_steps == 4 and engine.skipped_steps == 1  # counted, as DeepSpeed and the Trainer do
+        train(engine, data[4:])
         assert engine.global_steps == 6
+
+
+def test_fp16_overflow_at_the_minimum_scale_raises_after_skipping(tmp_path):
+    """DeepSpeed ends a run whose gradients overflow with the scale already at min_loss_scale (every later step
+    would be skipped, without a word): here the step is skipped and counted, then FloatingPointError says why,
+    and the engine trains on once the cause is gone."""
+    data = batches(4)
+    model = make()
+    cfg = config(tmp_path, "cpu", fp16={"enabled": True, "initial_scale_power": 2, "min_loss_scale": 2,
+                                        "hysteresis": 1})
+    with offload.initialize(model, cfg) as engine:
+        x, y = data[0]
+        engine.backward(lm_loss(engine(x), y) * float("inf"))
+        engine.step()  # 4 -> 2, the floor
+        assert engine.scaler.scale == 2.0 and engine.skipped_steps == 1
+        before = [p.detach().clone() for p in model.parameters()]
+        engine.backward(lm_loss(engine(x), y) * float("inf"))
+        with pytest.raises(FloatingPointError, match=r"fp16\.min_loss_scale \(2\).*lower min_loss_scale"):
+            engine.step()
+        assert engine.skipped_steps == 2 and engine.global_steps == 2 and not engine.was_step_applied()
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        train(engine, data[1:])
+        assert engine.was_step_applied() and engine.global_steps == 5
 
 
 @pytest.mark.parametrize("device", ["cpu", "nvme"])
@@ -1630,6 +1658,84 @@ def test_warmup_without_a_max_lr_warms_each_group_to_its_own_lr(tmp_path):
             lrs.append(engine.get_lr())
     # DeepSpeed's sequence for n = 2: updates 0 and 1 at warmup_min_lr, update 2 half way, then the group's lr
     assert lrs == [[0.0, 0.0], [0.0, 0.0], [pytest.approx(2.5e-5), pytest.approx(2.5e-4)], [5e-5, 5e-4]]
+
+
+def deepspeed_cosine(it: int, total: int, warm: int, min_ratio: float, cos_min: float, kind: str) -> float:
+    """The lr ratio of DeepSpeed's WarmupCosineLR at ``last_batch_iteration`` ``it``, written out from its
+    source: 0 before the first scheduler step, a log or linear warm-up from min_ratio, then the cosine."""
+    if it < 0:
+        return 0.0
+    warm = max(2, warm)
+    if it < warm:
+        rise = math.log(it + 1) / math.log(warm) if kind == "log" else it / warm
+        return min_ratio + rise * (1.0 - min_ratio)
+    progress = min(1.0, (it - warm + 1) / max(1, total - warm))
+    return max(0.0, cos_min + (1.0 - cos_min) * (1 + math.cos(math.pi * progress)) / 2)
+
+
+@pytest.mark.parametrize("kind, warm, total", [("log", 5, 30), ("linear", 4, 10), ("linear", 8, 6)])
+def test_warmup_cosine_follows_deepspeed_and_decay_defaults_to_its_max(kind, warm, total):
+    """WarmupCosineLR scales each group's own lr by DeepSpeed's ratio (update t takes the ratio after t - 1
+    scheduler steps), to its floor past total_num_steps; WarmupDecayLR without warmup_max_lr peaks at 1e-3 as
+    DeepSpeed's does (only WarmupLR's default became the group's lr)."""
+    from offload.config import SchedulerConfig
+    from offload.optim._schedule import WarmupSchedule
+    w = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([{"params": [w], "lr": 0.5}, {"params": [torch.nn.Parameter(torch.zeros(1))], "lr": 2.0}])
+    cfg = SchedulerConfig.from_dict({"type": "WarmupCosineLR", "params": {
+        "total_num_steps": total, "warmup_num_steps": warm, "warmup_min_ratio": 0.1, "cos_min_ratio": 0.01,
+        "warmup_type": kind}})
+    sched = WarmupSchedule(opt, cfg)
+    for t in range(total + 5):
+        ratio = deepspeed_cosine(t - 1, total, warm, 0.1, 0.01, kind)
+        assert [g["lr"] for g in opt.param_groups] == [pytest.approx(0.5 * ratio), pytest.approx(2.0 * ratio)], t
+        opt.step()
+        sched.step()
+    decay = WarmupSchedule(torch.optim.SGD([w], lr=0.01), SchedulerConfig.from_dict(
+        {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 2, "total_num_steps": 10}}))
+    for _ in range(3):
+        decay.step()
+    assert decay.get_last_lr() == [pytest.approx(1e-3)]
+
+
+def test_a_schedule_assigned_to_the_engine_resumes_where_it_was(tmp_path):
+    """A scheduler object put on engine.lr_scheduler in place of the config's (a DeepSpeed one: its state is its
+    iteration, its last lr exists only once stepped) is stepped with the updates, saved and loaded; the lr after a
+    load is the saved run's next one (it took the fresh scheduler's, or failed on it)."""
+
+    class IterationSchedule:  # the interface of DeepSpeed's schedulers (lr_schedules.py)
+        def __init__(self, optimizer):
+            self.optimizer, self.last_batch_iteration = optimizer, -1
+
+        def step(self):
+            self.last_batch_iteration += 1
+            self._last_lr = [1e-3 / (2 + self.last_batch_iteration)] * len(self.optimizer.param_groups)
+            for g, lr in zip(self.optimizer.param_groups, self._last_lr):
+                g["lr"] = lr
+
+        def get_last_lr(self):
+            assert getattr(self, "_last_lr", None) is not None, "need to call step() first"
+            return self._last_lr
+
+        def state_dict(self):
+            return {"last_batch_iteration": self.last_batch_iteration}
+
+        def load_state_dict(self, sd):
+            self.last_batch_iteration = sd["last_batch_iteration"]
+
+    data = batches(3)
+    with offload.initialize(make(), config(tmp_path / "a", "cpu")) as engine:
+        engine.lr_scheduler = IterationSchedule(engine.optimizer)
+        train(engine, data)
+        assert engine.get_lr() == [pytest.approx(1e-3 / 4)]
+        engine.save_checkpoint(tmp_path / "ck")
+    with offload.initialize(make(seed=2), config(tmp_path / "b", "cpu")) as engine:
+        engine.lr_scheduler = IterationSchedule(engine.optimizer)
+        engine.load_checkpoint(tmp_path / "ck")
+        assert engine.get_lr() == [pytest.approx(1e-3 / 4)]
+        assert engine.lr_scheduler.last_batch_iteration == 2
+        train(engine, data[:1])
+        assert engine.get_lr() == [pytest.approx(1e-3 / 5)]
 
 
 @pytest.mark.parametrize("delayed", [False, True], ids=["serial", "delayed"])

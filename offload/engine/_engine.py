@@ -543,9 +543,10 @@ class Engine:
             if not math.isfinite(norm):
                 self._grad_norm_value = norm
                 if self.config.fp16.enabled:
-                    self.scaler.update(True)
                     opt.skip()
                     self.global_steps += 1  # as DeepSpeed (and the Trainer) count a skipped step: see skipped_steps
+                    self._grad_norm_value = math.inf  # DeepSpeed's norm of an overflowed step
+                    self.scaler.update(True)  # last: at the scale's floor it raises, the step skipped
                     return
                 if self.config.gradient_clipping > 0:  # else (a delayed update on several ranks) as the updates would
                     raise FloatingPointError(f"gradient norm is {norm} at step {self.global_steps}: the loss or "
