@@ -71,6 +71,15 @@ def default_device() -> torch.device:
     return resolve_device("auto", local_world_size=1)
 
 
+def free_device_memory(device: torch.device) -> int | None:
+    """Bytes the CUDA driver has free on ``device`` once torch's cache is handed back: what no byte budget sees
+    (the CUDA context, other processes). None on the CPU, where the DEVICE tier is its byte budget alone."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(device)[0]
+
+
 def fast_bf16(device: torch.device) -> bool:
     """Whether bfloat16 matmuls run at full speed on ``device``: a CUDA GPU that supports bf16, or a CPU with
     AVX-512 BF16 or AMX. On other CPUs torch converts bf16 through fp32 in its slowest paths (measured on an AVX2

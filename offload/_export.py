@@ -276,8 +276,10 @@ def save_16bit(engine: "Engine", out: str | os.PathLike[str], filename: str, exc
         try:
             make_folder(folder, "save_16bit_model")
             rounded: dict[int, torch.Tensor] = {}  # tied names share one tensor, as in the model's state_dict
-            low = {k: rounded.setdefault(id(sd[k]), v.to(engine.dtype)) if id(sd[k]) in trainable else v
-                   for k, v in tensors.items()}
+            low: dict[str, torch.Tensor] = {}
+            for k in list(tensors):  # each fp32 master dropped as it is rounded: the model in RAM once, not twice
+                v = tensors.pop(k)
+                low[k] = rounded.setdefault(id(sd[k]), v.to(engine.dtype)) if id(sd[k]) in trainable else v
             tmp = _write_tmp(folder, filename, low, torch_file=not safetensors)
             os.replace(tmp, folder / filename)
             _fsync_dir(folder)

@@ -1072,6 +1072,40 @@ def test_stage3_ranks_that_run_different_modules_are_refused(tmp_path, persist):
         assert trained == "trained"
 
 
+CLOSE_SCRIPT = """
+import os, sys, torch
+sys.path.insert(0, {tests!r})
+import offload
+from models import batches, lm_loss, make
+rank = int(os.environ["RANK"])
+cfg = {cfg!r}
+if rank == 0:  # this rank's device cannot take the model back, the other's can
+    cfg["offload"]["device_memory_budget"] = 60_000
+model = make()
+engine = offload.initialize(model, cfg)
+for x, y in batches(2):
+    engine.backward(lm_loss(engine(x[rank::2]), y[rank::2]))
+    engine.step()
+state = engine.consolidated_state_dict()
+engine.close()
+same = all(torch.equal(p.detach().cpu(), state[n]) for n, p in model.named_parameters())
+with open(f"{{sys.argv[1]}}.{{rank}}", "w") as f:
+    f.write(f"{{same}} {{sorted({{p.device.type for p in model.parameters()}})}}")
+"""
+
+
+def test_ranks_whose_devices_differ_hand_the_model_back_alike(tmp_path):
+    """Stage 3 on 2 ranks where one rank's device cannot hold the model at close and the other's can: every rank
+    takes the same way (host memory), as the pieces' reads are collectives (before, each rank chose alone and
+    the collectives crossed: gloo aborted, NCCL would hang); each hands back the trained weights."""
+    script = tmp_path / "close.py"
+    script.write_text(CLOSE_SCRIPT.format(tests=str(TESTS), cfg=config(3, "cpu", tmp_path / "nvme")))
+    said = tmp_path / "said"
+    run_script(script, 2, str(said), cwd=tmp_path)
+    for r in range(2):
+        assert Path(f"{said}.{r}").read_text() == "True ['cpu']", r
+
+
 TAG_SCRIPT = """
 import os, sys, torch
 import offload

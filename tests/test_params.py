@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -212,11 +213,12 @@ def test_close_hands_back_a_model_larger_than_the_device_where_it_fits(tmp_path,
     model = make()
     cfg = config(tmp_path, home, "nvme", live=10_000, bucket=4_000)
     cfg["offload"] = {"device_memory_budget": 60_000, **({"host_memory_budget": host} if host else {})}
+    cfg["zero_optimization"]["reduce_bucket_size"] = 1_000  # on CUDA the gradient staging is in the budget too
     with offload.initialize(model, cfg) as engine:
         run(engine, batches(2), gpt_loss)
         state = engine.consolidated_state_dict()
-    assert "do not fit the device budget (58.59 KiB) beside what it holds: they are handed back in host memory" \
-        in caplog.text
+    assert re.search(r"do not fit the device \(budget 58.59 KiB, [^)]*\) beside what it holds: they are handed back "
+                     r"in host memory", caplog.text)
     for name, p in model.named_parameters():
         assert p.device.type == "cpu" and torch.equal(p.detach(), state[name]), name
 
@@ -231,6 +233,7 @@ def test_close_of_a_model_no_memory_holds_says_so(tmp_path, monkeypatch, caplog)
     model = make()
     cfg = config(tmp_path, "nvme", "nvme", live=10_000, bucket=4_000)
     cfg["offload"] = {"device_memory_budget": 60_000}
+    cfg["zero_optimization"]["reduce_bucket_size"] = 1_000  # on CUDA the gradient staging is in the budget too
     engine = offload.initialize(model, cfg)
     run(engine, batches(1), gpt_loss)
     monkeypatch.setattr(_offload, "default_host_budget", lambda: 1000)

@@ -70,6 +70,7 @@ import torch
 from nvme_swapper import AioConfig, SwapEngine, aligned_tensor
 
 from .._cleanup import close_after_failure, run_all
+from .._device import free_device_memory
 from .._hooks import Hook
 from .._worker import bind_thread
 from ..memory import (DONE, AllOf, BudgetExceeded, Copy, CopyStreams, StagingArena, Tier, TieredStore,
@@ -939,19 +940,24 @@ class ParameterOffload:
         need = sum(rec.numel for rec in self.params) * size
         held = sum(rec.device.numel() for rec in self.params if rec.device is not None) * size
         device = self.store.accounts[Tier.DEVICE]
-        where: str | None = "device" if device.budget is None or device.current - held + need <= device.budget \
-            else "host"
-        if where == "host":
-            new = sum(rec.numel for rec in self.params if rec.home is None or rec.sharded) * size
-            room = int(new <= default_host_budget())
-            if self.shards is not None:  # the reads below are collectives: every rank takes the same way
-                (room,) = self.shards.comm.min_ints([room])
-            where = "host" if room else None
-            log.warning("offload: the model's offloaded parameters (%s) do not fit the device budget (%s) beside "
-                        "what it holds: %s", fmt_bytes(need), fmt_bytes(device.budget or 0),
+        fits = device.budget is None or device.current - held + need <= device.budget
+        card = free_device_memory(self.device)  # the CUDA driver's count: the context, other processes, torch's
+        if card is not None:  # cache (returned first) are in no budget; a piece's gather takes two buffers more
+            fits = fits and need - held + 2 * max((rec.numel * size for rec in self.params), default=0) <= card
+        new = sum(rec.numel for rec in self.params if rec.home is None or rec.sharded) * size
+        room = new <= default_host_budget()
+        if self.shards is not None:  # the reads below are collectives: every rank takes the same way
+            fits, room = (bool(v) for v in self.shards.comm.min_ints([int(fits), int(room)]))
+        where: str | None = "device" if fits else "host" if room else None
+        if where != "device":
+            log.warning("offload: the model's offloaded parameters (%s) do not fit the device (budget %s, %s) "
+                        "beside what it holds%s: %s", fmt_bytes(need), fmt_bytes(device.budget or 0),
+                        "the driver's free memory " + fmt_bytes(card) if card is not None else "no driver count",
+                        " on some rank" if self.shards is not None else "",
                         "they are handed back in host memory (move the model when it fits)" if room else
                         f"nor does this machine's free memory hold the {fmt_bytes(new)} read back; they stay NaN "
                         "placeholders")
+        uploaded: list[torch.nn.Parameter] = []  # moved to the host too if the card runs out part way
         for rec in self.params:
             if rec.state is ParamState.LANDING:
                 self._cancel_landing(rec)
@@ -971,10 +977,14 @@ class ParameterOffload:
                 if where == "device":
                     try:
                         value = self.copies.upload(value) if fresh else value.clone()
-                    except torch.OutOfMemoryError:  # the budget had room, the card not: the rest go to the host
-                        where = "host"
-                        log.warning("offload: the device ran out of memory handing the model back; parameter %d "
-                                    "and those after it are handed back in host memory", rec.index)
+                        uploaded.append(rec.param)
+                    except torch.OutOfMemoryError:  # the card had less than it said: the whole model goes to the
+                        where = "host"  # host, in one place for the next forward
+                        log.warning("offload: the device ran out of memory handing the model back at parameter %d; "
+                                    "the model is handed back in host memory", rec.index)
+                        for p in uploaded:
+                            p.data = p.data.to("cpu")
+                        uploaded.clear()
                 if where == "host" and not fresh:
                     value = value.to("cpu", copy=True)
                 rec.param.data = value
