@@ -87,7 +87,7 @@ print(json.dumps({{"built": built, "initialized": ready, "load_adds": load_adds,
 
 def placement_config(kind: str, nvme: Path, budget: int) -> dict:
     param = {"device": "cpu"} if kind == "host" else {"device": "nvme", "nvme_path": str(nvme / "params")}
-    return {"bf16": {"enabled": True},
+    return {"bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
             "zero_optimization": {"stage": 3, "offload_param": param,
                                   "offload_optimizer": {"device": "nvme", "nvme_path": str(nvme / "optimizer")}},
             "offload": {"host_memory_budget": budget, "device": "cpu"}}

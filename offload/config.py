@@ -36,11 +36,41 @@ _IGNORED = {"steps_per_print", "wall_clock_breakdown", "zero_allow_untested_opti
             "memory_breakdown", "comms_logger", "flops_profiler", "tensorboard", "wandb", "csv_monitor",
             "prescale_gradients", "gradient_predivide_factor", "communication_data_type", "checkpoint",
             "activation_checkpointing", "zero_force_ds_cpu_optimizer"}
+_IGNORED |= {"data_types", "compile"}  # the gradients accumulate in fp32 here; torch.compile the model yourself
 # the same inside a section: in zero_optimization, the saving of 16-bit weights (every export here is the fp32
-# masters, gathered) and knobs for what the engine does anyway
+# masters, gathered) and knobs for what the engine does anyway (bf16's overflow check: a non-finite loss is always
+# refused here, docs/configuration.md)
 _IGNORED_IN = {"zero_optimization": {"stage3_gather_16bit_weights_on_model_save",
                                      "stage3_gather_fp16_weights_on_model_save", "memory_efficient_linear",
-                                     "ignore_unused_parameters", "elastic_checkpoint", "load_from_fp32_weights"}}
+                                     "ignore_unused_parameters", "elastic_checkpoint", "load_from_fp32_weights",
+                                     "module_granularity_threshold", "use_multi_rank_bucket_allreduce",
+                                     "log_trace_cache_warnings"},
+               "zero_optimization.offload_optimizer": {"pipeline_read", "pipeline_write"},
+               "bf16": {"immediate_grad_update", "check_grad_overflow"},
+               "optimizer": {"torch_adam"}}
+# DeepSpeed's switches for what is not built here: accepted at the value that leaves it off (DeepSpeed's default),
+# refused at any other, naming what it would turn on
+_OFF_ONLY: dict[str, dict[str, tuple[Any, str]]] = {
+    "": {"torch_autocast": (False, "torch.autocast around the forward is not built in: use bf16 or fp16")},
+    "bf16": {"bf16_master_weights_and_grads": (False, "bf16 master weights: fp32 masters are always kept here")},
+    "fp16": {"fp16_master_weights_and_grads": (False, "fp16 master weights: fp32 masters are always kept here")},
+    "optimizer": {"amsgrad": (False, "AMSGrad is not built in, Adam and AdamW are")},
+    "zero_optimization": {
+        "zero_quantized_weights": (False, "ZeRO++ quantized communication is not built in"),
+        "zero_quantized_gradients": (False, "ZeRO++ quantized communication is not built in"),
+        "zero_quantized_nontrainable_weights": (False, "ZeRO++ quantized weights are not built in"),
+        "zero_hpz_partition_size": (1, "ZeRO++ hierarchical partitioning is not built in"),
+        "mics_shard_size": (-1, "MiCS sharding is not built in")},
+    "zero_optimization.offload_optimizer": {
+        "ratio": (1.0, "a partial optimizer offload is not built in: the whole optimizer state is offloaded")},
+}
+
+
+def _is_off(value: Any, off: Any) -> bool:
+    """Whether ``value`` leaves a switch of _OFF_ONLY off: its value, or a section's ``enabled``."""
+    if isinstance(value, Mapping):
+        value = value.get("enabled", False)
+    return type(value) in (bool, int, float) and value == off and isinstance(value, bool) == isinstance(off, bool)
 
 
 def is_auto(value: Any) -> bool:
@@ -82,7 +112,8 @@ class _Section:
             d = {}
         if not isinstance(d, Mapping):
             raise ValueError(f"{path or 'config'} must be a JSON object, got {type(d).__name__}")
-        fields = {f.name: f for f in dataclasses.fields(cls) if f.init and f.name not in ("ignored", "batch_keys")}
+        fields = {f.name: f for f in dataclasses.fields(cls)
+                  if f.init and f.name not in ("ignored", "batch_keys", "optimizer_given")}
         values: dict[str, Any] = {}
         for key, value in d.items():
             name = cls._aliases.get(key, key)
@@ -92,8 +123,15 @@ class _Section:
                     values.setdefault("ignored", ())
                     values["ignored"] = (*values["ignored"], key)
                     continue
-                if key in _IGNORED_IN.get(path, ()):
+                if key in _IGNORED_IN.get(cls._path, ()):
                     log.warning("offload: config key accepted but without effect: %s", full)
+                    continue
+                if key in _OFF_ONLY.get(cls._path, {}):
+                    off, what = _OFF_ONLY[cls._path][key]
+                    if not _is_off(value, off):
+                        allowed = ('"enabled": ' if isinstance(value, Mapping) else "") + json.dumps(off)
+                        raise ValueError(f"{full} = {json.dumps(value)} asks for what is not supported here: {what}; "
+                                         f"only {allowed} is accepted (DeepSpeed's default, which leaves it off)")
                     continue
                 hint = difflib.get_close_matches(key, list(fields) + list(cls._aliases), n=1)
                 allowed = ", ".join(sorted(fields))
@@ -426,6 +464,30 @@ class ZeroConfig(_Section):
     allgather_partitions: bool = True
     round_robin_gradients: bool = False
 
+    # DeepSpeed's old spellings (before the offload sections), read as the sections they became
+    _LEGACY = {"cpu_offload": ("offload_optimizer", "device"), "cpu_offload_params": ("offload_param", "device"),
+               "cpu_offload_use_pin_memory": ("offload_optimizer", "pin_memory")}
+
+    @classmethod
+    def from_dict(cls, d: Any, path: str | None = None) -> "ZeroConfig":
+        path = path if path is not None else cls._path
+        if isinstance(d, Mapping) and any(k in d for k in cls._LEGACY):
+            d = dict(d)
+            for old, (section, key) in cls._LEGACY.items():
+                if old not in d:
+                    continue
+                value = _bool(f"{path}.{old}", d.pop(old))
+                given = d.get(section)
+                if isinstance(given, Mapping) and key in given:
+                    raise ValueError(f"{path}.{old} (DeepSpeed's old spelling) and {path}.{section}.{key} are both "
+                                     f"given; keep {path}.{section}")
+                if key == "device" and not value:
+                    continue
+                d[section] = {**(given or {}), key: "cpu" if key == "device" else value}
+                log.warning("offload: %s.%s is DeepSpeed's old spelling of %s.%s; read as %s", path, old, path,
+                            section, json.dumps({key: d[section][key]}))
+        return cls(**cls._values(d, path))
+
     @classmethod
     def _convert(cls, name: str, value: Any, full: str) -> Any:
         if name == "stage":
@@ -499,6 +561,9 @@ class OffloadConfig(_Section):
     ignored: tuple[str, ...] = ()
     # which of the three batch keys the JSON gave: initialize derives the others as DeepSpeed does (for_world)
     batch_keys: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
+    # False: JSON without an optimizer section (the engine says that the defaults train; a DeepSpeed script's
+    # optimizer passed to initialize has no counterpart here)
+    optimizer_given: bool = field(default=True, compare=False, repr=False)
 
     _aliases = {"bfloat16": "bf16"}
     _BATCH = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -508,7 +573,8 @@ class OffloadConfig(_Section):
         values = cls._values(d, path if path is not None else cls._path)
         if values.get("ignored"):  # said once, where the JSON is read (not again for each copy made of it)
             log.warning("offload: config keys accepted but without effect: %s", ", ".join(values["ignored"]))
-        return cls(**values, batch_keys=frozenset(k for k in cls._BATCH if values.get(k) is not None))
+        return cls(**values, batch_keys=frozenset(k for k in cls._BATCH if values.get(k) is not None),
+                   optimizer_given="optimizer" in values)
 
     def _given_batch(self) -> frozenset[str]:
         """The batch keys the user set: the JSON's, or (a config built in Python) those away from their defaults."""
@@ -600,6 +666,7 @@ class OffloadConfig(_Section):
                                                          if k in _SCHEDULER_PARAMS[kind]}}
         out.update(dict.fromkeys(out.pop("ignored"), None))
         out.pop("batch_keys")
+        out.pop("optimizer_given")
         zero = out["zero_optimization"]
         for section, kind in ((zero, ZeroConfig), (zero["offload_optimizer"], OffloadOptimizerConfig),
                               (zero["offload_param"], OffloadParamConfig)):

@@ -284,6 +284,46 @@ def test_deepspeed_keys_without_effect_here_are_accepted_and_named(caplog):
         assert f"without effect: {key}" in caplog.text, key
 
 
+def test_deepspeed_switches_for_what_is_not_built_are_taken_off_and_refused_on(caplog):
+    """Keys of DeepSpeed's config examples for features not built here load at the value that leaves them off
+    (DeepSpeed's default) and are refused at any other, naming what they would turn on; the old spelling
+    zero_optimization.cpu_offload reads as offload_optimizer.device "cpu"."""
+    with caplog.at_level("WARNING", logger="offload"):
+        cfg = OffloadConfig.load({
+            "bf16": {"enabled": True, "immediate_grad_update": True, "check_grad_overflow": True,
+                     "bf16_master_weights_and_grads": False},
+            "fp16": {"fp16_master_weights_and_grads": False},
+            "optimizer": {"type": "AdamW", "params": {"torch_adam": True, "amsgrad": False}},
+            "data_types": {"grad_accum_dtype": "fp32"}, "torch_autocast": {"enabled": False}, "compile": {},
+            "zero_optimization": {"stage": 3, "cpu_offload": True, "cpu_offload_params": True,
+                                  "zero_quantized_weights": False, "zero_hpz_partition_size": 1,
+                                  "mics_shard_size": -1, "module_granularity_threshold": 0,
+                                  "offload_optimizer": {"ratio": 1.0, "pipeline_read": False}}})
+    zero = cfg.zero_optimization
+    assert (zero.offload_optimizer.device, zero.offload_param.device) == ("cpu", "cpu")
+    assert "zero_optimization.cpu_offload is DeepSpeed's old spelling of zero_optimization.offload_optimizer" \
+        in caplog.text
+    for key in ("bf16.immediate_grad_update", "optimizer.params.torch_adam",
+                "zero_optimization.offload_optimizer.pipeline_read", "zero_optimization.module_granularity_threshold"):
+        assert f"without effect: {key}" in caplog.text, key
+    assert "without effect: data_types, compile" in caplog.text
+    for bad, key, what in [({"optimizer": {"params": {"amsgrad": True}}}, "optimizer.params.amsgrad", "AMSGrad"),
+                           ({"zero_optimization": {"zero_quantized_gradients": True}},
+                            "zero_optimization.zero_quantized_gradients", "ZeRO\\+\\+"),
+                           ({"zero_optimization": {"zero_hpz_partition_size": 8}},
+                            "zero_optimization.zero_hpz_partition_size", "hierarchical"),
+                           ({"zero_optimization": {"offload_optimizer": {"ratio": 0.3}}},
+                            "zero_optimization.offload_optimizer.ratio", "partial optimizer offload"),
+                           ({"bf16": {"bf16_master_weights_and_grads": True}}, "bf16.bf16_master_weights_and_grads",
+                            "bf16 master weights"),
+                           ({"torch_autocast": {"enabled": True}}, "torch_autocast", 'only "enabled": false')]:
+        with pytest.raises(ValueError, match=key.replace(".", r"\.") + " = .*" + what):
+            OffloadConfig.load(bad)
+    with pytest.raises(ValueError, match=r"zero_optimization.cpu_offload \(DeepSpeed's old spelling\) and "
+                                         r"zero_optimization.offload_optimizer.device are both given"):
+        OffloadConfig.load({"zero_optimization": {"cpu_offload": True, "offload_optimizer": {"device": "nvme"}}})
+
+
 @pytest.mark.parametrize("bad, key", [({"seed": math.nan}, "seed"), ({"seed": math.inf}, "seed"),
                                       ({"offload": {"host_memory_budget": math.inf}}, "offload.host_memory_budget"),
                                       ({"offload": {"host_memory_budget": "1e400"}}, "offload.host_memory_budget"),

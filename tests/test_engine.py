@@ -1660,6 +1660,49 @@ def test_warmup_without_a_max_lr_warms_each_group_to_its_own_lr(tmp_path):
     assert lrs == [[0.0, 0.0], [0.0, 0.0], [pytest.approx(2.5e-5), pytest.approx(2.5e-4)], [5e-5, 5e-4]]
 
 
+def test_a_deepspeed_script_runs_with_its_keywords_and_accessors(tmp_path, caplog):
+    """What a DeepSpeed training script calls, ported unchanged: initialize's keywords (config_params, args with
+    deepspeed_config, model_parameters with a frozen parameter in it, a scheduler callable), the accessors it
+    reads, and the method gradient_accumulation_steps(). The scheduler's lrs are torch's LambdaLR's on a plain
+    optimizer; what has no counterpart (a torch optimizer, a data set, the 4-tuple) is refused naming the fix."""
+    import argparse
+
+    model = make()
+    model.pos.requires_grad_(False)
+    cfg = config(tmp_path, "cpu", train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2)
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(cfg))
+    args = argparse.Namespace(deepspeed_config=str(path), local_rank=0)
+
+    def decay(opt):
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s))
+
+    engine = offload.initialize(model=model, args=args, model_parameters=model.parameters(), lr_scheduler=decay)
+    with engine:
+        assert engine.gradient_accumulation_steps() == 2 == engine.gradient_accumulation_steps
+        assert (engine.train_micro_batch_size_per_gpu(), engine.train_batch_size()) == (2, 4)
+        assert engine.get_mom() == [(0.9, 0.99)] and engine.gradient_clipping() == 0.0
+        assert not engine.fp16_enabled() and not engine.bfloat16_enabled() and engine.zero_optimization_stage() == 0
+        assert (engine.global_rank, engine.dp_world_size, engine.local_rank) == (0, 1, 0)
+        train(engine, batches(6), gas=2)
+        assert engine.global_steps == 3 and engine.global_samples == 12
+        assert engine.get_lr() == [pytest.approx(LR / 4)]  # LambdaLR after 3 steps
+        assert not any(p is model.pos for p in engine.layout.params)
+        with pytest.raises(TypeError, match=r"returns the engine alone.*engine = offload.initialize"):
+            _, _, _, _ = engine
+    with pytest.raises(TypeError, match=r"optimizer=.*config's optimizer section"):
+        offload.initialize(make(), cfg, optimizer=torch.optim.AdamW(make().parameters()))
+    with pytest.raises(TypeError, match=r"training_data=.*build the DataLoader yourself"):
+        offload.initialize(make(), cfg, training_data=[1, 2])
+    plain = torch.optim.SGD(make().parameters(), lr=0.1)
+    with pytest.raises(TypeError, match=r"lr_scheduler=.*pass a callable"):
+        offload.initialize(make(), cfg, lr_scheduler=torch.optim.lr_scheduler.LambdaLR(plain, lambda s: 1.0))
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="offload"):
+        offload.initialize(make(), config_params={"train_micro_batch_size_per_gpu": 1}).close()
+    assert "the config has no optimizer section, so the defaults train: AdamW, lr 0.001" in caplog.text
+
+
 def deepspeed_cosine(it: int, total: int, warm: int, min_ratio: float, cos_min: float, kind: str) -> float:
     """The lr ratio of DeepSpeed's WarmupCosineLR at ``last_batch_iteration`` ``it``, written out from its
     source: 0 before the first scheduler step, a log or linear warm-up from min_ratio, then the cosine."""

@@ -48,7 +48,7 @@ import weakref
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 
@@ -121,6 +121,12 @@ class Engine:
                  *, param_groups: Iterable[dict[str, Any]] | None = None, _file_io: FileIO | None = None) -> None:
         """``_file_io`` (tests only): the OS-call boundary of the optimizer state's swap engine, to inject faults."""
         self.config = cfg = OffloadConfig.load(config)
+        if not cfg.optimizer_given and isinstance(model, torch.nn.Module) and any(
+                p.requires_grad for p in model.parameters()):  # (a frozen model's engine has nothing to update)
+            log.warning("offload: the config has no optimizer section, so the defaults train: AdamW, lr %g, betas "
+                        "%s, eps %g, weight_decay %g. An optimizer passed to deepspeed.initialize has no counterpart "
+                        "here: give its settings in the config's optimizer section (docs/configuration.md)",
+                        cfg.optimizer.lr, list(cfg.optimizer.betas), cfg.optimizer.eps, cfg.optimizer.weight_decay)
         if not isinstance(model, torch.nn.Module):
             raise ValueError(f"initialize: model must be a torch.nn.Module, got {type(model).__name__}")
         self.module = unwrap_compiled(model)  # what hooks, names and checkpoints see
@@ -291,7 +297,8 @@ class Engine:
 
     @property
     def gradient_accumulation_steps(self) -> int:
-        return self.config.gradient_accumulation_steps
+        """An int that may also be called, as DeepSpeed's method is: ``engine.gradient_accumulation_steps()``."""
+        return _CallableInt(self.config.gradient_accumulation_steps)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the micro-batch at hand ends its window, so that the ``step()`` after its backward updates
@@ -595,6 +602,52 @@ class Engine:
         """DeepSpeed's: each param group's learning rate, as the next update will take it (after the config's
         scheduler or the caller's has stepped)."""
         return [group["lr"] for group in self.optimizer.param_groups]
+
+    # DeepSpeed's accessors, for scripts that call them --------------------------------------------------------
+
+    def get_mom(self) -> list[tuple[float, float]]:
+        """DeepSpeed's: each param group's Adam betas."""
+        return [tuple(group["betas"]) for group in self.optimizer.param_groups]
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def train_batch_size(self) -> int:
+        """Samples per optimizer step over all ranks: micro-batch x accumulation steps x world size."""
+        return self.config.train_micro_batch_size_per_gpu * self.gradient_accumulation_steps * self.world_size
+
+    @property
+    def global_samples(self) -> int:
+        return self.global_steps * self.train_batch_size()
+
+    def fp16_enabled(self) -> bool:
+        return self.config.fp16.enabled
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.bf16.enabled
+
+    def gradient_clipping(self) -> float:
+        return self.config.gradient_clipping
+
+    def zero_optimization_stage(self) -> int:
+        return self.stage
+
+    @property
+    def global_rank(self) -> int:
+        return self.rank
+
+    @property
+    def dp_world_size(self) -> int:
+        return self.world_size
+
+    @property
+    def local_rank(self) -> int:
+        return self.comm.pg.local_rank
+
+    def __iter__(self) -> Any:
+        raise TypeError("offload.initialize returns the engine alone, not DeepSpeed's (engine, optimizer, "
+                        "dataloader, lr_scheduler): write `engine = offload.initialize(model, config)`; the others "
+                        "are engine.optimizer, your own DataLoader and engine.lr_scheduler")
 
     def _comm_totals(self) -> dict[str, int]:
         return {"payload_bytes": sum(self.comm.payload_bytes.values()),
@@ -1022,6 +1075,13 @@ class Engine:
 _unclosed: "weakref.WeakSet[Engine]" = weakref.WeakSet()
 
 
+class _CallableInt(int):
+    """An int whose call returns itself: a property that DeepSpeed has as a method reads both ways."""
+
+    def __call__(self) -> int:
+        return int(self)
+
+
 def holding(module: torch.nn.Module) -> Engine | None:
     """The open engine that holds ``module``, if any."""
     return next((e for e in list(_unclosed) if e.module is module), None)
@@ -1142,8 +1202,49 @@ def _note_moved(module: torch.nn.Module, given: dict[int, tuple[torch.dtype, tor
 
 
 def initialize(model: torch.nn.Module, config: OffloadConfig | Mapping[str, Any] | str | Path | None = None, *,
-               param_groups: Iterable[dict[str, Any]] | None = None, _file_io: FileIO | None = None) -> Engine:
+               param_groups: Iterable[dict[str, Any]] | None = None, model_parameters: Iterable[Any] | None = None,
+               config_params: Mapping[str, Any] | None = None, args: Any = None,
+               lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None, optimizer: Any = None,
+               training_data: Any = None, _file_io: FileIO | None = None) -> Engine:
     """Wraps ``model`` (in place) for offloaded training under ``config`` (a dict, a JSON path, or OffloadConfig).
     Fails here, with the numbers, if the configuration cannot fit its tier budgets or an nvme_path is unusable.
+
+    DeepSpeed's keywords, for scripts ported as they are: ``config_params`` is ``config``; ``args`` gives it from
+    ``args.deepspeed_config``; ``model_parameters`` is ``param_groups`` (plain parameters: one group, the frozen
+    ones left out); ``lr_scheduler`` a callable building a scheduler on ``engine.optimizer`` (stepped and saved as
+    the config's). ``optimizer`` and ``training_data`` are refused, naming what to do instead.
     ``_file_io`` is for fault-injection tests (see :class:`Engine`)."""
-    return Engine(model, config, param_groups=param_groups, _file_io=_file_io)
+    if optimizer is not None:
+        raise TypeError("initialize(optimizer=...): the optimizer here is the config's optimizer section (Adam or "
+                        "AdamW, run on the offloaded fp32 masters), which a torch optimizer cannot drive; put its "
+                        "lr, betas, eps and weight_decay there, and per-group values in param_groups")
+    if training_data is not None:
+        raise TypeError("initialize(training_data=...): build the DataLoader yourself (with a DistributedSampler "
+                        "under torchrun) and feed its batches to engine(...)")
+    if config_params is not None:
+        if config is not None:
+            raise ValueError("initialize: config and config_params are both given; pass one")
+        config = config_params
+    if config is None and args is not None:
+        config = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+    if model_parameters is not None:
+        if param_groups is not None:
+            raise ValueError("initialize: param_groups and model_parameters are both given; pass one")
+        items = list(model_parameters)
+        param_groups = items if items and all(isinstance(g, Mapping) for g in items) else \
+            [{"params": [p for p in items if p.requires_grad]}]
+    if lr_scheduler is not None and (hasattr(lr_scheduler, "step") or not callable(lr_scheduler)):
+        raise TypeError("initialize(lr_scheduler=...): a scheduler built on your own optimizer would not drive "
+                        "this engine's; pass a callable, lr_scheduler=lambda opt: torch.optim.lr_scheduler."
+                        "LambdaLR(opt, ...), which builds it on engine.optimizer")
+    engine = Engine(model, config, param_groups=param_groups, _file_io=_file_io)
+    if lr_scheduler is not None:
+        if engine.lr_scheduler is not None:
+            engine.close()
+            raise ValueError("initialize: lr_scheduler is given and the config has a scheduler section; keep one")
+        try:
+            engine.lr_scheduler = lr_scheduler(engine.optimizer)
+        except BaseException as exc:
+            close_after_failure(engine.close, exc)
+            raise
+    return engine
