@@ -575,6 +575,11 @@ def main() -> None:
     for line in write(True)["lines"]:
         print(line)
     print(f"\nwrote {out}")
+    failed = [r for r in runs if r["framework"] == "offload" and r["status"] != "ok"]
+    if failed:  # the library's own runs: a peer's failure, or plain torch out of memory, is a finding, not ours
+        print(f"{len(failed)} run(s) of offload did not finish: " + "; ".join(
+            f"{r['placement']} (round {r['round']}): {r['status']}" for r in failed), file=sys.stderr)
+        sys.exit(1)
 
 
 def _on_sigterm(lines: list[str]) -> None:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import shutil
 import signal
 import sys
@@ -30,7 +32,7 @@ import torch
 
 from ._device import default_device, fast_bf16
 from ._progress import bar
-from .config import parse_bytes, read_json
+from .config import OffloadConfig, parse_bytes, read_json
 from .memory import Tier, fmt_bytes
 
 
@@ -219,21 +221,29 @@ def estimate_command(args: argparse.Namespace) -> int:
 
     if args.gpus < 1:
         raise ValueError(f"--gpus must be at least 1, got {args.gpus}")
+    knobs = _estimate_knobs(args)
     gpu_mem, host_mem = _memory(args.gpu_mem, "--gpu-mem"), _memory(args.host_mem, "--host-mem")
-    cuda = gpu_mem is not None or torch.cuda.is_available()
+    nvme_free = _memory(args.nvme_free, "--nvme-free")
+    if args.config:  # its budgets are per rank; the flags' host and NVMe are the machine's
+        cfg = OffloadConfig.load(args.config).offload
+        gpu_mem = gpu_mem if gpu_mem is not None else cfg.device_memory_budget
+        host_mem = host_mem or (cfg.host_memory_budget * args.gpus if cfg.host_memory_budget else None)
+        nvme_free = nvme_free or (cfg.nvme_memory_budget * args.gpus if cfg.nvme_memory_budget else None)
+    cuda = args.device == "cuda" or (args.device == "auto" and (args.gpu_mem is not None or
+                                                                 torch.cuda.is_available()))
+    if args.device == "cuda" and gpu_mem is None and not torch.cuda.is_available():
+        raise ValueError("--device cuda without CUDA here needs --gpu-mem (the memory of the GPU to plan for)")
     if gpu_mem is None and cuda:  # initialize's device budget there: sizes derive from it
         gpu_mem = torch.cuda.get_device_properties(0).total_memory
         print(f"--gpu-mem: {fmt_bytes(gpu_mem)}, this machine's {torch.cuda.get_device_name(0)} (the budget "
               "initialize takes on it; give --gpu-mem to plan for another)")
     elif not cuda:
-        print("no CUDA here and no --gpu-mem: planned for this machine, its CPU as the device (give --gpu-mem to "
-              "plan for a GPU); the device tier is its RAM, so it fits under --host-mem too")
-        gpu_mem = host_mem
-    kw = dict(gpus=args.gpus, cuda=cuda,
-              sub_group_size=None if args.sub_group_size is None else int(args.sub_group_size),
-              buffer_count=args.buffer_count,
-              gradient_clipping=args.gradient_clipping, gpu_mem=gpu_mem,
-              host_mem=host_mem, nvme_free=_memory(args.nvme_free, "--nvme-free"))
+        print("planned for the CPU as the device (" + ("--device cpu" if args.device == "cpu" else "no CUDA here")
+              + "): its device tier is RAM too, so it counts under --host-mem with the host tier; "
+              + (f"held to {fmt_bytes(gpu_mem)} (offload.device_memory_budget)" if gpu_mem is not None else
+                 "--device-mem gives it a budget, as offload.device_memory_budget does") + ". Give --gpu-mem to "
+              "plan for a GPU")
+    kw = dict(gpus=args.gpus, cuda=cuda, gpu_mem=gpu_mem, host_mem=host_mem, nvme_free=nvme_free, **knobs)
     if args.largest_param is not None and args.model:
         raise ValueError("--largest-param goes with --params (a --model's parameters are known)")
     if args.model:
@@ -241,25 +251,22 @@ def estimate_command(args: argparse.Namespace) -> int:
         ests = estimate(model=model, **kw)
         n = sum(p.numel() for p in model.parameters())
     else:
-        try:
-            n = int(float(args.params))
-        except (ValueError, OverflowError):
-            n = 0
-        if n < 1:
-            raise ValueError(f"--params must be a positive number of parameters such as 7e9, got {args.params!r}")
-        largest = None
-        if args.largest_param is not None:
-            try:
-                largest = int(float(args.largest_param))
-            except (ValueError, OverflowError):
-                largest = 0
-            if not 1 <= largest <= n:
-                raise ValueError(f"--largest-param must be a number of elements in [1, --params], got "
-                                 f"{args.largest_param!r}")
+        n = _count(args.params, "--params", 1, 10**15, "a positive number of parameters such as 7e9")
+        largest = None if args.largest_param is None else _count(
+            args.largest_param, "--largest-param", 1, n, "a number of elements in [1, --params]")
         ests = estimate(n, largest_param=largest, **kw)
     ranks = f"{args.gpus} GPU(s)" if cuda else f"{args.gpus} rank(s) on the CPU"
-    print(f"{n / 1e9:.3g}B parameters, bf16 with fp32 Adam state, {ranks}; peak bytes per tier per rank:\n")
+    precision = "bf16/fp16" if knobs["dtype_bytes"] == 2 else "fp32"
+    gas = knobs["gradient_accumulation_steps"]
+    print(f"{n / 1e9:.3g}B parameters, {precision} with fp32 Adam state, {ranks}"
+          + (f", {gas} accumulation steps" if gas > 1 else "") + "; peak bytes per tier per rank:\n")
     print(table(ests))
+    print("\n(not counted: activations, the torch runtime, and a model built in RAM before initialize"
+          + ("; on the CPU they come on top of host + device)" if not cuda else ")"))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"params": n, "cuda": cuda, "gpus": args.gpus, "estimates": [
+            {"placement": e.placement, "optimizer": e.optimizer, "params": e.params, "device_bytes": e.device,
+             "host_bytes": e.host, "nvme_bytes": e.nvme, "fits": e.fits, "limiting": e.limiting} for e in ests]}, indent=2))
     choice = best(ests)
     if choice is None:
         print("\nnothing fits" if any(e.fits is not None for e in ests) else "\n(give --gpu-mem, --host-mem "
@@ -267,6 +274,47 @@ def estimate_command(args: argparse.Namespace) -> int:
         return 1 if any(e.fits is not None for e in ests) else 0
     print(f"\nbest: {choice.placement}\n{json.dumps(config_for(choice), indent=2)}")
     return 0
+
+
+def _estimate_knobs(args: argparse.Namespace) -> dict[str, Any]:
+    """The sizes a config sets (``--config``'s, each flag given over it), checked as initialize checks them."""
+    knobs: dict[str, Any] = dict(dtype_bytes=2, gradient_accumulation_steps=1, sub_group_size=None,
+                                 buffer_count=None, gradient_clipping=0.0, max_live_parameters=None,
+                                 prefetch_bucket_size=None, persistence_threshold=None)
+    if args.config:
+        cfg = OffloadConfig.load(args.config).for_world(args.gpus)
+        zero = cfg.zero_optimization
+        knobs.update(dtype_bytes=4 if cfg.dtype == torch.float32 else 2,
+                     gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+                     sub_group_size=zero.sub_group_size, buffer_count=zero.offload_optimizer.buffer_count,
+                     gradient_clipping=cfg.gradient_clipping, max_live_parameters=zero.stage3_max_live_parameters,
+                     prefetch_bucket_size=zero.stage3_prefetch_bucket_size,
+                     persistence_threshold=zero.stage3_param_persistence_threshold)
+    if args.sub_group_size is not None:
+        knobs["sub_group_size"] = _count(args.sub_group_size, "--sub-group-size", 1, 10**15,
+                                         "a number of elements such as 1e8")
+    if args.buffer_count is not None:
+        knobs["buffer_count"] = _count(args.buffer_count, "--buffer-count", 1, 64, "an integer in [1, 64]")
+    if args.gradient_accumulation_steps is not None:
+        knobs["gradient_accumulation_steps"] = _count(args.gradient_accumulation_steps,
+                                                      "--gradient-accumulation-steps", 1, 10**6,
+                                                      "a positive integer")
+    if args.gradient_clipping is not None:
+        if not math.isfinite(args.gradient_clipping) or args.gradient_clipping < 0:
+            raise ValueError(f"--gradient-clipping must be 0 (off) or a positive number, got {args.gradient_clipping}")
+        knobs["gradient_clipping"] = args.gradient_clipping
+    return knobs
+
+
+def _count(text: Any, flag: str, lo: int, hi: int, what: str) -> int:
+    """A whole number from a flag (``7e9`` spelling too), or ValueError naming the flag and what is allowed."""
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        value = math.nan
+    if not math.isfinite(value) or value != int(value) or not lo <= value <= hi:
+        raise ValueError(f"{flag} must be {what}, got {text!r}")
+    return int(value)
 
 
 def _byte_list(text: str, flag: str) -> list[int]:
@@ -377,14 +425,23 @@ def bench_command(args: argparse.Namespace) -> int:
     result = out_dir / f"{BENCHES[args.name]}.json"
     cmd = [sys.executable, str(script), *extra, "--out", str(result)]
     print(f"bench {args.name}: {' '.join(cmd)}", file=sys.stderr, flush=True)
+    before = result.stat().st_mtime_ns if result.exists() else None
     rc = subprocess.run(cmd, check=False).returncode
     if rc != 0:
         print(f"error: {script.name} exited with status {rc}", file=sys.stderr)
-        return rc
-    if not args.no_plot:
-        paths = _plots.plot(args.name, json.loads(result.read_text()), out_dir)
-        print("plots: " + ", ".join(str(p) for p in paths))
-    return 0
+    fresh = result.exists() and result.stat().st_mtime_ns != before  # (not an earlier run's)
+    data = json.loads(result.read_text()) if fresh else None
+    done = data is not None and (rc == 0 or (isinstance(data, dict) and data.get("complete")))
+    if done and not args.no_plot:  # a bench that ended with some runs failed still plots the others
+        try:
+            paths = _plots.plot(args.name, data, out_dir)
+        except ValueError as exc:
+            if rc == 0:
+                raise
+            print(f"no plots: {exc}", file=sys.stderr)
+        else:
+            print("plots: " + ", ".join(str(p) for p in paths))
+    return rc
 
 
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin")
@@ -409,7 +466,10 @@ def export_command(args: argparse.Namespace) -> int:
         return 0
     from ._export import save_checkpoint_folder
 
-    model = _load_model(args.model) if args.model else _model_beside(Path(args.checkpoint))
+    if args.model:
+        model, config = _load_model(args.model), _config_json(args.model)
+    else:
+        model, config = _model_beside(Path(args.checkpoint))
     written = bar(desc="export", unit="B", unit_scale=True)
     try:
         tag, files = save_checkpoint_folder(Path(args.checkpoint), out, args.tag, args.max_shard_size,
@@ -417,24 +477,38 @@ def export_command(args: argparse.Namespace) -> int:
     finally:
         written.close()
     total = sum(f.stat().st_size for f in files)
-    print(f"wrote {out}: {len(files)} file(s), {fmt_bytes(total)}, of checkpoint {tag} "
-          f"(offload.load_state_dict or from_pretrained with a config.json beside them)")
+    if config is not None and model is not None and not (out / "config.json").exists():
+        tmp = out / ".config.json.tmp"  # the model's config beside its weights: from_pretrained(out) reads both
+        shutil.copyfile(config, tmp)
+        os.replace(tmp, out / "config.json")
+        files.append(out / "config.json")
+    print(f"wrote {out}: {len(files)} file(s), {fmt_bytes(total)}, of checkpoint {tag} " +
+          ("(from_pretrained or offload.load_state_dict read it)" if config is not None and model is not None else
+           "(offload.load_state_dict, or from_pretrained with the model's config.json beside them)"))
     return 0
 
 
-def _model_beside(checkpoint: Path) -> torch.nn.Module | None:
-    """The model a checkpoint holds, on the meta device, from the config.json where OffloadTrainer leaves it: in
-    the checkpoint-N folder that holds ``offload_state`` (or in the checkpoint's own folder). None without one, or
-    with one that does not build (said: the export then writes the tensors' own names)."""
+def _config_json(spec: str) -> Path | None:
+    """The config.json a ``--model`` spec names (a file or its folder); None for ``module:callable``."""
+    path = Path(spec)
+    if path.is_dir():
+        return path / "config.json"
+    return path if spec.endswith(".json") else None
+
+
+def _model_beside(checkpoint: Path) -> tuple[torch.nn.Module | None, Path | None]:
+    """The model a checkpoint holds, on the meta device, and its config.json, where OffloadTrainer leaves it: in
+    the checkpoint-N folder that holds ``offload_state`` (or in the checkpoint's own folder). (None, None) without
+    one, or with one that does not build (said: the export then writes the tensors' own names)."""
     config = next((f / "config.json" for f in (checkpoint, checkpoint.parent) if (f / "config.json").is_file()), None)
     if config is None:
-        return None
+        return None, None
     try:
-        return _load_model(str(config))
+        return _load_model(str(config)), config
     except Exception as exc:  # noqa: BLE001 - found, not asked for: the export goes on under the model's names
         print(f"export: {config} does not build a transformers model ({exc}); writing the tensors' own names "
               "(--model CFG to choose one)")
-        return None
+        return None, None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -462,17 +536,25 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--largest-param", default=None, help="with --params: elements of the largest parameter (a "
                    "GPT's embedding, vocabulary x width: 525336576 for 128256 x 4096); default: the whole model as "
                    "one, which charges the device for a gradient of the whole model")
+    e.add_argument("--config", default=None, help="a DeepSpeed-shaped JSON config: its precision, accumulation "
+                   "steps, sizes, clipping and offload budgets (per rank) are planned with; flags given win")
     e.add_argument("--gpus", type=int, default=1)
-    e.add_argument("--gpu-mem", help="memory per GPU, e.g. 24GiB (default: this machine's first GPU, the budget "
-                   "initialize takes there; none without CUDA)")
+    e.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="plan for a GPU or for the "
+                   "CPU as the device (default: a GPU where CUDA is here or --gpu-mem is given, else the CPU)")
+    e.add_argument("--gpu-mem", "--device-mem", dest="gpu_mem", help="memory per GPU, e.g. 24GiB (default: this "
+                   "machine's first GPU, the budget initialize takes there); with --device cpu, the device tier's "
+                   "budget (offload.device_memory_budget)")
     e.add_argument("--host-mem", help="host RAM of the machine, e.g. 256GiB")
     e.add_argument("--nvme-free", help="free NVMe space, e.g. 2TB")
-    e.add_argument("--sub-group-size", type=float, default=None, help="the config's sub_group_size (default: "
-                   "derived from the budgets, as initialize derives it)")
-    e.add_argument("--buffer-count", type=int, default=None, help="the config's offload_optimizer.buffer_count "
-                   "(default: derived, as initialize derives it)")
-    e.add_argument("--gradient-clipping", type=float, default=0.0, help="the config's gradient_clipping: above 0 "
+    e.add_argument("--sub-group-size", default=None, help="the config's sub_group_size (default: derived from the "
+                   "budgets, as initialize derives it)")
+    e.add_argument("--buffer-count", default=None, help="the config's offload_optimizer.buffer_count (default: "
+                   "derived, as initialize derives it)")
+    e.add_argument("--gradient-accumulation-steps", default=None, help="the config's gradient_accumulation_steps "
+                   "(above 1 the gradients are held whole in fp32 until the step)")
+    e.add_argument("--gradient-clipping", type=float, default=None, help="the config's gradient_clipping: above 0 "
                    "every gradient is held on the host until the step (else a few sub-groups' worth)")
+    e.add_argument("--json", default=None, help="also write the estimates to this JSON file (bytes)")
     t = sub.add_parser("tune", help="measure a directory's disk and write the fastest aio settings as JSON")
     t.add_argument("--nvme-path", required=True, help="directory on the disk the swap files will use")
     t.add_argument("--size", default=None, help="bytes written and read per measurement (default 1GiB; 64MiB "

@@ -52,7 +52,7 @@ def estimate(num_params: int | None = None, *, model: torch.nn.Module | None = N
     """Peak bytes per tier (per rank) for each placement of :data:`PLACEMENTS`, and whether each fits the given
     memory (``gpu_mem`` per device, ``host_mem`` and ``nvme_free`` per machine shared by ``gpus`` ranks). Sizes
     left None are derived as ``initialize`` derives them; ``cuda``: the device is a GPU (False: the CPU's device
-    tier, as on a machine without one); ``gradient_clipping`` > 0 holds every gradient until the step (as do
+    tier, as on a machine without one, held to ``gpu_mem`` if given and counted with the host tier in its RAM); ``gradient_clipping`` > 0 holds every gradient until the step (as do
     several ranks and accumulation), else the host gradients take a few sub-group slots. ``largest_param``
     (with ``num_params``): elements of the model's largest parameter, which sets the device room for one
     parameter's gradient and the parameter window; without it the model counts as one parameter, which charges the
@@ -106,7 +106,8 @@ def estimate(num_params: int | None = None, *, model: torch.nn.Module | None = N
                     delayed=False, grad_slots=chosen.grad_slots, why=why)
         used = {t.value: b for t, b in expected_bytes(plan, sizes).items()}
         given = {"device": gpu_mem, "host": budgets[Tier.HOST], "nvme": budgets[Tier.NVME]}
-        over = [t for t in ("device", "host", "nvme") if given[t] is not None and used[t] > given[t]]
+        in_ram = dict(used, host=used["host"] + (0 if cuda else used["device"]))  # the CPU's device tier is RAM
+        over = [t for t in ("device", "host", "nvme") if given[t] is not None and in_ram[t] > given[t]]
         fits = (not over) if any(b is not None for b in given.values()) else None
         out.append(Estimate(name, opt, par, used["device"], used["host"], used["nvme"], fits,
                             over[0] if over else None, plan))

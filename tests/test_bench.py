@@ -118,6 +118,20 @@ def test_bench_gpu_runs_each_placement_in_its_own_process(tmp_path, capsys):
     assert list(scratch.iterdir()) == []
 
 
+def test_a_gpu_bench_whose_own_run_fails_exits_nonzero_naming_it(tmp_path, capfd):
+    """A run of the library that does not finish (here: a time limit no process meets) makes the bench exit 1,
+    naming it, where it reported success with an empty summary; the JSON is whole, and the plot says why there
+    is none."""
+    results = tmp_path / "results"
+    rc = main(["bench", "gpu", "--out", str(results), "--layers", "1", "--width", "64", "--vocab", "256",
+               "--tokens", "16", "--batch", "2", "--steps", "1", "--warmup", "1", "--placements", "opt-host",
+               "--deepspeed", "off", "--fsdp", "off", "--timeout", "0.5", "--nvme-dir", str(tmp_path)])
+    err = capfd.readouterr().err
+    assert rc == 1 and "1 run(s) of offload did not finish: opt-host (round 0): timed out" in err, err
+    assert "no plots: gpu_train JSON has no successful run to plot" in err
+    assert json.loads((results / "gpu_train.json").read_text())["complete"]
+
+
 def test_bench_reports_a_failing_script(tmp_path):
     assert main(["bench", "train", "--out", str(tmp_path), "--steps", "0", "--no-plot"]) == 2  # argparse error
     assert not (tmp_path / "train.json").exists()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -125,8 +126,54 @@ def test_estimate_without_cuda_plans_for_this_machine(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert main(["estimate", "--params", "6e8", "--largest-param", "5e7"]) == 0
     out = capsys.readouterr().out
-    assert "planned for this machine, its CPU as the device" in out and "1 rank(s) on the CPU" in out
+    assert "planned for the CPU as the device (no CUDA here)" in out and "1 rank(s) on the CPU" in out
     assert table(estimate(6 * 10**8, largest_param=5 * 10**7, cuda=False)) in out
+    assert "not counted: activations" in out
+
+
+def test_estimate_plans_with_a_configs_sizes_and_the_cpus_ram_once(tmp_path, capsys):
+    """``--config``: the accumulation steps (whole fp32 gradients on the host: 5.4x the host bytes of a window
+    without), precision, sizes and per-rank budgets a run would take, as planner.estimate takes them; flags win.
+    On the CPU the device tier is RAM too: a placement fits only if device + host fit --host-mem (it answered yes
+    for 1.53 GiB under 1.4 GiB), and --host-mem no longer sizes the device window (3.6x the measured); --device-mem
+    is the CPU's device budget. Bad values name their flag; --json writes the table's numbers."""
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"gradient_accumulation_steps": 2, "bf16": {"enabled": True},
+                               "zero_optimization": {"sub_group_size": 10**7},
+                               "offload": {"device_memory_budget": "64MiB", "host_memory_budget": "3GiB"}}))
+    out_json = tmp_path / "est.json"
+    assert main(["estimate", "--params", "1e8", "--largest-param", "1e7", "--device", "cpu", "--config", str(cfg),
+                 "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    want = estimate(10**8, largest_param=10**7, cuda=False, gradient_accumulation_steps=2, sub_group_size=10**7,
+                    gpu_mem=64 << 20, host_mem=3 << 30)
+    assert table(want) in out and "2 accumulation steps" in out and "held to 64.00 MiB" in out
+    saved = json.loads(out_json.read_text())["estimates"]
+    assert [(e["host_bytes"], e["fits"]) for e in saved] == [(e.host, e.fits) for e in want]
+    without = {e.placement: e for e in estimate(10**8, largest_param=10**7, cuda=False)}
+    assert {e.placement: e for e in want}["optimizer on nvme"].host > 4 * without["optimizer on nvme"].host
+    assert main(["estimate", "--params", "1e8", "--largest-param", "1e7", "--config", str(cfg),
+                 "--gradient-accumulation-steps", "1", "--device", "cpu"]) == 0
+    assert "accumulation steps" not in capsys.readouterr().out  # the flag wins
+    # device + host in one RAM: fits only if both do
+    ests = {e.placement: e for e in estimate(10**8, largest_param=10**7, cuda=False)}
+    e = ests["optimizer on cpu"]
+    squeezed = {x.placement: x for x in estimate(10**8, largest_param=10**7, cuda=False,
+                                                 host_mem=e.host + e.device // 2)}["optimizer on cpu"]
+    assert (squeezed.fits, squeezed.limiting) == (False, "host")
+    assert {x.placement: x for x in estimate(10**8, largest_param=10**7, cuda=False, host_mem=10 << 30)}[
+        "optimizer + parameters on nvme"].device == ests["optimizer + parameters on nvme"].device
+    for flags, message in ((["--buffer-count", "0"], "--buffer-count must be an integer in [1, 64], got '0'"),
+                           (["--buffer-count", "-1"], "--buffer-count must be an integer in [1, 64], got '-1'"),
+                           (["--gradient-clipping", "-1"], "--gradient-clipping must be 0 (off) or a positive"),
+                           (["--sub-group-size", "nan"], "--sub-group-size must be a number of elements"),
+                           (["--sub-group-size", "-5"], "--sub-group-size must be a number of elements"),
+                           (["--gradient-accumulation-steps", "0"], "--gradient-accumulation-steps must be a "
+                                                                    "positive integer")):
+        assert main(["estimate", "--params", "1e9", *flags]) == 2, flags
+        assert message in capsys.readouterr().err, flags
+    assert main(["estimate", "--params", "1e20"]) == 2
+    assert "--params must be a positive number of parameters such as 7e9, got '1e20'" in capsys.readouterr().err
 
 
 def test_progress_bars_only_on_a_terminal(monkeypatch, capsys):

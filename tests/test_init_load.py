@@ -478,7 +478,8 @@ def test_hub_layouts_of_moe_and_renamed_models_load_as_from_pretrained(tmp_path,
 def test_the_cli_export_of_a_checkpoint_takes_the_hubs_layout_from_the_config_beside_it(tmp_path):
     """``python -m offload export`` of an engine checkpoint of a MoE: with the model's config.json beside the
     checkpoint (as OffloadTrainer's checkpoint-N folders hold it) or given with --model, the files are
-    save_pretrained's; without one, the model's own names, which from_pretrained loads too."""
+    save_pretrained's, config.json included (from_pretrained(out) needs nothing else); without one, the model's own
+    names, which from_pretrained loads too."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("transformers.core_model_loading")
     from offload.cli import main
@@ -491,6 +492,7 @@ def test_the_cli_export_of_a_checkpoint_takes_the_hubs_layout_from_the_config_be
         engine.save_checkpoint(tmp_path / "run" / "offload_state")
     with offload_load.StateSource(tmp_path / "hub") as hub:
         saved = {n: hub.get(n) for n in hub.names()}
+    want = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hub")).state_dict()
     assert main(["export", str(tmp_path / "run" / "offload_state"), str(tmp_path / "own")]) == 0
     with offload_load.StateSource(tmp_path / "own") as own:
         assert "model.layers.0.mlp.experts.gate_up_proj" in own.names()  # no config: the model's names
@@ -502,6 +504,11 @@ def test_the_cli_export_of_a_checkpoint_takes_the_hubs_layout_from_the_config_be
         with offload_load.StateSource(tmp_path / out) as ours:
             assert sorted(ours.names()) == sorted(saved), out
             assert all(torch.equal(ours.get(n), saved[n]) for n in saved), out
+        # the config.json goes with the weights: from_pretrained(out) alone reads the model
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / out)).state_dict()
+        assert type(transformers.AutoConfig.from_pretrained(str(tmp_path / out))) is type(cfg), out
+        assert loaded.keys() == want.keys() and all(torch.equal(loaded[n], want[n]) for n in want), out
+    assert not (tmp_path / "own" / "config.json").exists()
 
 
 def test_an_incomplete_or_doubled_expert_set_is_named_and_the_rest_loads(tmp_path):

@@ -949,14 +949,15 @@ class ParameterOffload:
         if self.shards is not None:  # the reads below are collectives: every rank takes the same way
             fits, room = (bool(v) for v in self.shards.comm.min_ints([int(fits), int(room)]))
         where: str | None = "device" if fits else "host" if room else None
-        if where != "device":
-            log.warning("offload: the model's offloaded parameters (%s) do not fit the device (budget %s, %s) "
-                        "beside what it holds%s: %s", fmt_bytes(need), fmt_bytes(device.budget or 0),
-                        "the driver's free memory " + fmt_bytes(card) if card is not None else "no driver count",
-                        " on some rank" if self.shards is not None else "",
-                        "they are handed back in host memory (move the model when it fits)" if room else
-                        f"nor does this machine's free memory hold the {fmt_bytes(new)} read back; they stay NaN "
-                        "placeholders")
+        if where != "device":  # (on the CPU the device tier is RAM too: the host is no worse a place, said quietly)
+            log.log(logging.INFO if where == "host" and self.device.type == "cpu" else logging.WARNING,
+                    "offload: the model's offloaded parameters (%s) do not fit the device (budget %s, %s) "
+                    "beside what it holds%s: %s", fmt_bytes(need), fmt_bytes(device.budget or 0),
+                    "the driver's free memory " + fmt_bytes(card) if card is not None else "no driver count",
+                    " on some rank" if self.shards is not None else "",
+                    "they are handed back in host memory (move the model when it fits)" if room else
+                    f"nor does this machine's free memory hold the {fmt_bytes(new)} read back; they stay NaN "
+                    "placeholders")
         uploaded: list[torch.nn.Parameter] = []  # moved to the host too if the card runs out part way
         for rec in self.params:
             if rec.state is ParamState.LANDING:
