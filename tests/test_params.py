@@ -530,6 +530,27 @@ def test_gathered_keeps_every_parameter_on_the_device_for_a_generation_loop(tmp_
                 pass
 
 
+def test_a_gathered_block_larger_than_the_device_names_what_helps(tmp_path):
+    """Every parameter gathered under a device budget smaller than the model: BudgetExceeded names the block and
+    what helps (fewer at a time, a larger budget), not the window size, which cannot; the engine trains on as a
+    run without the attempt (the same losses)."""
+    losses = []
+    for attempt in (False, True):
+        model = make()
+        cfg = config(tmp_path / str(attempt), "nvme", "nvme", live=10_000, bucket=4_000)
+        cfg["offload"] = {"device_memory_budget": 60_000}
+        cfg["zero_optimization"]["reduce_bucket_size"] = 1_000
+        with offload.initialize(model, cfg) as engine:
+            if attempt:
+                with pytest.raises(offload.BudgetExceeded, match=r"holding the \d+ parameter\(s\) asked for at once "
+                                   r"\(.*engine.gathered\(\)\).*gather fewer at a time") as info:
+                    with engine.gathered():
+                        pass
+                assert "stage3_max_live_parameters" not in str(info.value)
+            losses.append(run(engine, batches(2), gpt_loss))
+    assert losses[0] == losses[1]
+
+
 def test_what_a_gathered_block_saved_is_fetched_again_after_its_buffer_was_reused(tmp_path):
     """A block uses the first layer's weight outside its forward; a forward after the block, with a window of one
     layer, hands that weight's device buffer to the next layers; backward still gets the weight itself."""

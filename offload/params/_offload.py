@@ -444,6 +444,14 @@ class ParameterOffload:
                 rec.held += 1
                 recs.append(rec)
                 self._ready(rec)
+        except BudgetExceeded as exc:  # the window's advice cannot help: these are held at once, whatever it is
+            self.unhold(recs)
+            size = torch.empty((), dtype=self.dtype).element_size()
+            total = sum(self._by_param[id(p)].numel for p in params) * size
+            raise BudgetExceeded(exc.tier, f"holding the {len(params)} parameter(s) asked for at once "
+                                 f"({fmt_bytes(total)}, engine.gathered())", exc.need, exc.current, exc.budget,
+                                 "gather fewer at a time (one module's, or the parameters the code reads), or "
+                                 "raise offload.device_memory_budget") from exc
         except BaseException:
             self.unhold(recs)
             raise
