@@ -239,6 +239,7 @@ def save(engine: "Engine", root: Path, tag: str, frozen: bool = True, client_sta
     if rank == 0:
         try:  # (the client state's check too: a rank that raised before the others' collectives would hang them)
             client = client_bytes(client_state) if client_state is not None else None
+            _check_schedule_state(engine)
             status = _prepare(root, tag, tmp)
         except BaseException as exc:  # noqa: BLE001 - raised below, once every rank knows
             status, error = 2.0, exc
@@ -310,6 +311,21 @@ def _prepare(root: Path, tag: str, tmp: Path) -> float:
             shutil.rmtree(other, ignore_errors=True)
     tmp.mkdir(mode=0o700)
     return 0.0
+
+
+def _check_schedule_state(engine: "Engine") -> None:
+    """meta.json keeps ``engine.lr_scheduler``'s state_dict as JSON: a scheduler assigned there whose state holds
+    more (tensors, functions) is named before anything is written."""
+    sched = engine.lr_scheduler
+    if sched is None:
+        return
+    try:
+        json.dumps(sched.state_dict())
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"save_checkpoint: engine.lr_scheduler ({type(sched).__name__}) has a state_dict() that "
+                         f"is not plain JSON ({exc}); checkpoints keep a scheduler's state as numbers, strings and "
+                         "lists. Step that scheduler yourself and save its state_dict() in client_state instead "
+                         "(docs/getting-started.md, section 7)") from None
 
 
 def client_bytes(client_state: Any) -> bytes:

@@ -35,7 +35,7 @@ from torch.overrides import TorchFunctionMode
 
 from nvme_swapper import FileArena, evict_pages, in_arena
 
-from .config import OffloadConfig, is_auto, read_json
+from .config import OffloadConfig, read_json, without_auto
 
 
 class _EvictAfterUse(TorchFunctionMode):
@@ -62,14 +62,8 @@ def _placement(config: OffloadConfig | Mapping[str, Any] | str | os.PathLike[str
     raw = read_json(config) if isinstance(config, (str, os.PathLike)) else config
     if not isinstance(raw, Mapping):
         return OffloadConfig.load(raw)  # its error
-    return OffloadConfig.load(_without_auto({k: v for k, v in raw.items()
-                                             if k in ("zero_optimization", "offload", "aio")}))
-
-
-def _without_auto(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {k: _without_auto(v) for k, v in value.items() if not is_auto(v)}
-    return value
+    return OffloadConfig.load(without_auto({k: v for k, v in raw.items()
+                                            if k in ("zero_optimization", "offload", "aio")}))
 
 
 class init:  # noqa: N801 - used as ``with offload.init(config):``, like torch.no_grad

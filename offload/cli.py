@@ -32,7 +32,7 @@ import torch
 
 from ._device import default_device, fast_bf16
 from ._progress import bar
-from .config import OffloadConfig, parse_bytes, read_json
+from .config import OffloadConfig, parse_bytes, read_json, without_auto
 from .memory import Tier, fmt_bytes
 
 
@@ -221,24 +221,31 @@ def estimate_command(args: argparse.Namespace) -> int:
 
     if args.gpus < 1:
         raise ValueError(f"--gpus must be at least 1, got {args.gpus}")
-    knobs = _estimate_knobs(args)
-    gpu_mem, host_mem = _memory(args.gpu_mem, "--gpu-mem"), _memory(args.host_mem, "--host-mem")
+    cfg = _estimate_config(args.config, args.gpus) if args.config else None
+    knobs = _estimate_knobs(args, cfg)
+    mem_flag, mem_text = ("--device-mem", args.device_mem) if args.device_mem is not None else \
+        ("--gpu-mem", args.gpu_mem)
+    gpu_mem, host_mem = _memory(mem_text, mem_flag), _memory(args.host_mem, "--host-mem")
     nvme_free = _memory(args.nvme_free, "--nvme-free")
-    if args.config:  # its budgets are per rank; the flags' host and NVMe are the machine's
-        cfg = OffloadConfig.load(args.config).offload
-        gpu_mem = gpu_mem if gpu_mem is not None else cfg.device_memory_budget
-        host_mem = host_mem or (cfg.host_memory_budget * args.gpus if cfg.host_memory_budget else None)
-        nvme_free = nvme_free or (cfg.nvme_memory_budget * args.gpus if cfg.nvme_memory_budget else None)
-    cuda = args.device == "cuda" or (args.device == "auto" and (args.gpu_mem is not None or
-                                                                 torch.cuda.is_available()))
-    if args.device == "cuda" and gpu_mem is None and not torch.cuda.is_available():
+    device = args.device
+    if cfg is not None:  # its budgets are per rank; the flags' host and NVMe are the machine's
+        budgets = cfg.offload
+        gpu_mem = gpu_mem if gpu_mem is not None else budgets.device_memory_budget
+        host_mem = host_mem or (budgets.host_memory_budget * args.gpus if budgets.host_memory_budget else None)
+        nvme_free = nvme_free or (budgets.nvme_memory_budget * args.gpus if budgets.nvme_memory_budget else None)
+        if device == "auto" and budgets.device != "auto":  # the config's device, unless --device says
+            device = "cpu" if budgets.device == "cpu" else "cuda"
+    cuda = device == "cuda" or (device == "auto" and (args.gpu_mem is not None or torch.cuda.is_available()))
+    if device == "cuda" and gpu_mem is None and not torch.cuda.is_available():
         raise ValueError("--device cuda without CUDA here needs --gpu-mem (the memory of the GPU to plan for)")
     if gpu_mem is None and cuda:  # initialize's device budget there: sizes derive from it
         gpu_mem = torch.cuda.get_device_properties(0).total_memory
         print(f"--gpu-mem: {fmt_bytes(gpu_mem)}, this machine's {torch.cuda.get_device_name(0)} (the budget "
               "initialize takes on it; give --gpu-mem to plan for another)")
     elif not cuda:
-        print("planned for the CPU as the device (" + ("--device cpu" if args.device == "cpu" else "no CUDA here")
+        print("planned for the CPU as the device (" + ("--device cpu" if args.device == "cpu" else
+                                                       "the config's offload.device" if device == "cpu" else
+                                                       "no CUDA here")
               + "): its device tier is RAM too, so it counts under --host-mem with the host tier; "
               + (f"held to {fmt_bytes(gpu_mem)} (offload.device_memory_budget)" if gpu_mem is not None else
                  "--device-mem gives it a budget, as offload.device_memory_budget does") + ". Give --gpu-mem to "
@@ -276,20 +283,33 @@ def estimate_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _estimate_knobs(args: argparse.Namespace) -> dict[str, Any]:
+def _estimate_config(path: str, gpus: int) -> OffloadConfig:
+    """``--config`` as a run on ``gpus`` ranks reads it: its sections that size memory, without "auto" values
+    (OffloadTrainer fills those from the TrainingArguments; here they are the plan's or the defaults)."""
+    raw = read_json(path)
+    if not isinstance(raw, dict):
+        raise ValueError(f"--config {path} must hold a JSON object, got {type(raw).__name__}")
+    keep = ("zero_optimization", "offload", "fp16", "bf16", "bfloat16", "gradient_clipping", "train_batch_size",
+            "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    return OffloadConfig.load(without_auto({k: v for k, v in raw.items() if k in keep})).for_world(gpus)
+
+
+def _estimate_knobs(args: argparse.Namespace, cfg: OffloadConfig | None) -> dict[str, Any]:
     """The sizes a config sets (``--config``'s, each flag given over it), checked as initialize checks them."""
     knobs: dict[str, Any] = dict(dtype_bytes=2, gradient_accumulation_steps=1, sub_group_size=None,
                                  buffer_count=None, gradient_clipping=0.0, max_live_parameters=None,
-                                 prefetch_bucket_size=None, persistence_threshold=None)
-    if args.config:
-        cfg = OffloadConfig.load(args.config).for_world(args.gpus)
+                                 prefetch_bucket_size=None, persistence_threshold=None, fp16=False,
+                                 overlap_step=True, delayed_update=False)
+    if cfg is not None:
         zero = cfg.zero_optimization
         knobs.update(dtype_bytes=4 if cfg.dtype == torch.float32 else 2,
                      gradient_accumulation_steps=cfg.gradient_accumulation_steps,
                      sub_group_size=zero.sub_group_size, buffer_count=zero.offload_optimizer.buffer_count,
                      gradient_clipping=cfg.gradient_clipping, max_live_parameters=zero.stage3_max_live_parameters,
                      prefetch_bucket_size=zero.stage3_prefetch_bucket_size,
-                     persistence_threshold=zero.stage3_param_persistence_threshold)
+                     persistence_threshold=zero.stage3_param_persistence_threshold, fp16=cfg.fp16.enabled,
+                     overlap_step=zero.offload_optimizer.overlap_step,
+                     delayed_update=zero.offload_optimizer.delayed_update)
     if args.sub_group_size is not None:
         knobs["sub_group_size"] = _count(args.sub_group_size, "--sub-group-size", 1, 10**15,
                                          "a number of elements such as 1e8")
@@ -430,7 +450,10 @@ def bench_command(args: argparse.Namespace) -> int:
     if rc != 0:
         print(f"error: {script.name} exited with status {rc}", file=sys.stderr)
     fresh = result.exists() and result.stat().st_mtime_ns != before  # (not an earlier run's)
-    data = json.loads(result.read_text()) if fresh else None
+    try:
+        data = json.loads(result.read_text()) if fresh else None
+    except json.JSONDecodeError:  # cut short mid-write (a SIGTERM): nothing whole to plot
+        data = None
     done = data is not None and (rc == 0 or (isinstance(data, dict) and data.get("complete")))
     if done and not args.no_plot:  # a bench that ended with some runs failed still plots the others
         try:
@@ -479,7 +502,11 @@ def export_command(args: argparse.Namespace) -> int:
     total = sum(f.stat().st_size for f in files)
     if config is not None and model is not None and not (out / "config.json").exists():
         tmp = out / ".config.json.tmp"  # the model's config beside its weights: from_pretrained(out) reads both
-        shutil.copyfile(config, tmp)
+        data = json.loads(Path(config).read_text())
+        for key in ("torch_dtype", "dtype"):  # the weights written are the fp32 masters (dtype="auto" reads this)
+            if key in data:
+                data[key] = "float32"
+        tmp.write_text(json.dumps(data, indent=2) + "\n")
         os.replace(tmp, out / "config.json")
         files.append(out / "config.json")
     print(f"wrote {out}: {len(files)} file(s), {fmt_bytes(total)}, of checkpoint {tag} " +
@@ -541,9 +568,11 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--gpus", type=int, default=1)
     e.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="plan for a GPU or for the "
                    "CPU as the device (default: a GPU where CUDA is here or --gpu-mem is given, else the CPU)")
-    e.add_argument("--gpu-mem", "--device-mem", dest="gpu_mem", help="memory per GPU, e.g. 24GiB (default: this "
-                   "machine's first GPU, the budget initialize takes there); with --device cpu, the device tier's "
-                   "budget (offload.device_memory_budget)")
+    mem = e.add_mutually_exclusive_group()
+    mem.add_argument("--gpu-mem", help="memory per GPU, e.g. 24GiB (default: this machine's first GPU, the budget "
+                     "initialize takes there)")
+    mem.add_argument("--device-mem", help="the device tier's budget, offload.device_memory_budget: the CPU's "
+                     "where the plan is for the CPU (no CUDA here, or --device cpu), else the GPU's")
     e.add_argument("--host-mem", help="host RAM of the machine, e.g. 256GiB")
     e.add_argument("--nvme-free", help="free NVMe space, e.g. 2TB")
     e.add_argument("--sub-group-size", default=None, help="the config's sub_group_size (default: derived from the "

@@ -43,39 +43,49 @@ _IGNORED |= {"data_types", "compile"}  # the gradients accumulate in fp32 here; 
 _IGNORED_IN = {"zero_optimization": {"stage3_gather_16bit_weights_on_model_save",
                                      "stage3_gather_fp16_weights_on_model_save", "memory_efficient_linear",
                                      "ignore_unused_parameters", "elastic_checkpoint", "load_from_fp32_weights",
-                                     "module_granularity_threshold", "use_multi_rank_bucket_allreduce",
+                                     "module_granularity_threshold", "stage3_module_granularity_threshold",
+                                     "use_multi_rank_bucket_allreduce",
                                      "log_trace_cache_warnings"},
                "zero_optimization.offload_optimizer": {"pipeline_read", "pipeline_write"},
                "bf16": {"immediate_grad_update", "check_grad_overflow"},
                "optimizer": {"torch_adam"}}
-# DeepSpeed's switches for what is not built here: accepted at the value that leaves it off (DeepSpeed's default),
-# refused at any other, naming what it would turn on
-_OFF_ONLY: dict[str, dict[str, tuple[Any, str]]] = {
-    "": {"torch_autocast": (False, "torch.autocast around the forward is not built in: use bf16 or fp16")},
-    "bf16": {"bf16_master_weights_and_grads": (False, "bf16 master weights: fp32 masters are always kept here")},
-    "fp16": {"fp16_master_weights_and_grads": (False, "fp16 master weights: fp32 masters are always kept here")},
-    "optimizer": {"amsgrad": (False, "AMSGrad is not built in, Adam and AdamW are")},
+# DeepSpeed's switches for what is not built here: accepted at the values that leave it off (DeepSpeed's default
+# first), refused at any other, naming what it would turn on
+_OFF_ONLY: dict[str, dict[str, tuple[tuple[Any, ...], str]]] = {
+    "": {"torch_autocast": ((False,), "torch.autocast around the forward is not built in: use bf16 or fp16")},
+    "bf16": {"bf16_master_weights_and_grads": ((False,), "bf16 master weights: fp32 masters are always kept here")},
+    "fp16": {"fp16_master_weights_and_grads": ((False,), "fp16 master weights: fp32 masters are always kept here")},
+    "optimizer": {"amsgrad": ((False,), "AMSGrad is not built in, Adam and AdamW are")},
     "zero_optimization": {
-        "zero_quantized_weights": (False, "ZeRO++ quantized communication is not built in"),
-        "zero_quantized_gradients": (False, "ZeRO++ quantized communication is not built in"),
-        "zero_quantized_nontrainable_weights": (False, "ZeRO++ quantized weights are not built in"),
-        "zero_hpz_partition_size": (1, "ZeRO++ hierarchical partitioning is not built in"),
-        "mics_shard_size": (-1, "MiCS sharding is not built in")},
+        "zero_quantized_weights": ((False,), "ZeRO++ quantized communication is not built in"),
+        "zero_quantized_gradients": ((False,), "ZeRO++ quantized communication is not built in"),
+        "zero_quantized_nontrainable_weights": ((False,), "ZeRO++ quantized weights are not built in"),
+        "zero_hpz_partition_size": ((1, 0), "ZeRO++ hierarchical partitioning is not built in"),
+        "mics_shard_size": ((-1, 0), "MiCS sharding is not built in")},
     "zero_optimization.offload_optimizer": {
-        "ratio": (1.0, "a partial optimizer offload is not built in: the whole optimizer state is offloaded")},
+        "ratio": ((1.0,), "a partial optimizer offload is not built in: the whole optimizer state is offloaded")},
 }
 
 
-def _is_off(value: Any, off: Any) -> bool:
+def _is_off(value: Any, offs: tuple[Any, ...]) -> bool:
     """Whether ``value`` leaves a switch of _OFF_ONLY off: its value, or a section's ``enabled``."""
     if isinstance(value, Mapping):
         value = value.get("enabled", False)
-    return type(value) in (bool, int, float) and value == off and isinstance(value, bool) == isinstance(off, bool)
+    return type(value) in (bool, int, float) and any(
+        value == off and isinstance(value, bool) == isinstance(off, bool) for off in offs)
 
 
 def is_auto(value: Any) -> bool:
     """DeepSpeed's ``"auto"`` (any case): a value filled in from elsewhere (the TrainingArguments, the plan)."""
     return isinstance(value, str) and value.lower() == "auto"
+
+
+def without_auto(value: Any) -> Any:
+    """JSON with every ``"auto"`` value left out (read as unset), for what needs a config before the Trainer
+    fills it: offload.init, estimate."""
+    if isinstance(value, Mapping):
+        return {k: without_auto(v) for k, v in value.items() if not is_auto(v)}
+    return value
 
 
 def parse_bytes(value: Any, key: str) -> int:
@@ -127,9 +137,10 @@ class _Section:
                     log.warning("offload: config key accepted but without effect: %s", full)
                     continue
                 if key in _OFF_ONLY.get(cls._path, {}):
-                    off, what = _OFF_ONLY[cls._path][key]
-                    if not _is_off(value, off):
-                        allowed = ('"enabled": ' if isinstance(value, Mapping) else "") + json.dumps(off)
+                    offs, what = _OFF_ONLY[cls._path][key]
+                    if not _is_off(value, offs):
+                        allowed = ('"enabled": ' if isinstance(value, Mapping) else "") + " or ".join(
+                            json.dumps(off) for off in offs)
                         raise ValueError(f"{full} = {json.dumps(value)} asks for what is not supported here: {what}; "
                                          f"only {allowed} is accepted (DeepSpeed's default, which leaves it off)")
                     continue
@@ -465,7 +476,8 @@ class ZeroConfig(_Section):
     round_robin_gradients: bool = False
 
     # DeepSpeed's old spellings (before the offload sections), read as the sections they became
-    _LEGACY = {"cpu_offload": ("offload_optimizer", "device"), "cpu_offload_params": ("offload_param", "device"),
+    _LEGACY = {"cpu_offload": ("offload_optimizer", "device"), "cpu_offload_param": ("offload_param", "device"),
+               "cpu_offload_params": ("offload_param", "device"),
                "cpu_offload_use_pin_memory": ("offload_optimizer", "pin_memory")}
 
     @classmethod

@@ -48,7 +48,8 @@ def estimate(num_params: int | None = None, *, model: torch.nn.Module | None = N
              max_live_parameters: int | None = None, prefetch_bucket_size: int | None = None,
              persistence_threshold: int | None = None, gpus: int = 1, gpu_mem: int | None = None,
              host_mem: int | None = None, nvme_free: int | None = None, cuda: bool = True,
-             gradient_clipping: float = 0.0, largest_param: int | None = None) -> list[Estimate]:
+             gradient_clipping: float = 0.0, largest_param: int | None = None, fp16: bool = False,
+             overlap_step: bool = True, delayed_update: bool = False) -> list[Estimate]:
     """Peak bytes per tier (per rank) for each placement of :data:`PLACEMENTS`, and whether each fits the given
     memory (``gpu_mem`` per device, ``host_mem`` and ``nvme_free`` per machine shared by ``gpus`` ranks). Sizes
     left None are derived as ``initialize`` derives them; ``cuda``: the device is a GPU (False: the CPU's device
@@ -57,7 +58,8 @@ def estimate(num_params: int | None = None, *, model: torch.nn.Module | None = N
     (with ``num_params``): elements of the model's largest parameter, which sets the device room for one
     parameter's gradient and the parameter window; without it the model counts as one parameter, which charges the
     device for a gradient of the whole model (as DeepSpeed's estimators, ask for it: a GPT's embedding,
-    vocabulary x width)."""
+    vocabulary x width). ``fp16``, ``overlap_step`` false and ``delayed_update`` (placements without parameter
+    offload) hold every gradient until the step, as the engine's plan does."""
     if (num_params is None) == (model is None):
         raise ValueError("estimate: give exactly one of num_params and model")
     if gpus < 1:
@@ -83,7 +85,8 @@ def estimate(num_params: int | None = None, *, model: torch.nn.Module | None = N
         optimizer_tier, param_tier = _TIER[opt], _TIER[par]
         staged = cuda and optimizer_tier is not Tier.DEVICE
         why: dict[str, str] = {}
-        overlap = gpus == 1 and gradient_clipping <= 0
+        delayed = delayed_update and par == "none"  # (initialize refuses it with parameter offload)
+        overlap = gpus == 1 and gradient_clipping <= 0 and not fp16 and overlap_step and not delayed
         slots = grad_slots(overlap, accumulate, optimizer_tier, why)
         chosen, chosen_why = choose_sizes(
             sizes, optimizer_tier=optimizer_tier, param_tier=param_tier, dtype_bytes=dtype_bytes,
@@ -102,8 +105,8 @@ def estimate(num_params: int | None = None, *, model: torch.nn.Module | None = N
                     max_live=chosen.max_live,
                     prefetch_bucket=chosen.prefetch_bucket, persistence_threshold=chosen.persistence_threshold,
                     grad_bucket=chosen.grad_bucket, cuda_path=cuda, overlap=overlap,
-                    overlap_forward=gpus == 1 and optimizer_tier is Tier.HOST and param_tier is Tier.DEVICE,
-                    delayed=False, grad_slots=chosen.grad_slots, why=why)
+                    overlap_forward=gpus == 1 and optimizer_tier is Tier.HOST and param_tier is Tier.DEVICE
+                    and not delayed, delayed=delayed, grad_slots=chosen.grad_slots, why=why)
         used = {t.value: b for t, b in expected_bytes(plan, sizes).items()}
         given = {"device": gpu_mem, "host": budgets[Tier.HOST], "nvme": budgets[Tier.NVME]}
         in_ram = dict(used, host=used["host"] + (0 if cuda else used["device"]))  # the CPU's device tier is RAM

@@ -172,6 +172,22 @@ def test_estimate_plans_with_a_configs_sizes_and_the_cpus_ram_once(tmp_path, cap
                                                                     "positive integer")):
         assert main(["estimate", "--params", "1e9", *flags]) == 2, flags
         assert message in capsys.readouterr().err, flags
+    # a transformers-style config ("auto" left to the plan), fp16 (every gradient held for the overflow check),
+    # and its own device
+    hf = tmp_path / "hf.json"
+    hf.write_text(json.dumps({"fp16": {"enabled": "auto"}, "train_micro_batch_size_per_gpu": "auto",
+                              "gradient_accumulation_steps": "auto", "optimizer": {"type": "AdamW", "params": {
+                                  "lr": "auto"}}, "scheduler": {"type": "WarmupDecayLR", "params": {
+                                      "total_num_steps": "auto"}},
+                              "zero_optimization": {"stage": 2, "sub_group_size": "auto"}}))
+    assert main(["estimate", "--params", "1e8", "--largest-param", "1e7", "--config", str(hf)]) == 0
+    out = capsys.readouterr().out  # precision "auto": neither fp16 nor bf16 known, fp32's bytes
+    assert table(estimate(10**8, largest_param=10**7, cuda=torch.cuda.is_available(), dtype_bytes=4)) in out
+    hf.write_text(json.dumps({"fp16": {"enabled": True}, "offload": {"device": "cpu"}}))
+    assert main(["estimate", "--params", "1e8", "--largest-param", "1e7", "--config", str(hf)]) == 0
+    out = capsys.readouterr().out
+    assert "planned for the CPU as the device (the config's offload.device)" in out
+    assert table(estimate(10**8, largest_param=10**7, cuda=False, fp16=True)) in out
     assert main(["estimate", "--params", "1e20"]) == 2
     assert "--params must be a positive number of parameters such as 7e9, got '1e20'" in capsys.readouterr().err
 

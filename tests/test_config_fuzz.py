@@ -295,16 +295,17 @@ def test_deepspeed_switches_for_what_is_not_built_are_taken_off_and_refused_on(c
             "fp16": {"fp16_master_weights_and_grads": False},
             "optimizer": {"type": "AdamW", "params": {"torch_adam": True, "amsgrad": False}},
             "data_types": {"grad_accum_dtype": "fp32"}, "torch_autocast": {"enabled": False}, "compile": {},
-            "zero_optimization": {"stage": 3, "cpu_offload": True, "cpu_offload_params": True,
+            "zero_optimization": {"stage": 3, "cpu_offload": True, "cpu_offload_param": True,
                                   "zero_quantized_weights": False, "zero_hpz_partition_size": 1,
-                                  "mics_shard_size": -1, "module_granularity_threshold": 0,
+                                  "mics_shard_size": -1, "stage3_module_granularity_threshold": 0,
                                   "offload_optimizer": {"ratio": 1.0, "pipeline_read": False}}})
     zero = cfg.zero_optimization
     assert (zero.offload_optimizer.device, zero.offload_param.device) == ("cpu", "cpu")
     assert "zero_optimization.cpu_offload is DeepSpeed's old spelling of zero_optimization.offload_optimizer" \
         in caplog.text
     for key in ("bf16.immediate_grad_update", "optimizer.params.torch_adam",
-                "zero_optimization.offload_optimizer.pipeline_read", "zero_optimization.module_granularity_threshold"):
+                "zero_optimization.offload_optimizer.pipeline_read",
+                "zero_optimization.stage3_module_granularity_threshold"):
         assert f"without effect: {key}" in caplog.text, key
     assert "without effect: data_types, compile" in caplog.text
     for bad, key, what in [({"optimizer": {"params": {"amsgrad": True}}}, "optimizer.params.amsgrad", "AMSGrad"),
@@ -319,6 +320,8 @@ def test_deepspeed_switches_for_what_is_not_built_are_taken_off_and_refused_on(c
                            ({"torch_autocast": {"enabled": True}}, "torch_autocast", 'only "enabled": false')]:
         with pytest.raises(ValueError, match=key.replace(".", r"\.") + " = .*" + what):
             OffloadConfig.load(bad)
+    OffloadConfig.load({"zero_optimization": {"zero_hpz_partition_size": 0, "mics_shard_size": 0,
+                                              "cpu_offload_params": False}})  # DeepSpeed's other "off"s
     with pytest.raises(ValueError, match=r"zero_optimization.cpu_offload \(DeepSpeed's old spelling\) and "
                                          r"zero_optimization.offload_optimizer.device are both given"):
         OffloadConfig.load({"zero_optimization": {"cpu_offload": True, "offload_optimizer": {"device": "nvme"}}})

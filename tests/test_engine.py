@@ -1663,8 +1663,8 @@ def test_warmup_without_a_max_lr_warms_each_group_to_its_own_lr(tmp_path):
 def test_a_deepspeed_script_runs_with_its_keywords_and_accessors(tmp_path, caplog):
     """What a DeepSpeed training script calls, ported unchanged: initialize's keywords (config_params, args with
     deepspeed_config, model_parameters with a frozen parameter in it, a scheduler callable), the accessors it
-    reads, and the method gradient_accumulation_steps(). The scheduler's lrs are torch's LambdaLR's on a plain
-    optimizer; what has no counterpart (a torch optimizer, a data set, the 4-tuple) is refused naming the fix."""
+    reads. The scheduler's lrs are torch's LambdaLR's on a plain optimizer; what has no counterpart (a torch
+    optimizer, a data set, the 4-tuple) is refused naming the fix."""
     import argparse
 
     model = make()
@@ -1679,7 +1679,7 @@ def test_a_deepspeed_script_runs_with_its_keywords_and_accessors(tmp_path, caplo
 
     engine = offload.initialize(model=model, args=args, model_parameters=model.parameters(), lr_scheduler=decay)
     with engine:
-        assert engine.gradient_accumulation_steps() == 2 == engine.gradient_accumulation_steps
+        assert engine.gradient_accumulation_steps == 2  # a number here; DeepSpeed's is a method
         assert (engine.train_micro_batch_size_per_gpu(), engine.train_batch_size()) == (2, 4)
         assert engine.get_mom() == [(0.9, 0.99)] and engine.gradient_clipping() == 0.0
         assert not engine.fp16_enabled() and not engine.bfloat16_enabled() and engine.zero_optimization_stage() == 0
@@ -1690,6 +1690,13 @@ def test_a_deepspeed_script_runs_with_its_keywords_and_accessors(tmp_path, caplo
         assert not any(p is model.pos for p in engine.layout.params)
         with pytest.raises(TypeError, match=r"returns the engine alone.*engine = offload.initialize"):
             _, _, _, _ = engine
+    grouped = make()
+    grouped.pos.requires_grad_(False)  # a frozen parameter in a group: left out, as DeepSpeed leaves it
+    groups = [{"params": [p for n, p in grouped.named_parameters() if p.dim() >= 2], "weight_decay": 0.1},
+              {"params": [p for n, p in grouped.named_parameters() if p.dim() < 2], "weight_decay": 0.0}]
+    with offload.initialize(grouped, cfg, model_parameters=groups) as engine:
+        assert [g["weight_decay"] for g in engine.optimizer.param_groups] == [0.1, 0.0]
+        assert not any(p is grouped.pos for p in engine.layout.params)
     with pytest.raises(TypeError, match=r"optimizer=.*config's optimizer section"):
         offload.initialize(make(), cfg, optimizer=torch.optim.AdamW(make().parameters()))
     with pytest.raises(TypeError, match=r"training_data=.*build the DataLoader yourself"):
@@ -1717,10 +1724,10 @@ def deepspeed_cosine(it: int, total: int, warm: int, min_ratio: float, cos_min: 
 
 
 @pytest.mark.parametrize("kind, warm, total", [("log", 5, 30), ("linear", 4, 10), ("linear", 8, 6)])
-def test_warmup_cosine_follows_deepspeed_and_decay_defaults_to_its_max(kind, warm, total):
+def test_warmup_cosine_follows_deepspeed_and_decay_defaults_to_its_max(kind, warm, total, caplog):
     """WarmupCosineLR scales each group's own lr by DeepSpeed's ratio (update t takes the ratio after t - 1
     scheduler steps), to its floor past total_num_steps; WarmupDecayLR without warmup_max_lr peaks at 1e-3 as
-    DeepSpeed's does (only WarmupLR's default became the group's lr)."""
+    DeepSpeed's does (only WarmupLR's default became the group's lr), saying so where the group's lr differs."""
     from offload.config import SchedulerConfig
     from offload.optim._schedule import WarmupSchedule
     w = torch.nn.Parameter(torch.zeros(1))
@@ -1734,8 +1741,11 @@ def test_warmup_cosine_follows_deepspeed_and_decay_defaults_to_its_max(kind, war
         assert [g["lr"] for g in opt.param_groups] == [pytest.approx(0.5 * ratio), pytest.approx(2.0 * ratio)], t
         opt.step()
         sched.step()
-    decay = WarmupSchedule(torch.optim.SGD([w], lr=0.01), SchedulerConfig.from_dict(
-        {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 2, "total_num_steps": 10}}))
+    with caplog.at_level("WARNING", logger="offload"):
+        decay = WarmupSchedule(torch.optim.SGD([w], lr=0.01), SchedulerConfig.from_dict(
+            {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 2, "total_num_steps": 10}}))
+    assert "WarmupDecayLR without warmup_max_lr peaks at DeepSpeed's default, 0.001, not the optimizer's lr (0.01)" \
+        in caplog.text
     for _ in range(3):
         decay.step()
     assert decay.get_last_lr() == [pytest.approx(1e-3)]
@@ -1779,6 +1789,11 @@ def test_a_schedule_assigned_to_the_engine_resumes_where_it_was(tmp_path):
         assert engine.lr_scheduler.last_batch_iteration == 2
         train(engine, data[:1])
         assert engine.get_lr() == [pytest.approx(1e-3 / 5)]
+        engine.lr_scheduler.state_dict = lambda: {"scale": torch.ones(1)}  # not JSON: named before any write
+        with pytest.raises(ValueError, match=r"engine.lr_scheduler \(IterationSchedule\) has a state_dict\(\) that is "
+                                             r"not plain JSON .* client_state"):
+            engine.save_checkpoint(tmp_path / "ck", tag="tensor")
+        assert not (tmp_path / "ck" / "tensor").exists()
 
 
 @pytest.mark.parametrize("delayed", [False, True], ids=["serial", "delayed"])

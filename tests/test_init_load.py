@@ -496,6 +496,7 @@ def test_the_cli_export_of_a_checkpoint_takes_the_hubs_layout_from_the_config_be
     assert main(["export", str(tmp_path / "run" / "offload_state"), str(tmp_path / "own")]) == 0
     with offload_load.StateSource(tmp_path / "own") as own:
         assert "model.layers.0.mlp.experts.gate_up_proj" in own.names()  # no config: the model's names
+    cfg.dtype = torch.bfloat16  # a run's config (the weights exported are the fp32 masters)
     cfg.save_pretrained(tmp_path / "run")  # beside the checkpoint, as the Trainer leaves it
     assert main(["export", str(tmp_path / "run" / "offload_state"), str(tmp_path / "beside")]) == 0
     assert main(["export", str(tmp_path / "run" / "offload_state"), str(tmp_path / "given"), "--model",
@@ -504,8 +505,9 @@ def test_the_cli_export_of_a_checkpoint_takes_the_hubs_layout_from_the_config_be
         with offload_load.StateSource(tmp_path / out) as ours:
             assert sorted(ours.names()) == sorted(saved), out
             assert all(torch.equal(ours.get(n), saved[n]) for n in saved), out
-        # the config.json goes with the weights: from_pretrained(out) alone reads the model
-        loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / out)).state_dict()
+        # the config.json goes with the weights, saying fp32: from_pretrained(out) alone reads the model
+        assert json.loads((tmp_path / out / "config.json").read_text())["dtype"] == "float32"
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / out), dtype="auto").state_dict()
         assert type(transformers.AutoConfig.from_pretrained(str(tmp_path / out))) is type(cfg), out
         assert loaded.keys() == want.keys() and all(torch.equal(loaded[n], want[n]) for n in want), out
     assert not (tmp_path / "own" / "config.json").exists()

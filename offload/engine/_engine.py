@@ -65,7 +65,7 @@ from ..dist import Comm, GradPartition, ReduceBuckets, StartSync, agree_with_ran
 from ..memory import CopyStreams, HeapTrim, TieredStore, prepare_nvme_path
 from ..ops import squared_norm
 from ..optim._layout import FlatLayout
-from ..optim._schedule import WarmupSchedule, build_scheduler
+from ..optim._schedule import WarmupSchedule, after_engine_update, build_scheduler
 from ..optim.offloaded import OffloadedAdam
 from ..plan import ModelSizes, Partition, Plan, resolve
 from ._gate import UpdateGate
@@ -124,8 +124,9 @@ class Engine:
         if not cfg.optimizer_given and isinstance(model, torch.nn.Module) and any(
                 p.requires_grad for p in model.parameters()):  # (a frozen model's engine has nothing to update)
             log.warning("offload: the config has no optimizer section, so the defaults train: AdamW, lr %g, betas "
-                        "%s, eps %g, weight_decay %g. An optimizer passed to deepspeed.initialize has no counterpart "
-                        "here: give its settings in the config's optimizer section (docs/configuration.md)",
+                        "%s, eps %g, weight_decay %g (where a param group sets none of its own). An optimizer passed "
+                        "to deepspeed.initialize has no counterpart here: give its settings in the config's "
+                        "optimizer section (docs/configuration.md)",
                         cfg.optimizer.lr, list(cfg.optimizer.betas), cfg.optimizer.eps, cfg.optimizer.weight_decay)
         if not isinstance(model, torch.nn.Module):
             raise ValueError(f"initialize: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -297,8 +298,7 @@ class Engine:
 
     @property
     def gradient_accumulation_steps(self) -> int:
-        """An int that may also be called, as DeepSpeed's method is: ``engine.gradient_accumulation_steps()``."""
-        return _CallableInt(self.config.gradient_accumulation_steps)
+        return self.config.gradient_accumulation_steps
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the micro-batch at hand ends its window, so that the ``step()`` after its backward updates
@@ -583,7 +583,8 @@ class Engine:
         if self.config.fp16.enabled:
             self.scaler.update(False)
         if self.lr_scheduler is not None:  # the next update's lr (the one launched above took its own already)
-            self.lr_scheduler.step()
+            with after_engine_update():
+                self.lr_scheduler.step()
         self.global_steps += 1
         self._applied = True
 
@@ -1075,13 +1076,6 @@ class Engine:
 _unclosed: "weakref.WeakSet[Engine]" = weakref.WeakSet()
 
 
-class _CallableInt(int):
-    """An int whose call returns itself: a property that DeepSpeed has as a method reads both ways."""
-
-    def __call__(self) -> int:
-        return int(self)
-
-
 def holding(module: torch.nn.Module) -> Engine | None:
     """The open engine that holds ``module``, if any."""
     return next((e for e in list(_unclosed) if e.module is module), None)
@@ -1230,9 +1224,10 @@ def initialize(model: torch.nn.Module, config: OffloadConfig | Mapping[str, Any]
     if model_parameters is not None:
         if param_groups is not None:
             raise ValueError("initialize: param_groups and model_parameters are both given; pass one")
-        items = list(model_parameters)
-        param_groups = items if items and all(isinstance(g, Mapping) for g in items) else \
-            [{"params": [p for p in items if p.requires_grad]}]
+        items = list(model_parameters)  # frozen parameters left out, in groups too, as DeepSpeed leaves them
+        groups = items if items and all(isinstance(g, Mapping) for g in items) else [{"params": items}]
+        param_groups = [{**g, "params": [p for p in g["params"] if p.requires_grad]} if "params" in g else g
+                        for g in groups]
     if lr_scheduler is not None and (hasattr(lr_scheduler, "step") or not callable(lr_scheduler)):
         raise TypeError("initialize(lr_scheduler=...): a scheduler built on your own optimizer would not drive "
                         "this engine's; pass a callable, lr_scheduler=lambda opt: torch.optim.lr_scheduler."

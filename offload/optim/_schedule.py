@@ -21,12 +21,27 @@ Adam kernel reads at every update, and its ``state_dict`` is plain numbers (chec
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 import warnings
+from collections.abc import Iterator
 
 import torch
 
 from ..config import SchedulerConfig
+
+log = logging.getLogger("offload")
+
+
+@contextlib.contextmanager
+def after_engine_update() -> Iterator[None]:
+    """Around a scheduler's step after the engine's update: the engine also updates through ``launch`` (the
+    delayed update, the update beside the next forward), which torch's check that the optimizer stepped first
+    does not see, so its warning does not apply."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+        yield
 
 
 class WarmupSchedule(torch.optim.lr_scheduler.LRScheduler):
@@ -42,6 +57,10 @@ class WarmupSchedule(torch.optim.lr_scheduler.LRScheduler):
         self.warmup, self.kind = max(2, cfg.warmup_num_steps), cfg.warmup_type
         self.total = cfg.total_num_steps if cfg.type != "warmuplr" else None
         self.min_ratio, self.cos_min_ratio = cfg.warmup_min_ratio, cfg.cos_min_ratio
+        if default_max is not None and cfg.warmup_max_lr is None and any(lr != default_max for lr in own):
+            log.warning("offload: WarmupDecayLR without warmup_max_lr peaks at DeepSpeed's default, %g, not the "
+                        "optimizer's lr (%s); set scheduler.params.warmup_max_lr to choose", default_max,
+                        ", ".join(f"{lr:g}" for lr in own))
         super().__init__(optimizer)
 
     def gamma(self, s: int) -> float:
@@ -65,10 +84,8 @@ class WarmupSchedule(torch.optim.lr_scheduler.LRScheduler):
         return max(0.0, c + (1.0 - c) * (1 + math.cos(math.pi * progress)) / 2)
 
     def step(self, epoch: int | None = None) -> None:
-        """Advances one optimizer step. The engine also updates through ``launch`` (delayed update), which
-        torch's check that the optimizer stepped first does not see: that warning does not apply here."""
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+        """Advances one optimizer step (the Trainer steps it too, not only the engine)."""
+        with after_engine_update():
             super().step(epoch)
 
     def state_dict(self) -> dict:
