@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ._checkpoint import make_folder
 from ._device import default_device, fast_bf16
 from ._progress import bar
 from .config import OffloadConfig, parse_bytes, read_json, without_auto
@@ -85,8 +86,6 @@ def _terminate(signum: int, frame: Any) -> None:
 def _demo(args: argparse.Namespace) -> int:
     import offload
     from offload.models import GPT, GPTConfig, synthetic_batches
-
-    from ._checkpoint import make_folder
 
     for flag in ("layers", "width", "vocab", "tokens", "batch", "steps"):
         if getattr(args, flag) < 1:
@@ -387,6 +386,7 @@ def tune_command(args: argparse.Namespace) -> int:
         measurements.total = total
         measurements.update(done - measurements.n)
 
+    make_folder(Path(args.nvme_path), "tune --nvme-path")
     try:
         result = tune_aio(args.nvme_path, size=size, block_sizes=blocks, queue_depths=depths,
                           thread_counts=threads, repeats=repeats, tolerance=args.tolerance, progress=progress)
@@ -441,7 +441,7 @@ def bench_command(args: argparse.Namespace) -> int:
         return subprocess.run([sys.executable, str(script), "--help"], check=False).returncode
     if not args.no_plot:
         _plots._pyplot()  # fail before a long run, not after it
-    out_dir.mkdir(parents=True, exist_ok=True)
+    make_folder(out_dir, "bench --out")
     result = out_dir / f"{BENCHES[args.name]}.json"
     cmd = [sys.executable, str(script), *extra, "--out", str(result)]
     print(f"bench {args.name}: {' '.join(cmd)}", file=sys.stderr, flush=True)
@@ -483,6 +483,11 @@ def export_command(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-shard-size must be positive, got {args.max_shard_size!r}")
     if fmt == "torch":
         from ._checkpoint import export
+
+        make_folder(out.parent, "export")
+        if not os.access(out.parent, os.W_OK):
+            raise PermissionError(f"export: cannot write {out}: this process may not write in {out.parent}; give a "
+                                  "path it can write")
 
         tag, count = export(Path(args.checkpoint), out, args.tag)
         print(f"wrote {out}: {count} tensors of checkpoint {tag} (torch.load({str(out)!r}, weights_only=True))")
@@ -625,7 +630,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return commands[args.command](args)
     except (ValueError, RuntimeError, OSError, TypeError, ImportError, AttributeError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        message = str(exc)
+        if args.command == "demo" and not args.config:  # the demo's own config: its flag sets that budget
+            message = message.replace("offload.device_memory_budget", "--device-budget")
+        print(f"error: {message}", file=sys.stderr)
         return 2
 
 

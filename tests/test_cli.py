@@ -53,6 +53,13 @@ def test_demo_and_export_flags_are_checked_before_any_work(tmp_path, capsys):
     assert "--gpu-mem 24 is 24 bytes: give a unit, e.g. 24GiB" in capsys.readouterr().err
     assert main(["estimate", "--params", "3e9", "--host-mem", "0GiB"]) == 2  # a unit given: no unit to add
     assert "--host-mem 0GiB is 0 bytes: a machine has at least 1 MiB; give its size" in capsys.readouterr().err
+    for argv, message in ((["tune", "--nvme-path", str(tmp_path / "file"), "--quick"],
+                           f"tune --nvme-path: {tmp_path / 'file'} is a file, not a folder"),
+                          (["bench", "adam", "--out", str(tmp_path / "file")],
+                           f"bench --out: {tmp_path / 'file'} is a file, not a folder"),
+                          (["demo", "--device-budget", "1KiB", "--steps", "1"], "raise --device-budget to at least")):
+        assert main(argv) == 2, argv
+        assert message in capsys.readouterr().err, argv
     (tmp_path / "config.json").write_text('{"hidden_size": 64}')
     assert main(["estimate", "--model", str(tmp_path)]) == 2
     assert f'--model {tmp_path / "config.json"}: a transformers config.json names its architecture under ' \
