@@ -337,8 +337,9 @@ def test_low_precision_gradients_read_exactly(bits: list[int], grad_dtype: torch
 
 def test_empty_buffers_are_a_no_op(backend: str) -> None:
     empty = torch.empty(0)
-    adam_step(empty, empty, empty.clone(), empty.clone(), step=1, out=torch.empty(0, dtype=torch.bfloat16),
-              weight_decay=0.1, **HP)  # fmt: skip
+    squares = adam_step(empty, empty, empty.clone(), empty.clone(), step=1, out=torch.empty(0, dtype=torch.bfloat16),
+                        weight_decay=0.1, **HP)  # fmt: skip
+    assert squares == 0.0  # nothing read, nothing summed
 
 
 def test_concurrent_first_calls(native: str) -> None:

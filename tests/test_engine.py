@@ -209,6 +209,10 @@ def test_grad_norm_of_delayed_updates_and_of_huge_gradients(tmp_path, case):
         # torch's on the CPU) does not: there its trajectory leaves ours after the first update
         steps = len(want) if DEVICE.type == "cpu" else 1
         assert runs[0][:steps] == pytest.approx(want[:steps], rel=1e-5)
+    else:  # each step's norm is that of its stale gradient (taken at the parameters of two updates before)
+        stale: list[float] = []
+        reference_delayed(4, data, norms=stale)
+        assert runs[0] == pytest.approx(stale, rel=1e-5)
 
 
 def test_grad_norm_after_loading_an_earlier_checkpoint(tmp_path):
@@ -266,8 +270,8 @@ def test_mixed_precision_matches_reference_loop(tmp_path, dtype, device, gradien
     names = [n for n, _ in ref_model.named_parameters()]
     for name, m in zip(names, masters):  # cuBLAS picks its low-precision GEMM kernels by layout: 1.3e-4 seen on an H200
         close_enough(state[name], m.detach(), 1e-4 if DEVICE.type == "cpu" else 3e-4)
-    for p, r in zip(model.parameters(), ref_model.parameters()):
-        close_enough(p.detach().float(), r.detach().float(), 2e-2)  # one low-precision rounding step apart at most
+    for name, p in model.named_parameters():  # the weights trained with are the masters rounded, bit for bit
+        assert torch.equal(p.detach().cpu(), state[name].to(dtype)), name
 
 
 def test_fp16_dynamic_loss_scale_skips_overflow(tmp_path):
@@ -295,6 +299,80 @@ def test_fp16_dynamic_loss_scale_skips_overflow(tmp_path):
         assert engine.global_steps == 4 and engine.skipped_steps == 1  # counted, as DeepSpeed and the Trainer do
         train(engine, data[4:])
         assert engine.global_steps == 6
+
+
+class DeepSpeedScaler:
+    """DeepSpeed's DynamicLossScaler.update_scale (runtime/fp16/loss_scaler.py, 0.19.8), written out as the
+    reference: hysteresis ("delayed_shift"), its refill, the window counted from the clean step after an
+    overflow, and the run ended at the minimum scale."""
+
+    def __init__(self, power: int, window: int, hysteresis: int, consecutive: bool, min_scale: float) -> None:
+        self.cur_scale, self.window, self.delayed_shift = 2.0 ** power, window, hysteresis
+        self.cur_hysteresis, self.consecutive, self.min_scale = hysteresis, consecutive, min_scale
+        self.cur_iter, self.last_overflow_iter = 0, -1
+
+    def update_scale(self, overflow: bool) -> None:
+        if overflow:
+            if self.delayed_shift == 1 or self.cur_hysteresis == 1:
+                if self.cur_scale == self.min_scale:
+                    raise FloatingPointError("at the minimum")
+                self.cur_scale = max(self.cur_scale / 2, self.min_scale)
+            else:
+                self.cur_hysteresis -= 1
+            self.last_overflow_iter = self.cur_iter
+        else:
+            if self.consecutive:
+                self.cur_hysteresis = self.delayed_shift
+            stable_interval = (self.cur_iter - self.last_overflow_iter) - 1
+            if stable_interval > 0 and stable_interval % self.window == 0:
+                if not self.consecutive:
+                    self.cur_hysteresis = self.delayed_shift
+                self.cur_scale *= 2
+        self.cur_iter += 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(pattern=st.lists(st.booleans(), max_size=60), window=st.integers(1, 5), hysteresis=st.integers(1, 4),
+       consecutive=st.booleans(), power=st.integers(1, 6), min_scale=st.sampled_from([1.0, 2.0, 4.0]))
+def test_fp16_loss_scale_follows_deepspeeds_scaler(pattern, window, hysteresis, consecutive, power, min_scale):
+    """Any sequence of overflowing and clean steps under any fp16 settings: the scale after each step, the skipped
+    count, and the step at which the run ends at the minimum scale are DeepSpeed's."""
+    from offload._precision import LossScaler
+    from offload.config import FP16Config
+
+    ours = LossScaler(FP16Config(enabled=True, initial_scale_power=power, loss_scale_window=window,
+                                 hysteresis=hysteresis, consecutive_hysteresis=consecutive, min_loss_scale=min_scale))
+    ref = DeepSpeedScaler(power, window, hysteresis, consecutive, min_scale)
+    for i, overflow in enumerate(pattern):
+        try:
+            ref.update_scale(overflow)
+        except FloatingPointError:
+            with pytest.raises(FloatingPointError, match="min_loss_scale"):
+                ours.update(overflow)
+            assert ours.skipped == sum(pattern[: i + 1])
+            return
+        ours.update(overflow)
+        assert ours.scale == ref.cur_scale, (i, pattern[: i + 1])
+    assert ours.skipped == sum(pattern)
+
+
+def test_the_config_schedule_waits_out_an_fp16_skipped_step(tmp_path):
+    """The config's scheduler is not stepped on a step fp16 skipped for overflow (DeepSpeed's): the lrs follow
+    WarmupLR counted over applied updates only."""
+    data = batches(4)
+    sched = {"type": "WarmupLR", "params": {"warmup_max_lr": 4e-3, "warmup_num_steps": 5}}
+    cfg = config(tmp_path, "cpu", scheduler=sched, fp16={"enabled": True, "initial_scale_power": 8,
+                                                         "hysteresis": 1})
+    with offload.initialize(make(), cfg) as engine:
+        lrs, applied = [engine.get_lr()[0]], 0
+        for i, (x, y) in enumerate(data):
+            loss = lm_loss(engine(x), y)
+            engine.backward(loss * float("inf") if i == 1 else loss)
+            engine.step()
+            applied += engine.was_step_applied()
+            lrs.append(engine.get_lr()[0])
+            assert lrs[-1] == pytest.approx(warmup_lr(applied, 0.0, 4e-3, 5, None)), i
+    assert applied == 3 and engine.skipped_steps == 1 and lrs[1] == lrs[2]
 
 
 def test_fp16_overflow_at_the_minimum_scale_raises_after_skipping(tmp_path):
@@ -1003,12 +1081,12 @@ def test_a_model_given_in_the_training_dtype_keeps_its_fp32_buffers(tmp_path, gi
     torch.manual_seed(0)
     model = Rotary().to(given)
     model.inv_freq = model.inv_freq.float()
-    x = torch.randn(2, 4096, 16, dtype=torch.bfloat16)
-    with torch.no_grad():
+    x = torch.randn(2, 4096, 16, dtype=torch.bfloat16, device=DEVICE)
+    with torch.no_grad():  # the reference on the engine's device: the same kernels, so the same bits
         plain = Rotary().to(torch.bfloat16)
         plain.load_state_dict(model.state_dict())
         plain.inv_freq = model.inv_freq.float().clone()
-        expected = plain(x) if given is torch.bfloat16 else None
+        expected = plain.to(DEVICE)(x).cpu() if given is torch.bfloat16 else None
     with offload.initialize(model, config(tmp_path, "cpu", bf16={"enabled": True})) as engine:
         assert model.inv_freq.dtype == (torch.float32 if given is torch.bfloat16 else torch.bfloat16)
         assert model.lin.weight.dtype == torch.bfloat16
@@ -1934,9 +2012,10 @@ def test_accumulation_boundary_set_by_the_caller(tmp_path):
         close_enough(p.detach(), r.detach(), 1e-5)
 
 
-def reference_delayed(steps: int, data, lr=None):
+def reference_delayed(steps: int, data, lr=None, norms: list[float] | None = None):
     """ZeRO-Offload's delayed parameter update by hand: the gradient of step t is taken at the parameters of
-    update t-1 (the first two at the initial ones), while update t runs on the fp32 masters (at ``lr(t)``)."""
+    update t-1 (the first two at the initial ones), while update t runs on the fp32 masters (at ``lr(t)``);
+    ``norms`` gets each step's gradient norm (float64)."""
     model = reference_model()
     masters = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
     opt = torch.optim.AdamW(masters, lr=LR, weight_decay=WD, betas=(0.9, 0.99), eps=1e-8)
@@ -1945,6 +2024,8 @@ def reference_delayed(steps: int, data, lr=None):
             opt.param_groups[0]["lr"] = lr(t)
         lm_loss(model(on_device(x)), y).backward()
         grads = [p.grad for p in model.parameters()]
+        if norms is not None:
+            norms.append(math.sqrt(sum(float(g.double().square().sum()) for g in grads)))
         model.zero_grad(set_to_none=True)
         with torch.no_grad():
             for p, m in zip(model.parameters(), masters):

@@ -94,6 +94,7 @@ def test_failed_write_back_keeps_the_bytes(tmp_path):
         assert store.residency("a") is Residency.HOST and torch.all(store.acquire("a") == 7.0)
         faults.fail = False
         store.evict("a").wait()  # retried: now durable
+        assert store.residency("a") is Residency.NVME  # read back from the file, not the buffer it left
         assert torch.all(store.acquire("a") == 7.0)
     finally:
         store.close()
