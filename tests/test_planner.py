@@ -64,14 +64,18 @@ def measured(tmp_path, opt: str, par: str, budgets: str, model: GPT | None = Non
     ("delayed", {"delayed_update": True}, {"delayed_update": True}),
     ("accumulation", {"gradient_accumulation_steps": 2}, {"gas": 2}),
 ], ids=["fp16", "no-overlap", "delayed", "gas2"])
+@pytest.mark.parametrize("staged", [False, True], ids=["own", "cuda-path"])
 @pytest.mark.parametrize("name, opt, par", [p for p in PLACEMENTS if p[1] != "none" and p[2] == "none"])
-def test_estimate_of_a_run_that_holds_every_gradient(tmp_path, name, opt, par, variant, knobs, options):
+def test_estimate_of_a_run_that_holds_every_gradient(tmp_path, monkeypatch, name, opt, par, variant, knobs, options,
+                                                     staged):
     """fp16, overlap_step false, the delayed update and accumulation hold every gradient on the host until the
     step (the delayed update two sets): the estimate (and so estimate --config) charges it as the engine does
     (it charged a window's slots: 79 GiB for a 7B fp16 run that takes 91)."""
-    est = next(e for e in estimate(model=GPT(CFG), cuda=DEVICE.type == "cuda", **KNOBS, **knobs)
-               if e.placement == name)
-    plain = next(e for e in estimate(model=GPT(CFG), cuda=DEVICE.type == "cuda", **KNOBS) if e.placement == name)
+    if staged:
+        monkeypatch.setattr(offload.plan, "STAGE_ON_CPU", True)
+    cuda = DEVICE.type == "cuda" or staged
+    est = next(e for e in estimate(model=GPT(CFG), cuda=cuda, **KNOBS, **knobs) if e.placement == name)
+    plain = next(e for e in estimate(model=GPT(CFG), cuda=cuda, **KNOBS) if e.placement == name)
     got = measured(tmp_path, opt, par, "given", **options)["host"]
     assert est.host > plain.host and abs(est.host - got) <= 0.10 * got, (est.host, got, plain.host)
 
