@@ -37,6 +37,7 @@ from ._buffers import round_up
 from ._config import AioConfig
 from ._handle import Op, Part, SwapHandle
 from ._native import FileIO, checksum_kind, kernel_aio, kernel_aio_error
+from ._owner import remove_left_behind, write_owner
 from ._swapfile import Extent, SwapFile
 from ._workers import AiofilesWorkers, ThreadWorkers, _settle
 
@@ -81,8 +82,11 @@ class SwapEngine:
         if parent.exists() and not parent.is_dir():
             raise ValueError(f"swap directory {parent} exists and is not a directory")
         parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        remove_left_behind(parent)  # a killed run's swap files: their space is this run's
         self.directory = Path(tempfile.mkdtemp(prefix="swap-", dir=parent))  # 0700, ours alone
         try:
+            if not keep:  # (a folder asked to outlive its engine is never taken for one left behind)
+                write_owner(self.directory)
             self._file = SwapFile(self.directory / "swap.0", self._io, o_direct=self.config.o_direct)
             if self._file.fallback_reason and self.config.o_direct and str(parent) not in _warned_fallback:
                 _warned_fallback.add(str(parent))

@@ -8,20 +8,27 @@ the next write reuses; reusing written space is what keeps writes fast here (wri
 2.5x slower than overwriting on this kind of disk). So steady-state training, which rewrites the same keys every
 step, needs the live bytes plus the bytes of the writes in flight, and runs at overwrite speed.
 
-Free space is kept best-fit and coalesced; the file grows with fallocate when nothing fits, so a full disk shows as
-ENOSPC when the write is issued rather than as a short write later. ``release`` (used by delete) returns space to
+Free space is kept in two forms. An extent a key left is kept whole, listed by its length: the next write of a key
+of that length takes it back, so keys of different sizes written over and over (sub-groups and a smaller last one,
+parameters of many shapes) never split each other's space, and the file needs no more than the live bytes plus,
+for each length, the writes of that length in flight at once (:func:`cow_spare` counts them). The rest (space reserved, space
+of deleted keys) is kept best-fit and coalesced, and lengths with no extent of their own take from it, then from
+the kept extents merged back. The file grows with fallocate only when nothing fits, so a full disk shows as ENOSPC
+when the write is issued rather than as a short write later. ``release`` (used by delete) returns space to
 the filesystem: the file is truncated when the space is at its end, otherwise the range is punched out.
 """
 
 from __future__ import annotations
 
 import bisect
+import collections
 import ctypes
 import ctypes.util
 import errno
 import logging
 import os
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +39,18 @@ log = logging.getLogger(__name__)
 
 MAGIC = b"nvme_swapper swap file v1\n"
 _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+
+
+def cow_spare(groups: Iterable[Iterable[int]], writes: int) -> int:
+    """Bytes a swap file needs beside its live keys for copy-on-write rewrites, with the extents keys leave kept
+    per length (:meth:`SwapFile.free`): keys are rewritten in ``groups`` (the byte sizes of the keys of one group
+    are written together), at most ``writes`` groups at once; each page-rounded length needs one spare extent per
+    key of that length in the ``writes`` groups that hold the most of them."""
+    per_length: dict[int, list[int]] = collections.defaultdict(list)
+    for group in groups:
+        for length, count in collections.Counter(round_up(n, PAGE) for n in group if n > 0).items():
+            per_length[length].append(count)
+    return sum(length * sum(sorted(counts, reverse=True)[:writes]) for length, counts in per_length.items())
 
 
 @dataclass(frozen=True)
@@ -48,6 +67,7 @@ class SwapFile:
         self._io = io
         self._lock = threading.Lock()
         self._free: list[tuple[int, int]] = []  # (offset, length), sorted by offset, coalesced
+        self._kept: dict[int, list[int]] = {}  # length -> offsets of extents keys left, for keys of that length
         self.direct = False
         self.fallback_reason: str | None = None
         base = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
@@ -95,23 +115,41 @@ class SwapFile:
         if length == 0:
             return Extent(0, 0)
         with self._lock:
-            best = None
-            for i, (off, ln) in enumerate(self._free):
-                if ln >= length and (best is None or ln < self._free[best][1]):
-                    best = i
-                    if ln == length:
-                        break
-            if best is not None:
-                off, ln = self._free.pop(best)
-                if ln > length:
-                    self._free.insert(best, (off + length, ln - length))
-                return Extent(off, length)
+            kept = self._kept.get(length)
+            if kept:
+                return Extent(kept.pop(), length)
+            extent = self._best_fit(length)
+            if extent is None and self._kept:  # other lengths' kept extents, merged back, before the file grows
+                self._merge_kept()
+                extent = self._best_fit(length)
+            if extent is not None:
+                return extent
             # grow: extend a free run that ends at the end of the file, or append
             start = self.size
             if self._free and sum(self._free[-1]) == self.size:
                 start = self._free.pop()[0]
             self._grow(start + length)
             return Extent(start, length)
+
+    def _merge_kept(self) -> None:
+        for ln, offsets in self._kept.items():
+            for off in offsets:
+                self._insert_free(off, ln)
+        self._kept.clear()
+
+    def _best_fit(self, length: int) -> Extent | None:
+        best = None
+        for i, (off, ln) in enumerate(self._free):
+            if ln >= length and (best is None or ln < self._free[best][1]):
+                best = i
+                if ln == length:
+                    break
+        if best is None:
+            return None
+        off, ln = self._free.pop(best)
+        if ln > length:
+            self._free.insert(best, (off + length, ln - length))
+        return Extent(off, length)
 
     def _grow(self, new_size: int) -> None:
         try:
@@ -126,11 +164,11 @@ class SwapFile:
         self.size = new_size
 
     def free(self, extent: Extent) -> None:
-        """Returns an extent to the free space, keeping its blocks (the next write there is an overwrite)."""
+        """Keeps an extent a key left, with its blocks, for the next write of that length (an overwrite)."""
         if extent.length == 0:
             return
         with self._lock:
-            self._insert_free(extent.offset, extent.length)
+            self._kept.setdefault(extent.length, []).append(extent.offset)
 
     def _insert_free(self, offset: int, length: int) -> None:
         i = bisect.bisect_left(self._free, (offset, 0))
@@ -150,6 +188,7 @@ class SwapFile:
             return
         with self._lock:
             self._insert_free(extent.offset, extent.length)
+            self._merge_kept()  # (a delete is rare: the space at the end goes back whole)
             off, ln = self._free[-1]
             if off + ln == self.size:
                 self._free.pop()
@@ -181,14 +220,15 @@ class SwapFile:
                     raise OSError(errno.ENOSPC, f"short write reserving space in {self.path}")
                 done += n
         finally:
-            self.free(extent)
+            with self._lock:
+                self._insert_free(extent.offset, extent.length)  # for any length
 
     # accounting and lifetime ------------------------------------------------------------------------------------
 
     @property
     def free_bytes(self) -> int:
         with self._lock:
-            return sum(ln for _, ln in self._free)
+            return sum(ln for _, ln in self._free) + sum(ln * len(offs) for ln, offs in self._kept.items())
 
     def close(self, remove: bool) -> None:
         if self.fd >= 0:

@@ -55,6 +55,7 @@ import torch
 
 from nvme_swapper import aligned_tensor
 from nvme_swapper._native import memory_at
+from nvme_swapper._owner import alive
 
 from .dist import CommError
 from .optim._schedule import WarmupSchedule
@@ -145,7 +146,11 @@ class _TensorFile:
         view = memory_at(t.data_ptr(), nbytes) if nbytes else memoryview(b"")
         done = 0
         while done < nbytes:
-            n = (os.pwritev if write else os.preadv)(self.fd, [view[done:]], start + done)
+            try:
+                n = (os.pwritev if write else os.preadv)(self.fd, [view[done:]], start + done)
+            except OSError as exc:  # (the errno kept, the file and entry named)
+                raise OSError(exc.errno, f"{'writing' if write else 'reading'} {name} in {self.path}: "
+                                         f"{os.strerror(exc.errno or 5)}", str(self.path)) from None
             if n <= 0:
                 raise OSError(5, f"short {'write' if write else 'read'} of {name} in {self.path}")
             done += n
@@ -193,17 +198,6 @@ def _state_dict_entries(engine: "Engine", names: list[str], frozen: bool) -> dic
     for n, b in engine.module.named_buffers():
         entry.setdefault(id(b), f"buffer/{n}")
     return {key: entry[id(t)] for key, t in engine.module.state_dict(keep_vars=True).items() if id(t) in entry}
-
-
-def _alive(pid: int) -> bool:
-    """Whether the process that owns a temporary checkpoint directory still runs (on this machine)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (OSError, OverflowError):
-        return True  # another user's process, or not a pid at all: leave it
-    return True
 
 
 def _shard_names(rank: int) -> tuple[str, str]:
@@ -302,15 +296,30 @@ def _prepare(root: Path, tag: str, tmp: Path) -> float:
     processes that saved this tag removed); 1.0 when the tag exists already, else 0.0."""
     make_folder(root, "save_checkpoint", 0o700)
     if (root / tag).exists():
-        return 1.0
+        if not _uncommitted(root, tag):
+            return 1.0
+        log.warning("offload: %s was renamed into place but never named by %s (its process ended in between); it "
+                    "is written again", root / tag, root / "latest")
+        shutil.rmtree(root / tag)
     shutil.rmtree(tmp, ignore_errors=True)
     stale = re.compile(rf"\.tmp-{re.escape(tag)}-(\d{{1,9}})")
     for other in root.iterdir():
         found = stale.fullmatch(other.name)
-        if found and not _alive(int(found.group(1))):
+        if found and not alive(int(found.group(1))):
             shutil.rmtree(other, ignore_errors=True)
     tmp.mkdir(mode=0o700)
     return 0.0
+
+
+def _uncommitted(root: Path, tag: str) -> bool:
+    """Whether checkpoint ``tag`` is one whose commit a process did not finish: renamed into place after ``latest``
+    was last written (the commit writes ``latest`` right after the rename), and not named by it."""
+    latest = root / "latest"
+    try:
+        named, written = latest.read_text().strip(), latest.stat().st_mtime_ns
+    except FileNotFoundError:
+        return False  # (a folder copied in without its latest: kept, as any checkpoint)
+    return named != tag and (root / tag).stat().st_mtime_ns > written
 
 
 def _check_schedule_state(engine: "Engine") -> None:
@@ -453,14 +462,17 @@ def _write_shard(engine: "Engine", tmp: Path, frozen: bool) -> dict[str, dict[st
 
 
 def _write_file(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o600)
     try:
-        view, done = memoryview(data), 0
-        while done < len(data):
-            done += os.write(fd, view[done:])
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o600)
+        try:
+            view, done = memoryview(data), 0
+            while done < len(data):
+                done += os.write(fd, view[done:])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:  # (the errno kept, the file named)
+        raise OSError(exc.errno, f"writing {path}: {os.strerror(exc.errno or 5)}", str(path)) from None
 
 
 class Checkpoint:
@@ -591,6 +603,7 @@ def load(engine: "Engine", root: Path, tag: str | None, before_write: Any = None
         frozen = not meta.get("frozen_excluded", False)
         source = _sources(engine, names, ck.shapes, frozen, optimizer)
         _check_matches(engine, names, ck, source, optimizer)
+        client = _client_state(ck.folder, meta.get("client_state"))  # read before the engine is touched
         if before_write is not None:
             before_write()
         for sg in layout.sub_groups:
@@ -644,8 +657,21 @@ def load(engine: "Engine", root: Path, tag: str | None, before_write: Any = None
                 b.copy_(engine.copies.upload(ck.read(f"buffer/{n}")))
     finally:
         ck.close()
-    client = meta.get("client_state")
-    return ck.folder, torch.load(ck.folder / client, map_location="cpu", weights_only=True) if client else {}
+    return ck.folder, client
+
+
+def _client_state(folder: Path, name: str | None) -> Any:
+    """The client_state a checkpoint holds ({} if none), or ValueError naming the file if it cannot be read."""
+    if not name:
+        return {}
+    try:
+        return torch.load(folder / name, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise ValueError(f"checkpoint {folder} is damaged: its meta.json names {name}, which is missing; nothing "
+                         "was loaded") from None
+    except Exception as exc:  # noqa: BLE001 - torch's reader raises RuntimeError/UnpicklingError/EOFError
+        raise ValueError(f"checkpoint {folder / name} is damaged ({type(exc).__name__}: {str(exc)[:200]}); nothing "
+                         "was loaded") from None
 
 
 def _sources(engine: "Engine", names: list[str], held: Mapping[str, Any], frozen: bool,

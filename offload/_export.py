@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 
+from nvme_swapper._owner import alive
+
 from ._checkpoint import make_folder
 from ._convert import hub_layout
 from .config import parse_bytes
@@ -53,6 +55,9 @@ def plan_shards(sizes: Iterable[tuple[str, int]], max_shard_bytes: int) -> list[
     return shards
 
 
+_TMP = re.compile(r"\..+\.tmp-(\d{1,9})")
+
+
 def _write_tmp(folder: Path, name: str, tensors: dict[str, torch.Tensor] | None, text: str = "", *,
                torch_file: bool = False) -> Path:
     """``name`` written and fsynced under a temporary name in ``folder``; returns that path. ``tensors`` as
@@ -61,10 +66,16 @@ def _write_tmp(folder: Path, name: str, tensors: dict[str, torch.Tensor] | None,
     so a full disk reads the same whatever the writer."""
     from safetensors.torch import save_file
 
+    for left in folder.glob(".*.tmp-*"):  # those of a process killed while it wrote here (any name): their space
+        found = _TMP.fullmatch(left.name)
+        if found and not alive(int(found.group(1))):
+            with contextlib.suppress(OSError):
+                left.unlink()
     tmp = folder / f".{name}.tmp-{os.getpid()}"
     try:
         if tensors is not None and torch_file:
-            torch.save(tensors, tmp)
+            with open(tmp, "wb") as f:  # through a file object: a full disk is the OSError of its write (in the
+                torch.save(tensors, f)  # chain of torch's container error, which has no path or errno)
             os.chmod(tmp, 0o666 & ~_umask())
         elif tensors is not None:
             save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
@@ -79,9 +90,14 @@ def _write_tmp(folder: Path, name: str, tensors: dict[str, torch.Tensor] | None,
     except BaseException as exc:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)  # a full disk gets its space back
+        if isinstance(exc, OSError):
+            raise
+        cause = exc.__cause__ or exc.__context__  # torch's writer: the file's OSError, under its own error
+        if isinstance(cause, OSError) and cause.errno:
+            raise OSError(cause.errno, f"writing {folder / name}: {os.strerror(cause.errno)}") from exc
         # safetensors reports I/O errors as its own type: "os error 28" (>= 0.6), "Os { code: 28, ..." (0.4-0.5)
         code = re.search(r"os error (\d+)|Os \{ code: (\d+)", str(exc))
-        if code is not None and not isinstance(exc, OSError):
+        if code is not None:
             raise OSError(int(code.group(1) or code.group(2)), f"writing {folder / name}: {exc}") from exc
         raise
     return tmp

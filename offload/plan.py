@@ -24,6 +24,8 @@ from typing import Mapping
 
 import torch
 
+from nvme_swapper import PAGE, cow_spare
+
 from .config import OffloadConfig
 from .dist._buckets import pool_buffers
 from .memory import Tier, arena_span, default_host_budget, fmt_bytes
@@ -375,9 +377,10 @@ def expected_bytes(plan: Plan, model: ModelSizes) -> dict[Tier, int]:
     elif plan.optimizer_tier is Tier.NVME:
         buffers = min(plan.buffer_count, len(layout.sub_groups))
         slot = _round4k(12 * max_sg)
-        state = sum(12 * sg.numel for sg in layout.sub_groups)
+        keys = [12 * sg.numel for sg in layout.sub_groups]
         out[Tier.HOST] += buffers * slot
-        out[Tier.NVME] += state + spare_writes(state, slot, buffers) * slot
+        out[Tier.NVME] += sum(_round4k(n) for n in keys) + PAGE + cow_spare(
+            [[n] for n in keys], spare_writes(sum(keys), slot, buffers))
     if plan.param_tier is Tier.HOST:
         out[Tier.HOST] += d * (owned if per_param else flat) + (d * frozen.owned_numel(0) if frozen else 0)
     elif plan.param_tier is Tier.NVME:
@@ -389,12 +392,15 @@ def expected_bytes(plan: Plan, model: ModelSizes) -> dict[Tier, int]:
         else:
             out[Tier.HOST] += d * persistent  # host copies (homes are written through the optimizer's staging of
             # updated parameters, one part at a time)
-            held = [seg.numel for sg in layout.sub_groups for seg in sg.segments
-                    if model.params[seg.param] > plan.persistence_threshold]
+            updated = [[d * seg.numel for seg in sg.segments if model.params[seg.param] > plan.persistence_threshold]
+                       for sg in layout.sub_groups]  # a key per part; an update rewrites its sub-group's at once
+            frozen_parts = []
             for s in model.frozen_params:  # frozen ones in parts of the staging's size
                 if s > plan.persistence_threshold:
-                    held += [max_sg] * (s // max_sg) + ([s % max_sg] if s % max_sg else [])
-            out[Tier.NVME] += d * (sum(held) + max(held, default=0))  # a key per part, and one spare extent
+                    frozen_parts += [max_sg] * (s // max_sg) + ([s % max_sg] if s % max_sg else [])
+            live = [n for group in updated for n in group] + [d * n for n in frozen_parts]
+            out[Tier.NVME] += sum(_round4k(n) for n in live) + PAGE + cow_spare(updated, UPDATE_BUFFERS) + \
+                cow_spare([[d * n] for n in frozen_parts], 1)
             if plan.cuda_path:  # the pinned arena reads land in
                 out[Tier.HOST] += d * plan.read_staging(homed)
     if plan.param_tier is Tier.HOST and not per_param:

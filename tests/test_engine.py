@@ -1442,6 +1442,52 @@ def test_a_checkpoint_inside_an_accumulation_window_is_refused(tmp_path):
         engine.save_checkpoint(tmp_path / "ckpt")
 
 
+KILLED_AT_LATEST = """
+import os, signal, sys, torch
+sys.path.insert(0, {tests!r})
+import offload
+from models import batches, lm_loss, make
+engine = offload.initialize(make(), {cfg!r})
+real = os.replace
+for i, (x, y) in enumerate(batches(3)):
+    engine.backward(lm_loss(engine(x), y))
+    engine.step()
+    if i == 2:  # the third save is killed after its folder is renamed into place, before latest names it
+        os.replace = lambda a, b, *rest: os.kill(os.getpid(), signal.SIGKILL) if str(b).endswith("latest") else \
+            real(a, b, *rest)
+    engine.save_checkpoint({ckpt!r})
+"""
+
+
+def test_a_run_killed_inside_a_commit_resumes_and_saves_that_tag_again(tmp_path):
+    """SIGKILL between a checkpoint folder's rename into place and ``latest`` naming it: the resumed run loads the
+    one before (latest's) and, reaching that step again, saves its tag again (it raised "already exists" and the
+    training loop died); a tag latest names, or one saved before it, is still never overwritten."""
+    import subprocess
+    import sys
+
+    cfg = config(tmp_path, "cpu")
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED_AT_LATEST.format(tests=str(Path(__file__).resolve().parent), cfg=cfg,
+                                              ckpt=str(tmp_path / "ck")))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == -9, done.stderr[-3000:]
+    assert (tmp_path / "ck" / "latest").read_text() == "step2" and (tmp_path / "ck" / "step3").is_dir()
+    data = batches(3)
+    with offload.initialize(make(seed=1), cfg) as engine:
+        engine.load_checkpoint(tmp_path / "ck")
+        assert engine.global_steps == 2
+        x, y = data[2]
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+        assert engine.save_checkpoint(tmp_path / "ck").name == "step3"
+        assert (tmp_path / "ck" / "latest").read_text() == "step3"
+        with pytest.raises(ValueError, match="already exists"):
+            engine.save_checkpoint(tmp_path / "ck", tag="step1")  # committed before latest's: kept
+        with pytest.raises(ValueError, match="already exists"):
+            engine.save_checkpoint(tmp_path / "ck")
+
+
 def test_checkpoint_errors(tmp_path):
     with offload.initialize(make(), config(tmp_path, "cpu")) as engine:
         engine_dir = tmp_path / "ckpt"
@@ -1487,6 +1533,7 @@ def test_a_save_that_fills_the_disk_gives_the_space_back(small_ext4):
         with pytest.raises(OSError) as info:
             engine.save_checkpoint(root, tag="b")
         assert info.value.errno == errno.ENOSPC, info.value
+        assert f"in {root}/.tmp-b-" in str(info.value), info.value  # the file it was writing, named
         assert sorted(p.name for p in root.iterdir()) == ["a", "latest"]
         assert os.statvfs(small_ext4).f_bavail == free
     with offload.initialize(make(d=192), config(small_ext4, "cpu")) as engine:
@@ -1584,6 +1631,15 @@ def test_a_load_that_fails_after_it_began_writing_leaves_the_engine_failed(tmp_p
         with pytest.raises(ValueError, match="truncated"):
             engine.load_checkpoint(tmp_path / "ckpt", tag="short")
         assert engine.phase is offload.Phase.IDLE
+        for damage in ("cut", "gone"):  # a client_state that cannot be read back: named, and nothing loaded
+            bad = engine.save_checkpoint(tmp_path / "ckpt", tag=damage, client_state={"epoch": 2})
+            if damage == "cut":
+                os.truncate(bad / "client_state.pt", 10)
+            else:
+                (bad / "client_state.pt").unlink()
+            with pytest.raises(ValueError, match=rf"checkpoint {bad}.* is damaged.*nothing was loaded"):
+                engine.load_checkpoint(tmp_path / "ckpt", tag=damage)
+            assert engine.phase is offload.Phase.IDLE
         monkeypatch.setattr(_checkpoint.Checkpoint, "read_range",
                             fails_on_call(_checkpoint.Checkpoint.read_range, 3, OSError(5, "injected EIO")))
         with pytest.raises(OSError, match="injected EIO"):

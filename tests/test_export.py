@@ -132,6 +132,26 @@ def test_a_failed_export_leaves_the_previous_one(tmp_path):
     assert all(torch.equal(v, tensors[k]) for k, v in read_folder(tmp_path).items())
 
 
+def test_an_export_removes_what_a_killed_export_left(tmp_path):
+    """A process killed while it wrote an export leaves its hidden temporary file (up to a shard, or the model);
+    the next export into that folder removes those of dead processes, and only those."""
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / f".model-00001-of-00002.safetensors.tmp-{pid}").write_bytes(b"\0" * 4096)
+    (out / f".pytorch_model.bin.tmp-{os.getpid()}-x").write_bytes(b"")  # not the pattern: kept
+    mine = out / f".other.safetensors.tmp-{os.getppid()}"  # a live process's: kept
+    mine.write_bytes(b"")
+    with offload.initialize(make(), {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}) as engine:
+        engine.save_safetensors(out)
+    assert sorted(p.name for p in out.iterdir()) == sorted(["model.safetensors", mine.name,
+                                                              f".pytorch_model.bin.tmp-{os.getpid()}-x"])
+
+
 def test_an_export_that_fills_the_disk_gives_the_space_back(small_ext4):
     """A real ENOSPC from a 16 MiB filesystem midway through a shard: the error is raised, the earlier export stays
     whole and loadable, and the partial shard's temporary file is gone (before, a failing write left it)."""
@@ -148,6 +168,11 @@ def test_an_export_that_fills_the_disk_gives_the_space_back(small_ext4):
         free = os.statvfs(small_ext4).f_bavail
         with pytest.raises(OSError) as info:
             engine.save_safetensors(out, max_shard_size="2MB")
+        assert info.value.errno == errno.ENOSPC, info.value
+        assert os.statvfs(small_ext4).f_bavail == free
+        # a torch file (save_16bit_model's default) too: the write's OSError, not torch's container error
+        with pytest.raises(OSError) as info:
+            engine.save_16bit_model(out)
         assert info.value.errno == errno.ENOSPC, info.value
         assert os.statvfs(small_ext4).f_bavail == free
     assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]

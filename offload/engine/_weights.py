@@ -205,7 +205,9 @@ class Weights:
             staging=plan.read_staging([p.numel() for p in layout.params + frozen if p.numel() >
                                        plan.persistence_threshold]) if plan.cuda_path and self.shards is None else 0,
             # each parameter read into the masters just before it moves to its home
-            before_home=lambda i: optimizer.fill_masters(min(i + 1, trainable)))
+            before_home=lambda i: optimizer.fill_masters(min(i + 1, trainable)),
+            written_together=[[(seg.param, seg.param_start) for seg in sg.segments] for sg in layout.sub_groups],
+            writes=UPDATE_BUFFERS)
         optimizer.fill_masters()  # the rest: sub-groups of padding alone
 
     def _segments(self) -> list[list[tuple[int, int]]]:

@@ -30,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-from nvme_swapper import AioConfig, FileIO, SwapEngine, SwapHandle, aligned_tensor
+from nvme_swapper import (PAGE, AioConfig, FileIO, SwapEngine, SwapHandle, aligned_tensor, cow_spare,
+                          remove_left_behind)
 from nvme_swapper._buffers import HUGE_PAGE
 
 from ..ops import host_stream_buffer
@@ -97,6 +98,7 @@ def prepare_nvme_path(path: str | os.PathLike[str], key: str) -> Path:
                       "writable directory", str(root)) from None
     os.close(fd)
     os.unlink(probe)
+    remove_left_behind(root)  # a killed run's swap folders: their space is counted free for this run
     return root
 
 
@@ -199,17 +201,19 @@ class TieredStore:
         account.reserve(nbytes, what, fix)
 
     def open_nvme(self, path: str | os.PathLike[str], aio: AioConfig, *, slot_bytes: int, buffer_count: int,
-                  total_bytes: int, what: str, spare_writes: int | None = None,
+                  total_bytes: int, what: str, spare_writes: int | None = None, key_bytes: list[int] | None = None,
                   file_io: FileIO | None = None) -> None:
         """Creates the swap engine and the staging pool, and claims NVME space for ``total_bytes`` of tensors plus
-        one spare extent per write allowed in flight (``spare_writes``, default one per buffer: a copy-on-write
+        a spare extent per write allowed in flight (``spare_writes``, default one per buffer: a copy-on-write
         write needs room beside the data it replaces; ``evict`` waits for the oldest write rather than exceed
-        them)."""
+        them), of each length among ``key_bytes`` (the keys' sizes; default: all of ``slot_bytes``)."""
         assert self._swap is None, "open_nvme called twice"
         root = Path(path)
         self._max_writes = spare_writes = spare_writes or buffer_count
-        spare = spare_writes * (-(-slot_bytes // 4096) * 4096)
-        self.claim_nvme(root, total_bytes + spare, f"{what} on {root}",
+        if key_bytes is not None:  # each key in its page-rounded extent
+            total_bytes = sum(-(-n // PAGE) * PAGE for n in key_bytes)
+        spare = cow_spare([[n] for n in key_bytes or [slot_bytes] * spare_writes], spare_writes)
+        self.claim_nvme(root, total_bytes + spare + PAGE, f"{what} on {root}",  # (and the file's header page)
                         f"free disk space at {root}, point zero_optimization.offload_optimizer.nvme_path at a larger "
                         "filesystem, lower the state offloaded there, or raise offload.nvme_memory_budget if it is "
                         "below the free space")

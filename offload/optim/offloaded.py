@@ -121,7 +121,8 @@ class OffloadedAdam(torch.optim.Optimizer):
             slot = 3 * layout.max_sub_group_numel * 4
             store.open_nvme(nvme_path, aio, slot_bytes=slot, buffer_count=buffer_count, total_bytes=total,
                             what=f"optimizer state ({fmt_bytes(total)})",
-                            spare_writes=spare_writes(total, -(-slot // 4096) * 4096, buffer_count))
+                            spare_writes=spare_writes(total, -(-slot // 4096) * 4096, buffer_count),
+                            key_bytes=[3 * sg.numel * 4 for sg in layout.sub_groups])
             for sg in layout.sub_groups:
                 store.register(self._key(sg), 3 * sg.numel, torch.float32)
         else:  # charged whole now, so a budget the state does not fit fails before any parameter has moved

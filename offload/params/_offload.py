@@ -67,7 +67,7 @@ from typing import Any
 
 import torch
 
-from nvme_swapper import AioConfig, SwapEngine, aligned_tensor
+from nvme_swapper import PAGE, AioConfig, SwapEngine, aligned_tensor, cow_spare
 
 from .._cleanup import close_after_failure, run_all
 from .._device import free_device_memory
@@ -165,7 +165,8 @@ class ParameterOffload:
                  max_live: int, bucket: int, nvme_path: str | None = None, aio: AioConfig | None = None,
                  shards: Any = None, scratch: torch.Tensor | None = None,
                  parts: list[list[tuple[int, int]]] | None = None, land: bool = False, staging: int = 0,
-                 before_home: Callable[[int], None] | None = None) -> None:
+                 before_home: Callable[[int], None] | None = None,
+                 written_together: list[list[tuple[int, int]]] | None = None, writes: int = 1) -> None:
         """``shards`` (a :class:`offload.dist.ParamShards`, several ranks): the homes of the parameters it covers
         are pieces on each rank; fetching one is an all-gather (collective: every rank fetches in the same
         order, which the same model, trace and window make true). ``scratch``: a host buffer of the caller's,
@@ -178,7 +179,8 @@ class ParameterOffload:
         them to the device (CUDA); 0: they are read straight into the device buffer (the CPU device tier).
         ``before_home(i)``: called before parameter ``i`` is read for its home (the engine fills the optimizer's
         masters from it then, so each parameter's memory goes once it is homed, not after every master is
-        filled)."""
+        filled). ``written_together``: the (parameter, part start) keys one update writes at once (a sub-group's
+        segments), at most ``writes`` updates at a time: the swap file's spare room for their rewrites."""
         self.module, self.store, self.copies, self.dtype = module, store, copies, dtype
         self.shards = shards
         self.device = store.device
@@ -222,9 +224,13 @@ class ParameterOffload:
             if nvme_path is not None and (homed or shards is None):
                 root = Path(nvme_path)
                 size = torch.empty((), dtype=dtype).element_size()
-                held = [n for i in homed for _, n in self._parts[i]]
-                # every part's key, plus one spare extent: a rewrite goes beside the bytes it replaces
-                nvme_bytes = (sum(held) + max(held, default=0)) * size
+                # every part's key (its page-rounded extent, and the file's header page), plus the spare extents its
+                # rewrites go to beside the bytes they replace: those of the updates in flight at once, and one at a
+                # time for the rest (frozen parts: loads)
+                parts_of = {(i, s): n * size for i in homed for s, n in self._parts[i]}
+                live = sum(-(-n // PAGE) * PAGE for n in parts_of.values()) + PAGE
+                groups = [[parts_of.pop(key) for key in group if key in parts_of] for group in written_together or []]
+                nvme_bytes = live + cow_spare(groups, writes) + cow_spare([[n] for n in parts_of.values()], 1)
                 store.claim_nvme(root, nvme_bytes, f"parameters homed on {root}", f"free disk space at {root}")
                 self._nvme_bytes = nvme_bytes
                 self._swap = SwapEngine(root, aio or AioConfig(), file_io=store.file_io)

@@ -1,0 +1,73 @@
+"""Who owns a folder a process leaves on disk while it runs (a swap engine's ``swap-*``), so that one left behind
+by a process that ended without cleaning up (SIGKILL, a preempted node) can be told from one in use and removed.
+
+The owner is written into the folder when it is made: host, pid and the pid's start time (a pid reused by a later
+process is not the owner). A folder is left behind only when its owner ran on this host and is gone; a folder
+without an owner record (another version, or one being made) and one of another host (a shared filesystem) are
+never touched.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import socket
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+OWNER = ".owner"
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs on this machine (another user's process counts as running)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, OverflowError):
+        return True  # another user's process, or not a pid at all: leave it
+    return True
+
+
+def _start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (/proc/PID/stat field 22); None where unknown."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat.rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def write_owner(folder: Path) -> None:
+    """Marks ``folder`` as this process's."""
+    pid = os.getpid()
+    fd = os.open(folder / OWNER, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+    with os.fdopen(fd, "w") as f:  # (0600 whatever the umask, as the swap file)
+        f.write(json.dumps({"host": socket.gethostname(), "pid": pid, "start": _start_time(pid)}))
+
+
+def _left_behind(folder: Path) -> bool:
+    try:
+        owner = json.loads((folder / OWNER).read_text())
+        host, pid, start = owner["host"], int(owner["pid"]), owner.get("start")
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    if host != socket.gethostname():
+        return False
+    return not alive(pid) or (start is not None and _start_time(pid) not in (None, start))
+
+
+def remove_left_behind(parent: Path, pattern: str = "swap-*") -> list[Path]:
+    """Removes the folders matching ``pattern`` in ``parent`` whose owner ended without removing them; returns
+    them (logged: the space comes back before anything is measured or reserved there)."""
+    removed = []
+    for folder in sorted(parent.glob(pattern)):
+        if folder.is_dir() and not folder.is_symlink() and _left_behind(folder):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+            log.warning("nvme_swapper: removed %s, left by a process that ended without closing its swap engine",
+                        folder)
+    return removed
