@@ -1,10 +1,10 @@
 """Who owns a folder a process leaves on disk while it runs (a swap engine's ``swap-*``), so that one left behind
 by a process that ended without cleaning up (SIGKILL, a preempted node) can be told from one in use and removed.
 
-The owner is written into the folder when it is made: host, pid and the pid's start time (a pid reused by a later
-process is not the owner). A folder is left behind only when its owner ran on this host and is gone; a folder
-without an owner record (another version, or one being made) and one of another host (a shared filesystem) are
-never touched.
+The owner is written into the folder when it is made: host, boot, pid namespace, pid and the pid's start time (a
+pid reused by a later process is not the owner). A folder is left behind only when its owner ran on this host,
+since this boot, in this pid namespace (containers sharing a host and a disk see their own pids), and is gone; a
+folder without a full owner record (another version, one being made, /proc missing) is never touched.
 """
 
 from __future__ import annotations
@@ -41,21 +41,35 @@ def _start_time(pid: int) -> int | None:
         return None
 
 
+def _machine() -> dict[str, object] | None:
+    """What says "this host, this boot, this pid namespace"; None where /proc cannot say."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        pidns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+    return {"host": socket.gethostname(), "boot": boot, "pidns": pidns}
+
+
 def write_owner(folder: Path) -> None:
-    """Marks ``folder`` as this process's."""
+    """Marks ``folder`` as this process's (nothing where /proc cannot identify it: never removed then)."""
+    machine = _machine()
+    if machine is None:
+        return
     pid = os.getpid()
     fd = os.open(folder / OWNER, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
     with os.fdopen(fd, "w") as f:  # (0600 whatever the umask, as the swap file)
-        f.write(json.dumps({"host": socket.gethostname(), "pid": pid, "start": _start_time(pid)}))
+        f.write(json.dumps({**machine, "pid": pid, "start": _start_time(pid)}))
 
 
 def _left_behind(folder: Path) -> bool:
     try:
         owner = json.loads((folder / OWNER).read_text())
-        host, pid, start = owner["host"], int(owner["pid"]), owner.get("start")
+        pid, start = int(owner["pid"]), owner["start"]
+        here = {k: owner[k] for k in ("host", "boot", "pidns")}
     except (OSError, ValueError, KeyError, TypeError):
         return False
-    if host != socket.gethostname():
+    if here != _machine():
         return False
     return not alive(pid) or (start is not None and _start_time(pid) not in (None, start))
 
@@ -67,7 +81,8 @@ def remove_left_behind(parent: Path, pattern: str = "swap-*") -> list[Path]:
     for folder in sorted(parent.glob(pattern)):
         if folder.is_dir() and not folder.is_symlink() and _left_behind(folder):
             shutil.rmtree(folder, ignore_errors=True)
-            removed.append(folder)
-            log.warning("nvme_swapper: removed %s, left by a process that ended without closing its swap engine",
-                        folder)
+            if not folder.exists():  # (another user's cannot be removed: not reported as removed)
+                removed.append(folder)
+                log.warning("nvme_swapper: removed %s, left by a process that ended without closing its swap "
+                            "engine", folder)
     return removed

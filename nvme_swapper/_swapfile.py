@@ -168,7 +168,9 @@ class SwapFile:
         if extent.length == 0:
             return
         with self._lock:
-            self._kept.setdefault(extent.length, []).append(extent.offset)
+            kept = self._kept.setdefault(extent.length, [])
+            assert extent.offset not in kept, "double free of a swap extent"
+            kept.append(extent.offset)
 
     def _insert_free(self, offset: int, length: int) -> None:
         i = bisect.bisect_left(self._free, (offset, 0))

@@ -301,6 +301,7 @@ def _prepare(root: Path, tag: str, tmp: Path) -> float:
         log.warning("offload: %s was renamed into place but never named by %s (its process ended in between); it "
                     "is written again", root / tag, root / "latest")
         shutil.rmtree(root / tag)
+    _committing(root, tag).unlink(missing_ok=True)  # (one killed before its rename)
     shutil.rmtree(tmp, ignore_errors=True)
     stale = re.compile(rf"\.tmp-{re.escape(tag)}-(\d{{1,9}})")
     for other in root.iterdir():
@@ -311,15 +312,22 @@ def _prepare(root: Path, tag: str, tmp: Path) -> float:
     return 0.0
 
 
+def _committing(root: Path, tag: str) -> Path:
+    """The marker a commit of ``tag`` holds from before its rename into place until ``latest`` names it."""
+    return root / f".committing-{tag}"
+
+
 def _uncommitted(root: Path, tag: str) -> bool:
-    """Whether checkpoint ``tag`` is one whose commit a process did not finish: renamed into place after ``latest``
-    was last written (the commit writes ``latest`` right after the rename), and not named by it."""
+    """Whether checkpoint ``tag`` is one whose commit a process did not finish: its marker is still there and
+    ``latest`` does not name it (a marker left beside a committed tag is removed)."""
+    marker = _committing(root, tag)
+    if not marker.exists():
+        return False
     latest = root / "latest"
-    try:
-        named, written = latest.read_text().strip(), latest.stat().st_mtime_ns
-    except FileNotFoundError:
-        return False  # (a folder copied in without its latest: kept, as any checkpoint)
-    return named != tag and (root / tag).stat().st_mtime_ns > written
+    if latest.exists() and latest.read_text().strip() == tag:
+        marker.unlink(missing_ok=True)  # killed after latest named it: committed
+        return False
+    return True
 
 
 def _check_schedule_state(engine: "Engine") -> None:
@@ -382,6 +390,9 @@ def _commit(engine: "Engine", index: dict[str, dict[str, Any]], frozen: bool, tm
         meta["client_state"] = CLIENT_STATE  # every loading rank reads it from meta, not from a folder's listing
     _write_file(tmp / "meta.json", json.dumps(meta, indent=1).encode())
     _fsync_dir(tmp)
+    marker = _committing(root, final.name)
+    _write_file(marker, b"")  # until ``latest`` names it: a process killed in between left it uncommitted
+    _fsync_dir(root)
     os.rename(tmp, final)
     try:
         _fsync_dir(root)
@@ -391,8 +402,10 @@ def _commit(engine: "Engine", index: dict[str, dict[str, Any]], frozen: bool, tm
         shutil.rmtree(final, ignore_errors=True)  # ``latest`` still names the previous one: nothing committed
         with contextlib.suppress(OSError):
             (root / ".latest.tmp").unlink(missing_ok=True)
+            marker.unlink(missing_ok=True)
         raise
     try:
+        marker.unlink()
         _fsync_dir(root)
     except OSError as exc:  # committed: ``latest`` names it; only its durability across a crash is in doubt
         log.warning("offload: checkpoint %s is committed but %s could not be synced (%s): a crash before the "

@@ -1462,7 +1462,8 @@ for i, (x, y) in enumerate(batches(3)):
 def test_a_run_killed_inside_a_commit_resumes_and_saves_that_tag_again(tmp_path):
     """SIGKILL between a checkpoint folder's rename into place and ``latest`` naming it: the resumed run loads the
     one before (latest's) and, reaching that step again, saves its tag again (it raised "already exists" and the
-    training loop died); a tag latest names, or one saved before it, is still never overwritten."""
+    training loop died); a committed tag (latest's, an older one, one with a file added since) is never
+    overwritten: only a tag whose commit marker is still there."""
     import subprocess
     import sys
 
@@ -1482,8 +1483,11 @@ def test_a_run_killed_inside_a_commit_resumes_and_saves_that_tag_again(tmp_path)
         engine.step()
         assert engine.save_checkpoint(tmp_path / "ck").name == "step3"
         assert (tmp_path / "ck" / "latest").read_text() == "step3"
+        (tmp_path / "ck" / "step1" / "NOTES.txt").write_text("x")  # a file added to a committed one: still kept
         with pytest.raises(ValueError, match="already exists"):
-            engine.save_checkpoint(tmp_path / "ck", tag="step1")  # committed before latest's: kept
+            engine.save_checkpoint(tmp_path / "ck", tag="step1")
+        assert (tmp_path / "ck" / "step1" / "NOTES.txt").exists()
+        assert not list((tmp_path / "ck").glob(".committing-*"))
         with pytest.raises(ValueError, match="already exists"):
             engine.save_checkpoint(tmp_path / "ck")
 

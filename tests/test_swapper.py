@@ -212,7 +212,8 @@ def test_rewrites_of_keys_of_many_sizes_stay_within_the_spare_room(sizes, writes
 def test_a_killed_processs_swap_folder_goes_at_the_next_start(tmp_path):
     """A process killed with its swap engine open (SIGKILL: no close) leaves its swap folder; the next engine on
     that directory removes it before anything is measured there, and only it: the folder of a live engine, one of
-    another host (a shared filesystem) and one without an owner record stay."""
+    another host (a shared filesystem) or pid namespace (a container on this host) and one without an owner record
+    stay."""
     import json
     import subprocess
     import sys
@@ -225,15 +226,17 @@ def test_a_killed_processs_swap_folder_goes_at_the_next_start(tmp_path):
     assert done.returncode == -9, done.stderr[-2000:]
     (dead,) = tmp_path.glob("swap-*")
     assert (dead / "swap.0").stat().st_size >= 1 << 20
-    foreign, ownerless = tmp_path / "swap-foreign", tmp_path / "swap-ownerless"
-    foreign.mkdir()
-    (foreign / ".owner").write_text(json.dumps({"host": "another-host", "pid": 1 << 22, "start": 1}))
+    owner = json.loads((dead / ".owner").read_text())
+    foreign, container, ownerless = tmp_path / "swap-foreign", tmp_path / "swap-container", tmp_path / "swap-ownerless"
+    for folder, changed in ((foreign, {"host": "another-host"}), (container, {"pidns": owner["pidns"] + 1})):
+        folder.mkdir()  # the same dead pid, on another host / in another pid namespace (its pids are not ours)
+        (folder / ".owner").write_text(json.dumps({**owner, **changed}))
     ownerless.mkdir()
     with SwapEngine(tmp_path) as live, SwapEngine(tmp_path) as second:
         assert not dead.exists()
-        assert live.directory.exists() and foreign.exists() and ownerless.exists()
+        assert live.directory.exists() and foreign.exists() and container.exists() and ownerless.exists()
         assert {p.name for p in tmp_path.glob("swap-*")} == {live.directory.name, second.directory.name,
-                                                             "swap-foreign", "swap-ownerless"}
+                                                             "swap-foreign", "swap-container", "swap-ownerless"}
 
 
 def test_overwrite_reuses_space_and_delete_returns_it(tmp_path):

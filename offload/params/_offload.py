@@ -211,6 +211,7 @@ class ParameterOffload:
         self._phase = "forward"
         self._frozen_in_backward: set[int] = set()
         self._nvme_bytes = 0
+        self._home_writes: dict[int, int] = {}  # parameter -> its part writes in flight at once (else 1)
         self._private: list[torch.Tensor] = []  # host copies this object allocated (and frees at close)
         self._parts = parts or []
         try:
@@ -230,10 +231,14 @@ class ParameterOffload:
                 parts_of = {(i, s): n * size for i in homed for s, n in self._parts[i]}
                 live = sum(-(-n // PAGE) * PAGE for n in parts_of.values()) + PAGE
                 groups = [[parts_of.pop(key) for key in group if key in parts_of] for group in written_together or []]
+                self._home_writes = {i: writes for group in written_together or [] for i, _ in group}
                 nvme_bytes = live + cow_spare(groups, writes) + cow_spare([[n] for n in parts_of.values()], 1)
                 store.claim_nvme(root, nvme_bytes, f"parameters homed on {root}", f"free disk space at {root}")
                 self._nvme_bytes = nvme_bytes
                 self._swap = SwapEngine(root, aio or AioConfig(), file_io=store.file_io)
+                # written now, as the optimizer's: each length's spare extents come from this room, never from
+                # splitting another length's (the file would then outgrow the claim)
+                self._swap.reserve(nvme_bytes - PAGE)
                 if staging:
                     self._arena = StagingArena(store, staging, dtype, "the pinned staging of parameters read from "
                                                "NVMe", "raise offload.host_memory_budget or lower "
@@ -870,7 +875,13 @@ class ParameterOffload:
                 self._refresh(rec)
         else:
             flat = value.reshape(-1)
-            wait_all([self.write_home_part(index, start, flat[start : start + n]) for start, n in rec.parts])
+            window = self._home_writes.get(index, 1)  # the rewrites in flight the swap file's claim has room for
+            handles: list[Any] = []
+            for start, n in rec.parts:
+                if len(handles) == window:
+                    handles.pop(0).wait()
+                handles.append(self.write_home_part(index, start, flat[start : start + n]))
+            wait_all(handles)
             if rec.state is ParamState.AVAILABLE:
                 self._upload_now(rec, flat)
 

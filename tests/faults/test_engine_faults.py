@@ -319,7 +319,9 @@ def test_a_disk_failure_midway_through_initialize_says_what_it_left_of_the_model
     model = make()
     given = {n: (p.dtype, p.device, p.detach().clone()) for n, p in model.named_parameters()}
     faults = Faults()
-    faults.arm("write", errno.EIO, times=None, after=4)  # the space reservations, then the first homes or state
+    # the swap files' headers and space reservations (one more with parameter homes on NVMe), then the first homes
+    # or state
+    faults.arm("write", errno.EIO, times=None, after=4 + (placement == "all-nvme"))
     with pytest.raises(OSError, match=r"write of key '(param|adam)/.*' failed: Input/output error") as info:
         offload.initialize(model, placement_config(tmp_path, placement, bf16={"enabled": True}), _file_io=faults)
     moved = [n for n, p in model.named_parameters() if (p.dtype, p.device) != given[n][:2]]
