@@ -392,8 +392,13 @@ def _commit(engine: "Engine", index: dict[str, dict[str, Any]], frozen: bool, tm
     _fsync_dir(tmp)
     marker = _committing(root, final.name)
     _write_file(marker, b"")  # until ``latest`` names it: a process killed in between left it uncommitted
-    _fsync_dir(root)
-    os.rename(tmp, final)
+    try:
+        _fsync_dir(root)
+        os.rename(tmp, final)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            marker.unlink(missing_ok=True)
+        raise
     try:
         _fsync_dir(root)
         _write_file(root / ".latest.tmp", final.name.encode())

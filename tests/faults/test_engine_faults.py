@@ -114,6 +114,27 @@ def test_swap_fault_mid_step_names_key_and_file_and_loses_nothing(tmp_path, unfa
         assert_same(state(engine), unfaulted)
 
 
+def test_a_step_whose_swap_writes_fail_raises_once(tmp_path):
+    """Parameters and optimizer on NVMe, the disk's writes failing (ENOSPC) mid-window: the step raises the error
+    once, and never again ``close()`` (or a ``with`` block's exit) once the disk works; the swap files go."""
+    faults = Faults()
+    cfg = {"optimizer": {"type": "AdamW", "params": {"lr": 3e-3}}, "gradient_accumulation_steps": 2,
+           "gradient_clipping": 0.5, "aio": {"block_size": 1 << 16},
+           "zero_optimization": {"stage": 3, "sub_group_size": 8192, "stage3_param_persistence_threshold": 0,
+                                 "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "swap")},
+                                 "offload_param": {"device": "nvme", "nvme_path": str(tmp_path / "swap")}}}
+    engine = offload.initialize(make(d=96), cfg, _file_io=faults)
+    try:
+        faults.arm("write", errno.ENOSPC)
+        with pytest.raises(OSError) as info:
+            bounded(lambda: [step(engine, batch) for batch in batches(4)])
+        assert info.value.errno == errno.ENOSPC and engine.phase is offload.Phase.FAILED
+    finally:
+        faults.disarm()
+        engine.close()
+    assert engine.phase is offload.Phase.CLOSED and not any((tmp_path / "swap").rglob("swap.*"))
+
+
 @pytest.mark.parametrize("op", ["write", "read"])
 def test_one_off_short_transfers_are_completed_transparently(tmp_path, unfaulted, op):
     faults = Faults()
