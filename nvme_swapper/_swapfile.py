@@ -11,11 +11,11 @@ step, needs the live bytes plus the bytes of the writes in flight, and runs at o
 Free space is kept in two forms. An extent a key left is kept whole, listed by its length: the next write of a key
 of that length takes it back, so keys of different sizes written over and over (sub-groups and a smaller last one,
 parameters of many shapes) never split each other's space, and the file needs no more than the live bytes plus,
-for each length, the writes of that length in flight at once (:func:`cow_spare` counts them). The rest (space reserved, space
-of deleted keys) is kept best-fit and coalesced, and lengths with no extent of their own take from it, then from
-the kept extents merged back. The file grows with fallocate only when nothing fits, so a full disk shows as ENOSPC
-when the write is issued rather than as a short write later. ``release`` (used by delete) returns space to
-the filesystem: the file is truncated when the space is at its end, otherwise the range is punched out.
+for each length, the writes of that length in flight at once (:func:`cow_spare` counts them). The rest (space
+reserved, space of deleted keys) is kept best-fit and coalesced, and lengths with no extent of their own take from
+it, then from the kept extents merged back. The file grows with fallocate only when nothing fits, so a full disk
+shows as ENOSPC when the write is issued rather than as a short write later. ``release`` (used by delete) returns
+space to the filesystem: the file is truncated when the space is at its end, otherwise the range is punched out.
 """
 
 from __future__ import annotations

@@ -270,9 +270,10 @@ def estimate_command(args: argparse.Namespace) -> int:
     print("\n(not counted: activations, the torch runtime, and a model built in RAM before initialize"
           + ("; on the CPU they come on top of host + device)" if not cuda else ")"))
     if args.json:
-        Path(args.json).write_text(json.dumps({"params": n, "cuda": cuda, "gpus": args.gpus, "estimates": [
-            {"placement": e.placement, "optimizer": e.optimizer, "params": e.params, "device_bytes": e.device,
-             "host_bytes": e.host, "nvme_bytes": e.nvme, "fits": e.fits, "limiting": e.limiting} for e in ests]}, indent=2))
+        rows = [{"placement": e.placement, "optimizer": e.optimizer, "params": e.params, "device_bytes": e.device,
+                 "host_bytes": e.host, "nvme_bytes": e.nvme, "fits": e.fits, "limiting": e.limiting} for e in ests]
+        Path(args.json).write_text(json.dumps({"params": n, "cuda": cuda, "gpus": args.gpus, "estimates": rows},
+                                              indent=2))
     choice = best(ests)
     if choice is None:
         print("\nnothing fits" if any(e.fits is not None for e in ests) else "\n(give --gpu-mem, --host-mem "

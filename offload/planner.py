@@ -53,8 +53,9 @@ def estimate(num_params: int | None = None, *, model: torch.nn.Module | None = N
     """Peak bytes per tier (per rank) for each placement of :data:`PLACEMENTS`, and whether each fits the given
     memory (``gpu_mem`` per device, ``host_mem`` and ``nvme_free`` per machine shared by ``gpus`` ranks). Sizes
     left None are derived as ``initialize`` derives them; ``cuda``: the device is a GPU (False: the CPU's device
-    tier, as on a machine without one, held to ``gpu_mem`` if given and counted with the host tier in its RAM); ``gradient_clipping`` > 0 holds every gradient until the step (as do
-    several ranks and accumulation), else the host gradients take a few sub-group slots. ``largest_param``
+    tier, as on a machine without one, held to ``gpu_mem`` if given and counted with the host tier in its RAM);
+    ``gradient_clipping`` > 0 holds every gradient until the step (as do several ranks and accumulation), else the
+    host gradients take a few sub-group slots. ``largest_param``
     (with ``num_params``): elements of the model's largest parameter, which sets the device room for one
     parameter's gradient and the parameter window; without it the model counts as one parameter, which charges the
     device for a gradient of the whole model (as DeepSpeed's estimators, ask for it: a GPT's embedding,

@@ -1471,7 +1471,8 @@ def test_a_run_killed_inside_a_commit_resumes_and_saves_that_tag_again(tmp_path)
     script = tmp_path / "killed.py"
     script.write_text(KILLED_AT_LATEST.format(tests=str(Path(__file__).resolve().parent), cfg=cfg,
                                               ckpt=str(tmp_path / "ck")))
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run([sys.executable, str(script)], capture_output=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == -9, done.stderr[-3000:]
     assert (tmp_path / "ck" / "latest").read_text() == "step2" and (tmp_path / "ck" / "step3").is_dir()
     data = batches(3)

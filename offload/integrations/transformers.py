@@ -21,7 +21,8 @@ logging, callbacks, checkpoint rotation, RNG state. What changes is who holds th
   and weight decay; the engine's AdamW does the steps).
 * The learning-rate schedule is the TrainingArguments' (``lr_scheduler_type``, warm-up), or the config's
   ``scheduler`` (WarmupLR / WarmupDecayLR / WarmupCosineLR; ``"auto"`` values from the TrainingArguments and the
-  step count), stepped by the Trainer. The optimizer must be AdamW (``optim`` one of :data:`ADAMW`) or the config's ``optimizer``.
+  step count), stepped by the Trainer. The optimizer must be AdamW (``optim`` one of :data:`ADAMW`) or the
+  config's ``optimizer``.
 * Each micro-batch's loss, normalised as the Trainer normalises it, goes to ``engine.backward``; the Trainer's
   optimizer step is ``engine.step()``, at the boundaries the Trainer decides (a short last window included).
   Clipping and fp16 loss scaling are the engine's, and the logged ``grad_norm`` is its global norm

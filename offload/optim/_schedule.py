@@ -15,8 +15,10 @@ lr keep their ratios; WarmupDecayLR's is still 1e-3 in DeepSpeed, and so here.
 
 WarmupCosineLR scales each group's own lr by a ratio instead: 0 before the first step (so update 0 runs at lr 0),
 ``r + (1 - r) * g(s)`` during warm-up (``r`` = warmup_min_ratio), then a cosine from 1 down to ``cos_min_ratio``,
-``c + (1 - c) * (1 + cos(pi * p)) / 2`` with ``p = min(1, (s - n + 1) / max(1, total_num_steps - n))``. Being a ``torch.optim.lr_scheduler.LRScheduler``, it sets ``param_groups[i]["lr"]``, which the CPU
-Adam kernel reads at every update, and its ``state_dict`` is plain numbers (checkpoints store it as JSON).
+``c + (1 - c) * (1 + cos(pi * p)) / 2`` with ``p = min(1, (s - n + 1) / max(1, total_num_steps - n))``.
+
+Being a ``torch.optim.lr_scheduler.LRScheduler``, it sets ``param_groups[i]["lr"]``, which the CPU Adam kernel reads
+at every update, and its ``state_dict`` is plain numbers (checkpoints store it as JSON).
 """
 
 from __future__ import annotations
