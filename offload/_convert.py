@@ -215,9 +215,19 @@ def _reverse_groups(module: torch.nn.Module, keys: list[str]) -> dict[str, list[
     converters = [c for c in reverse if isinstance(c, loading.WeightConverter)]
     groups: dict[str, list[str]] = {}
     for key in keys:
-        renamed, pattern = loading.apply_converters(key, converters)
+        renamed, pattern = _first_converter(key, converters)
         groups.setdefault(renamed if pattern is not None else key, []).append(key)
     return groups
+
+
+def _first_converter(key: str, converters: list[Any]) -> tuple[str, str | None]:
+    """``key`` renamed by the first converter whose pattern it matches, and that pattern (None: none matched), as
+    transformers' ``apply_converters`` does; written here because releases before it (5.17) lack it."""
+    for converter in converters:
+        key, pattern = converter.rename_source_key(key)
+        if pattern is not None:
+            return key, pattern
+    return key, None
 
 
 class HubLayout:

@@ -189,7 +189,9 @@ def test_estimate_plans_with_a_configs_sizes_and_the_cpus_ram_once(tmp_path, cap
                               "zero_optimization": {"stage": 2, "sub_group_size": "auto"}}))
     assert main(["estimate", "--params", "1e8", "--largest-param", "1e7", "--config", str(hf)]) == 0
     out = capsys.readouterr().out  # precision "auto": neither fp16 nor bf16 known, fp32's bytes
-    assert table(estimate(10**8, largest_param=10**7, cuda=torch.cuda.is_available(), dtype_bytes=4)) in out
+    here = {"gpu_mem": torch.cuda.get_device_properties(0).total_memory} if torch.cuda.is_available() else \
+        {"cuda": False}  # as the CLI plans: for this machine (on CUDA, the card's memory as the budget)
+    assert table(estimate(10**8, largest_param=10**7, dtype_bytes=4, **here)) in out
     hf.write_text(json.dumps({"fp16": {"enabled": True}, "offload": {"device": "cpu"}}))
     assert main(["estimate", "--params", "1e8", "--largest-param", "1e7", "--config", str(hf)]) == 0
     out = capsys.readouterr().out
