@@ -28,6 +28,7 @@ from nvme_swapper import PAGE, cow_spare
 
 from .config import OffloadConfig
 from .dist._buckets import pool_buffers
+from .dist._zero import piece_nvme_bytes
 from .memory import Tier, arena_span, default_host_budget, fmt_bytes
 from .memory._heap import available as heap_trim_available
 from .optim._layout import ALIGN, PAGE_ALIGN, FlatLayout
@@ -387,8 +388,7 @@ def expected_bytes(plan: Plan, model: ModelSizes) -> dict[Tier, int]:
         out[Tier.HOST] += UPDATE_BUFFERS * d * max_sg  # the optimizer's staging of updated parameters
         if per_param:
             out[Tier.HOST] += d * plan.read_staging(layout.piece + (frozen.piece if frozen else []))
-            parts = [seg.numel for lay in (layout, frozen) if lay for sg in lay.sub_groups for seg in sg.segments]
-            out[Tier.NVME] += d * (sum(parts) + max(parts, default=0))
+            out[Tier.NVME] += piece_nvme_bytes(layout, frozen, d, UPDATE_BUFFERS)
         else:
             out[Tier.HOST] += d * persistent  # host copies (homes are written through the optimizer's staging of
             # updated parameters, one part at a time)

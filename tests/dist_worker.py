@@ -223,7 +223,11 @@ def run(spec: dict, r: dict, rank: int, world: int, out: Path) -> None:
         if rank == 0:
             torch.save(state, out / f"{r['name']}.pt")
         stats = engine.stats()
+        zero = r["config"]["zero_optimization"]
+        roots = {Path(s["nvme_path"]) / f"rank{rank}" for s in (zero.get("offload_param", {}),
+                                                                zero["offload_optimizer"]) if s.get("device") == "nvme"}
         (out / f"{r['name']}.rank{rank}.json").write_text(json.dumps({
+            "swap_files": sum(f.stat().st_size for root in roots for f in root.rglob("swap.*")),
             "report": engine.memory_report(), "comm": stats["comm"], "steps": engine.global_steps,
             "pieces_nvme": stats["params"]["pieces_nvme"] if stats["params"] else None, "reduce": stats["reduce"],
             "numel": sum(p.numel() for p in engine.layout.params), "flat_numel": sum(engine.layout.group_numel),

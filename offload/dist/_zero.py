@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from nvme_swapper import AioConfig, SwapEngine, SwapHandle
+from nvme_swapper import PAGE, AioConfig, SwapEngine, SwapHandle, cow_spare
 
 from ..memory import DONE, AllOf, Copy, CopyStreams, StagingArena, Tier, TieredStore, start_all, wait_all
 from ..optim._layout import FlatLayout, SubGroup
@@ -74,6 +74,16 @@ class _PieceRead:
         self.gathered.wait()
 
 
+def piece_nvme_bytes(layout: FlatLayout, frozen: FlatLayout | None, size: int, writes: int) -> int:
+    """The NVMe bytes of one rank's pieces: a key per part (page-rounded), the swap file's header, and the spare
+    extents rewrites go to: a sub-group's parts rewritten together, ``writes`` sub-groups at once; frozen parts
+    one at a time (loads)."""
+    updated = [[seg.numel * size for seg in sg.segments] for sg in layout.sub_groups]
+    fixed = [[seg.numel * size] for sg in (frozen.sub_groups if frozen is not None else ()) for seg in sg.segments]
+    live = sum(-(-n // PAGE) * PAGE for group in updated + fixed for n in group)
+    return live + PAGE + cow_spare(updated, writes) + cow_spare(fixed, 1)
+
+
 class ParamShards:
     """Stage 3 on several ranks: this rank's piece of every parameter, kept in one of two places. Parameters are
     numbered as the engine's parameter offload numbers them: the trainable ones (``layout``), then the frozen ones
@@ -95,9 +105,10 @@ class ParamShards:
     def __init__(self, comm: Comm, layout: FlatLayout, copies: CopyStreams, *, frozen: FlatLayout | None = None,
                  flats: list[torch.Tensor] | None = None, frozen_flat: torch.Tensor | None = None,
                  store: TieredStore | None = None, dtype: torch.dtype | None = None, nvme_path: str | None = None,
-                 aio: AioConfig | None = None, staging_cap: int = 0) -> None:
+                 aio: AioConfig | None = None, staging_cap: int = 0, writes: int = 1) -> None:
         """``staging_cap``: elements of the staging arena (NVMe), at least the largest piece: the pieces of a
-        window of fetches in flight; a fetch that finds it full first issues the oldest queued all-gathers."""
+        window of fetches in flight; a fetch that finds it full first issues the oldest queued all-gathers.
+        ``writes``: the sub-group updates whose parts are written at once (the swap file's spare room)."""
         assert layout.per_param and (flats is None) != (nvme_path is None)
         assert frozen is None or (frozen.per_param and (flats is None or frozen_flat is not None))
         self.comm, self.layout, self.copies, self.store = comm, layout, copies, store
@@ -131,10 +142,9 @@ class ParamShards:
                 for seg in sg.segments:
                     self._parts[first + seg.param].append((seg.param_start - r * lay.piece[seg.param], seg.numel))
         size = torch.empty((), dtype=dtype).element_size()
-        held = [n for parts in self._parts for _, n in parts]
         root = Path(nvme_path)  # type: ignore[arg-type]
-        # every key, plus one spare extent: a rewrite goes beside the bytes it replaces
-        nvme_bytes = (sum(held) + max(held, default=0)) * size
+        self._writes = [writes] * len(layout.params) + [1] * (len(self._at) - len(layout.params))
+        nvme_bytes = piece_nvme_bytes(layout, frozen, size, writes)
         store.claim_nvme(root, nvme_bytes, f"this rank's pieces of the parameters on {root}",
                          f"free disk space at {root} or raise offload.nvme_memory_budget")
         self._nvme_bytes = nvme_bytes
@@ -143,6 +153,7 @@ class ParamShards:
                                        "raise offload.host_memory_budget or lower "
                                        "zero_optimization.stage3_prefetch_bucket_size")
             self._swap = SwapEngine(root, aio or AioConfig())
+            self._swap.reserve(nvme_bytes - PAGE)  # each length's rewrites land in this room (nvme_swapper)
         except BaseException:
             self.close()
             raise
@@ -166,7 +177,11 @@ class ParamShards:
             self.pieces[i][: mine.numel()].copy_(mine)
             return
         staged = mine.to(self.dtype).contiguous()
-        handles = [self._swap.write(self._key(i, start), staged[start : start + n]) for start, n in self._parts[i]]
+        handles: list[SwapHandle] = []
+        for start, n in self._parts[i]:  # no more parts in flight than the claim has room for
+            if len(handles) == self._writes[i]:
+                self._wait([handles.pop(0)], Tier.HOST, Tier.NVME)
+            handles.append(self._swap.write(self._key(i, start), staged[start : start + n]))
         self._wait(handles, Tier.HOST, Tier.NVME)
 
     def write_updated(self, sg: SubGroup, values: torch.Tensor) -> AllOf:

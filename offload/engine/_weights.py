@@ -157,7 +157,8 @@ class Weights:
                 self.shards = ParamShards(comm, layout, self.copies, frozen=pieces, store=self.store,
                                           dtype=plan.dtype, nvme_path=nvme_path, aio=aio,
                                           staging_cap=plan.read_staging(layout.piece + (pieces.piece if pieces
-                                                                                        else [])))
+                                                                                        else [])),
+                                          writes=UPDATE_BUFFERS)
                 optimizer.attach_device([], on_updated=self.shards.write_updated, dtype=plan.dtype,
                                         update_buffers=UPDATE_BUFFERS)
             else:  # each home holds this rank's piece of every parameter
