@@ -13,9 +13,9 @@ from ._engine import SwapEngine
 from ._handle import SwapHandle
 from ._native import FileIO, ShortTransfer, checksum_kind, tensor_checksum
 from ._owner import remove_left_behind
-from ._swapfile import cow_spare
+from ._swapfile import cow_spare, swap_file_bytes
 from ._tune import TuneResult, tune_aio
 
 __all__ = ["AioConfig", "FileArena", "FileIO", "PAGE", "ShortTransfer", "SwapEngine", "SwapHandle", "TuneResult",
            "aligned_tensor", "arena_device", "checksum_kind", "cow_spare", "evict_pages", "in_arena", "is_aligned",
-           "pinned_bytes", "remove_left_behind", "tensor_checksum", "tune_aio"]
+           "pinned_bytes", "remove_left_behind", "swap_file_bytes", "tensor_checksum", "tune_aio"]

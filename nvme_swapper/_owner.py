@@ -9,9 +9,11 @@ folder without a full owner record (another version, one being made, /proc missi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 from pathlib import Path
@@ -72,6 +74,19 @@ def _left_behind(folder: Path) -> bool:
     if here != _machine():
         return False
     return not alive(pid) or (start is not None and _start_time(pid) not in (None, start))
+
+
+def remove_of_dead(parent: Path, pattern: re.Pattern[str]) -> None:
+    """Removes the entries of ``parent`` whose name ``pattern`` matches with a process id as its first group, where
+    that process has ended: what a writer killed midway left under a temporary name (a file or a folder)."""
+    for entry in parent.iterdir():
+        found = pattern.fullmatch(entry.name)
+        if found and not alive(int(found.group(1))):
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    entry.unlink()
 
 
 def remove_left_behind(parent: Path, pattern: str = "swap-*") -> list[Path]:

@@ -55,7 +55,7 @@ import torch
 
 from nvme_swapper import aligned_tensor
 from nvme_swapper._native import memory_at
-from nvme_swapper._owner import alive
+from nvme_swapper._owner import remove_of_dead
 
 from .dist import CommError
 from .optim._schedule import WarmupSchedule
@@ -303,11 +303,7 @@ def _prepare(root: Path, tag: str, tmp: Path) -> float:
         shutil.rmtree(root / tag)
     _committing(root, tag).unlink(missing_ok=True)  # (one killed before its rename)
     shutil.rmtree(tmp, ignore_errors=True)
-    stale = re.compile(rf"\.tmp-{re.escape(tag)}-(\d{{1,9}})")
-    for other in root.iterdir():
-        found = stale.fullmatch(other.name)
-        if found and not alive(int(found.group(1))):
-            shutil.rmtree(other, ignore_errors=True)
+    remove_of_dead(root, re.compile(rf"\.tmp-{re.escape(tag)}-(\d{{1,9}})"))
     tmp.mkdir(mode=0o700)
     return 0.0
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 
-from nvme_swapper._owner import alive
+from nvme_swapper._owner import remove_of_dead
 
 from ._checkpoint import make_folder
 from ._convert import hub_layout
@@ -66,11 +66,7 @@ def _write_tmp(folder: Path, name: str, tensors: dict[str, torch.Tensor] | None,
     so a full disk reads the same whatever the writer."""
     from safetensors.torch import save_file
 
-    for left in folder.glob(".*.tmp-*"):  # those of a process killed while it wrote here (any name): their space
-        found = _TMP.fullmatch(left.name)
-        if found and not alive(int(found.group(1))):
-            with contextlib.suppress(OSError):
-                left.unlink()
+    remove_of_dead(folder, _TMP)  # what a process killed while it wrote here left (any name): its space
     tmp = folder / f".{name}.tmp-{os.getpid()}"
     try:
         if tensors is not None and torch_file:

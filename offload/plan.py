@@ -24,7 +24,7 @@ from typing import Mapping
 
 import torch
 
-from nvme_swapper import PAGE, cow_spare
+from nvme_swapper import swap_file_bytes
 
 from .config import OffloadConfig
 from .dist._buckets import pool_buffers
@@ -380,8 +380,7 @@ def expected_bytes(plan: Plan, model: ModelSizes) -> dict[Tier, int]:
         slot = _round4k(12 * max_sg)
         keys = [12 * sg.numel for sg in layout.sub_groups]
         out[Tier.HOST] += buffers * slot
-        out[Tier.NVME] += sum(_round4k(n) for n in keys) + PAGE + cow_spare(
-            [[n] for n in keys], spare_writes(sum(keys), slot, buffers))
+        out[Tier.NVME] += swap_file_bytes([[n] for n in keys], spare_writes(sum(keys), slot, buffers))
     if plan.param_tier is Tier.HOST:
         out[Tier.HOST] += d * (owned if per_param else flat) + (d * frozen.owned_numel(0) if frozen else 0)
     elif plan.param_tier is Tier.NVME:
@@ -398,9 +397,7 @@ def expected_bytes(plan: Plan, model: ModelSizes) -> dict[Tier, int]:
             for s in model.frozen_params:  # frozen ones in parts of the staging's size
                 if s > plan.persistence_threshold:
                     frozen_parts += [max_sg] * (s // max_sg) + ([s % max_sg] if s % max_sg else [])
-            live = [n for group in updated for n in group] + [d * n for n in frozen_parts]
-            out[Tier.NVME] += sum(_round4k(n) for n in live) + PAGE + cow_spare(updated, UPDATE_BUFFERS) + \
-                cow_spare([[d * n] for n in frozen_parts], 1)
+            out[Tier.NVME] += swap_file_bytes(updated, UPDATE_BUFFERS, [d * n for n in frozen_parts])
             if plan.cuda_path:  # the pinned arena reads land in
                 out[Tier.HOST] += d * plan.read_staging(homed)
     if plan.param_tier is Tier.HOST and not per_param:

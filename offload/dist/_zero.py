@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from nvme_swapper import PAGE, AioConfig, SwapEngine, SwapHandle, cow_spare
+from nvme_swapper import PAGE, AioConfig, SwapEngine, SwapHandle, swap_file_bytes
 
 from ..memory import DONE, AllOf, Copy, CopyStreams, StagingArena, Tier, TieredStore, start_all, wait_all
 from ..optim._layout import FlatLayout, SubGroup
@@ -79,9 +79,8 @@ def piece_nvme_bytes(layout: FlatLayout, frozen: FlatLayout | None, size: int, w
     extents rewrites go to: a sub-group's parts rewritten together, ``writes`` sub-groups at once; frozen parts
     one at a time (loads)."""
     updated = [[seg.numel * size for seg in sg.segments] for sg in layout.sub_groups]
-    fixed = [[seg.numel * size] for sg in (frozen.sub_groups if frozen is not None else ()) for seg in sg.segments]
-    live = sum(-(-n // PAGE) * PAGE for group in updated + fixed for n in group)
-    return live + PAGE + cow_spare(updated, writes) + cow_spare(fixed, 1)
+    fixed = [seg.numel * size for sg in (frozen.sub_groups if frozen is not None else ()) for seg in sg.segments]
+    return swap_file_bytes(updated, writes, fixed)
 
 
 class ParamShards:

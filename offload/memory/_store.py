@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from nvme_swapper import (PAGE, AioConfig, FileIO, SwapEngine, SwapHandle, aligned_tensor, cow_spare,
-                          remove_left_behind)
+                          remove_left_behind, swap_file_bytes)
 from nvme_swapper._buffers import HUGE_PAGE
 
 from ..ops import host_stream_buffer
@@ -210,10 +210,9 @@ class TieredStore:
         assert self._swap is None, "open_nvme called twice"
         root = Path(path)
         self._max_writes = spare_writes = spare_writes or buffer_count
-        if key_bytes is not None:  # each key in its page-rounded extent
-            total_bytes = sum(-(-n // PAGE) * PAGE for n in key_bytes)
-        spare = cow_spare([[n] for n in key_bytes or [slot_bytes] * spare_writes], spare_writes)
-        self.claim_nvme(root, total_bytes + spare + PAGE, f"{what} on {root}",  # (and the file's header page)
+        claim = swap_file_bytes([[n] for n in key_bytes], spare_writes) if key_bytes is not None else \
+            total_bytes + PAGE + cow_spare([[slot_bytes]] * spare_writes, spare_writes)  # (keys of slot_bytes)
+        self.claim_nvme(root, claim, f"{what} on {root}",
                         f"free disk space at {root}, point zero_optimization.offload_optimizer.nvme_path at a larger "
                         "filesystem, lower the state offloaded there, or raise offload.nvme_memory_budget if it is "
                         "below the free space")
@@ -223,7 +222,7 @@ class TieredStore:
                                 fix="lower zero_optimization.sub_group_size or offload_optimizer.buffer_count, or "
                                     "raise offload.host_memory_budget")
         self._swap = SwapEngine(root, aio, file_io=file_io if file_io is not None else self.file_io)
-        self._swap.reserve(total_bytes + spare)  # written now: steady-state writes are overwrites, ENOSPC is now
+        self._swap.reserve(claim - PAGE)  # written now, but the header: steady writes are overwrites, ENOSPC is now
 
     def register(self, key: str, numel: int, dtype: torch.dtype) -> None:
         assert self._swap is not None, "register before open_nvme"

@@ -67,7 +67,7 @@ from typing import Any
 
 import torch
 
-from nvme_swapper import PAGE, AioConfig, SwapEngine, aligned_tensor, cow_spare
+from nvme_swapper import PAGE, AioConfig, SwapEngine, aligned_tensor, swap_file_bytes
 
 from .._cleanup import close_after_failure, run_all
 from .._device import free_device_memory
@@ -229,10 +229,9 @@ class ParameterOffload:
                 # rewrites go to beside the bytes they replace: those of the updates in flight at once, and one at a
                 # time for the rest (frozen parts: loads)
                 parts_of = {(i, s): n * size for i in homed for s, n in self._parts[i]}
-                live = sum(-(-n // PAGE) * PAGE for n in parts_of.values()) + PAGE
                 groups = [[parts_of.pop(key) for key in group if key in parts_of] for group in written_together or []]
                 self._home_writes = {i: writes for group in written_together or [] for i, _ in group}
-                nvme_bytes = live + cow_spare(groups, writes) + cow_spare([[n] for n in parts_of.values()], 1)
+                nvme_bytes = swap_file_bytes(groups, writes, parts_of.values())
                 store.claim_nvme(root, nvme_bytes, f"parameters homed on {root}", f"free disk space at {root}")
                 self._nvme_bytes = nvme_bytes
                 self._swap = SwapEngine(root, aio or AioConfig(), file_io=store.file_io)
