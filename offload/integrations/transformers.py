@@ -459,6 +459,17 @@ class OffloadTrainer(Trainer):
         peft = sys.modules.get("peft")
         return self.model if peft is not None and isinstance(self.model, peft.PeftModel) else None
 
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Every rank calls :meth:`_save` while the engine holds the weights, since their gather is collective;
+        transformers up to 5.17 at least called it on the main process alone, which left rank 0 waiting for the
+        others in the checkpoint's gather while they went on to the optimizer's save."""
+        if self.engine is None:
+            return super().save_model(output_dir, _internal_call)
+        self._save(output_dir)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+        return None
+
     def _save(self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None) -> None:
         """A folder ``from_pretrained`` loads: config.json and the fp32 weights as (sharded) safetensors, streamed
         from the engine (a peft model: its adapter, as the Trainer saves it); with several ranks every rank takes
