@@ -207,6 +207,17 @@ def test_config_values_that_disagree_with_training_arguments_are_errors(tmp_path
         OffloadTrainer(model=gpt2(), args=args, train_dataset=dataset(4))
 
 
+def test_a_trainer_without_the_hooks_of_transformers_5_3_is_refused(tmp_path, monkeypatch):
+    """transformers 5.0-5.2 have no Trainer._clip_grad_norm (nor _prepare_for_training, _get_grad_norm): the
+    engine's clipping and norms would be bypassed without a word, and 5.0 trained to other losses."""
+    from transformers import Trainer
+
+    monkeypatch.delattr(Trainer, "_clip_grad_norm")
+    with pytest.raises(RuntimeError, match=r"needs transformers >= 5.3 \(its Trainer._clip_grad_norm .*"
+                                           r"pip install 'transformers>=5.3'"):
+        OffloadTrainer(model=gpt2(), args=arguments(tmp_path), train_dataset=dataset(4))
+
+
 TWO_RANKS = textwrap.dedent("""
     import json, os, pathlib, sys
     import torch

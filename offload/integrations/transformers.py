@@ -66,6 +66,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import torch
+import transformers
 from transformers import Trainer
 
 from ..config import OffloadConfig, OptimizerConfig, SchedulerConfig, read_json
@@ -77,6 +78,9 @@ __all__ = ["ADAMW", "OffloadTrainer", "trainer_config"]
 log = logging.getLogger("offload")
 
 ADAMW = ("adamw_torch", "adamw_torch_fused")  # TrainingArguments.optim values the engine's AdamW stands in for
+# the Trainer's methods this class overrides that older transformers lack (5.0-5.2): without them the engine would
+# be bypassed silently (clipping, gradient norms, the window's bookkeeping)
+_TRAINER_HOOKS = ("_build_accelerator_args", "_prepare_for_training", "_clip_grad_norm", "_get_grad_norm")
 STATE_DIR = "offload_state"  # in a Trainer checkpoint folder: the engine's checkpoint
 _SCHEDULER_FILE = "scheduler.pt"
 _ARGS_FILE = "training_args.bin"
@@ -247,6 +251,11 @@ class OffloadTrainer(Trainer):
                              "TrainingArguments or the config's \"scheduler\": leave out optimizers=(...)")
         if kwargs.get("optimizer_cls_and_kwargs") is not None:
             raise ValueError("OffloadTrainer builds the optimizer itself: leave out optimizer_cls_and_kwargs")
+        missing = [name for name in _TRAINER_HOOKS if not hasattr(Trainer, name)]
+        if missing:
+            raise RuntimeError(f"OffloadTrainer needs transformers >= 5.3 (its Trainer.{missing[0]} is where the "
+                               f"engine steps in); this is transformers {transformers.__version__}: "
+                               "pip install 'transformers>=5.3'")
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         if getattr(training_args, "deepspeed", None):
             raise ValueError(f"TrainingArguments.deepspeed = {training_args.deepspeed!r}: OffloadTrainer trains "
@@ -414,14 +423,16 @@ class OffloadTrainer(Trainer):
         with self.compute_loss_context_manager():
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
         del inputs
-        scaled = getattr(self, "loss_is_scaled_for_ga", None)  # transformers 5.x; derived below on older ones
+        scaled = getattr(self, "loss_is_scaled_for_ga", None)  # transformers 5.19 on; derived below before
         if scaled is None:
             scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) \
                 or self.compute_loss_func is not None
         if not scaled:
             loss = loss / self.current_gradient_accumulation_steps
         engine.set_gradient_accumulation_boundary(self.accelerator.gradient_state.sync_gradients)
-        engine.backward(loss, scale_wrt_gas=False)
+        # accelerate's backward divides by its own accumulation steps: 1 since a transformers 5.5 patch release, the
+        # Trainer's gradient_accumulation_steps before (5.3 to 5.5.0 built its Accelerator with them)
+        engine.backward(loss / self.accelerator.gradient_accumulation_steps, scale_wrt_gas=False)
         return loss.detach()
 
     def _clip_grad_norm(self, model: torch.nn.Module) -> None:
