@@ -197,6 +197,10 @@ def test_config_values_that_disagree_with_training_arguments_are_errors(tmp_path
         trainer_config({"scheduler": {"type": "OneCycle", "params": {}}}, args)
     cfg, scheduler = trainer_config({"gradient_accumulation_steps": "auto", "bf16": {"enabled": "auto"}}, args)
     assert (cfg.gradient_accumulation_steps, cfg.gradient_clipping, cfg.optimizer.lr) == (2, 1.0, 2e-3)
+    assert cfg.offload.comm_timeout == args.ddp_timeout == 1800
+    assert trainer_config({}, arguments(tmp_path, ddp_timeout=90))[0].offload.comm_timeout == 90
+    with pytest.raises(ValueError, match=r"offload.comm_timeout = 60 but TrainingArguments.ddp_timeout = 1800"):
+        trainer_config({"offload": {"comm_timeout": 60}}, args)
     assert cfg.optimizer.weight_decay == 0.1 and not cfg.bf16.enabled and scheduler is None
     with pytest.raises(ValueError, match=r"leave out optimizers"):
         OffloadTrainer(model=gpt2(), args=args, train_dataset=dataset(4),

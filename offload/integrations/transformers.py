@@ -13,7 +13,8 @@ logging, callbacks, checkpoint rotation, RNG state. What changes is who holds th
 
 * ``offload_config`` (a DeepSpeed-shaped dict, JSON path or :class:`~offload.OffloadConfig`) says where the
   optimizer state and parameters live. Keys the TrainingArguments also set (micro-batch size, accumulation steps,
-  clipping, fp16/bf16, the optimizer's lr/betas/eps/weight_decay, the device) may be absent or ``"auto"`` and are
+  clipping, fp16/bf16, the optimizer's lr/betas/eps/weight_decay, the device, the collectives' timeout
+  ``ddp_timeout``) may be absent or ``"auto"`` and are
   then taken from the TrainingArguments; a value given in both that differs is an error naming both. The engine is
   built (``offload.initialize``) when training or evaluation starts, from the TrainingArguments as they are then
   (a hyperparameter search's trial sets them), with the Trainer's two parameter groups (no weight decay for biases
@@ -100,13 +101,16 @@ _FROM_ARGS: list[tuple[tuple[str, ...], Any]] = [
     # several ranks: each takes cuda:LOCAL_RANK, the device the Trainer gave it ("cuda:N" would name one for all)
     (("offload", "device"),
      lambda a: "cpu" if a.device.type == "cpu" else "cuda" if a.world_size > 1 else str(a.device)),
+    # what the Trainer's process group waits (DeepSpeed under the Trainer gets it too): the engine's collectives
+    (("offload", "comm_timeout"), lambda a: float(a.ddp_timeout)),
 ]
 _ARG_NAMES = {("train_micro_batch_size_per_gpu",): "per_device_train_batch_size",
               ("train_batch_size",): "per_device_train_batch_size x gradient_accumulation_steps x world_size",
               ("gradient_clipping",): "max_grad_norm", ("fp16", "enabled"): "fp16", ("bf16", "enabled"): "bf16",
               ("optimizer", "params", "lr"): "learning_rate",
               ("optimizer", "params", "betas"): "[adam_beta1, adam_beta2]",
-              ("optimizer", "params", "eps"): "adam_epsilon", ("offload", "device"): "device"}
+              ("optimizer", "params", "eps"): "adam_epsilon", ("offload", "device"): "device",
+              ("offload", "comm_timeout"): "ddp_timeout"}
 
 
 def _same(a: Any, b: Any) -> bool:
