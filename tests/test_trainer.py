@@ -608,3 +608,67 @@ def test_save_model_of_a_remote_code_model_carries_its_code_and_full_eval_keeps_
     loaded = AutoModel.from_pretrained(str(tmp_path / "saved"), trust_remote_code=True)
     for name, p in loaded.state_dict().items():
         assert torch.equal(p, want[name]), name
+
+
+@pytest.mark.slow  # 31 s here: three torchrun launches of two ranks
+@pytest.mark.timeout(900)
+def test_two_ranks_resume_after_a_crash_and_the_best_checkpoint_under_torchrun(tmp_path):
+    """torchrun, 2 ranks, ZeRO-3 on NVMe, eval and save every 2 steps, save_total_limit=2, load_best_model_at_end: a
+    run killed after its step-4 checkpoint and resumed (resume_from_checkpoint=True) logs steps 5-6 bit-identically
+    to an uninterrupted run; save_model on every rank writes the best checkpoint's weights."""
+    script = tmp_path / "train_two.py"
+    script.write_text(textwrap.dedent("""
+        import json, os, sys
+        import torch
+        from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments
+        from offload.integrations.transformers import OffloadTrainer
+        out, die, result = sys.argv[1], sys.argv[2] == "die", sys.argv[3]
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+                                           bos_token_id=0, eos_token_id=0))
+        rows = lambda n, s: [{"input_ids": x, "labels": x}
+                             for x in torch.randint(0, 64, (n, 16), generator=torch.Generator().manual_seed(s))]
+        args = TrainingArguments(out, use_cpu=True, ddp_backend="gloo", per_device_train_batch_size=2,
+                                 gradient_accumulation_steps=2, per_device_eval_batch_size=3, max_steps=6,
+                                 learning_rate=2e-3, warmup_steps=1, logging_steps=1, report_to=[], disable_tqdm=True,
+                                 eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2,
+                                 save_total_limit=2, load_best_model_at_end=True, metric_for_best_model="eval_loss")
+        zero = {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": out + "_opt"},
+                "offload_param": {"device": "nvme", "nvme_path": out + "_par"}}
+        trainer = OffloadTrainer(model=model, args=args, train_dataset=rows(64, 0), eval_dataset=rows(10, 1),
+                                 offload_config={"zero_optimization": zero})
+        class Crash(TrainerCallback):  # both ranks die right after the step-4 checkpoint, as a preempted job
+            def on_save(self, args, state, control, **kw):
+                if die and state.global_step == 4:
+                    torch.distributed.barrier(); sys.stdout.flush(); os._exit(0)
+        trainer.add_callback(Crash())
+        trainer.train(resume_from_checkpoint=os.path.isdir(os.path.join(out, "checkpoint-4")))
+        trainer.save_model(out + "_model")  # every rank
+        res = {"logs": list(trainer.state.log_history), "best": trainer.state.best_model_checkpoint,
+               "eval": trainer.evaluate()["eval_loss"], "ckpts": sorted(os.listdir(out))}
+        trainer.close()
+        if os.environ["RANK"] == "0":
+            json.dump(res, open(result, "w"))
+        torch.distributed.barrier(); torch.distributed.destroy_process_group(); sys.stdout.flush(); os._exit(0)
+    """))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+        [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")])}
+    for run, mode in (("full", "go"), ("cut", "die"), ("cut", "go")):
+        done = subprocess.run([shutil.which("torchrun") or "torchrun", "--nproc-per-node", "2", "--master-port",
+                               str(free_port()), str(script), str(tmp_path / run), mode, str(tmp_path / f"{run}.json")],
+                              capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    full, cut = (json.loads((tmp_path / f"{run}.json").read_text()) for run in ("full", "cut"))
+    logs = lambda r: [{k: v for k, v in h.items() if "runtime" not in k and "per_second" not in k}
+                      for h in r["logs"] if "train_runtime" not in h]  # 6 steps' and 3 evaluations' logs
+    assert logs(cut) == logs(full) and len(logs(full)) == 9 and cut["ckpts"] == ["checkpoint-2", "checkpoint-6"]
+    assert cut["best"] == str(tmp_path / "cut" / "checkpoint-2")  # eval loss rises on this data: step 2 is best
+    from safetensors.torch import load_file
+
+    best = load_file(str(tmp_path / "cut" / "checkpoint-2" / "model.safetensors"))
+    for run in ("full", "cut"):
+        saved = load_file(str(tmp_path / f"{run}_model" / "model.safetensors"))
+        assert saved.keys() == best.keys() and all(torch.equal(saved[k], best[k]) for k in best)
+    model = GPT2LMHeadModel.from_pretrained(str(tmp_path / "cut_model")).state_dict()
+    assert all(torch.equal(model[k], v) for k, v in best.items())
+    assert cut["eval"] == full["eval"] == min(h["eval_loss"] for h in full["logs"] if "eval_loss" in h)

@@ -44,7 +44,8 @@ logging, callbacks, checkpoint rotation, RNG state. What changes is who holds th
   Trainer asks of DeepSpeed), and a plain Trainer's adapter checkpoint or best model loads through peft.
 
 One process per GPU (torchrun), as with DeepSpeed; the engine's collectives replace DDP, and ``save_model`` and
-checkpoints are collective (every rank calls them, as the Trainer does; rank 0 writes into a folder all ranks see).
+checkpoints are collective (every rank calls them, as the Trainer does; rank 0 writes into a folder all ranks see):
+a DDP script's ``if trainer.is_world_process_zero(): trainer.save_model()`` fails, so call it on every rank.
 ``torch_compile=True`` compiles the model as with a plain Trainer. An fp16 step skipped for overflow does not
 advance the schedule; a model swapped in by ``model_init`` gets a new engine; a ``train()`` interrupted inside an
 accumulation window (Ctrl-C) drops that window's gradients when training starts again (``engine.zero_grad()``), as
