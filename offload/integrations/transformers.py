@@ -477,8 +477,8 @@ class OffloadTrainer(Trainer):
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Every rank calls :meth:`_save` while the engine holds the weights, since their gather is collective;
-        transformers up to 5.17 at least called it on the main process alone, which left rank 0 waiting for the
-        others in the checkpoint's gather while they went on to the optimizer's save."""
+        transformers before 5.23 called it on the main process alone, which left rank 0 waiting for the others in
+        the checkpoint's gather while they went on to the optimizer's save."""
         if self.engine is None:
             return super().save_model(output_dir, _internal_call)
         self._save(output_dir)
