@@ -4,7 +4,8 @@
 initializes torch.distributed, so the engine joins it; "engine": the engine initializes it from the environment)
 and ``runs``, each trained in turn: ``name``, ``config`` (the engine's), ``steps``, ``gas``, and optionally ``load``
 (a checkpoint folder to resume from), ``save`` (a folder to save into after ``save_after`` steps), ``die``
-({"rank": r, "at_step": s, "how": "exit" | "hang"}: that rank stops mid-step, after its backward), ``staged``
+({"rank": r, "at_step": s, "how": "exit" | "hang" | "diverge"}: that rank stops mid-step, after its backward;
+"diverge": it makes a collective first, a broadcast where the others step), ``staged``
 (gradients through the CUDA path's device buckets, on the CPU: offload.plan.STAGE_ON_CPU), ``model`` ("bag": the
 50k-row embedding model of the sparse-gradient runs), ``sparse_module`` (its nn.Embedding(sparse=True)),
 ``seed_by_rank`` (each rank builds the model from its own seed, with a frozen parameter ``frozen`` and a buffer
@@ -201,6 +202,8 @@ def run(spec: dict, r: dict, rank: int, world: int, out: Path) -> None:
                     print(f"rank {rank} stopping ({die['how']}) mid-step {step}", flush=True)
                     if die["how"] == "exit":
                         os._exit(3)
+                    if die["how"] == "diverge":  # a collective the others do not make (they step)
+                        engine.comm.rank0s([step])
                     time.sleep(3600)
                 engine.step()
             norms.append(engine.last_grad_norm)

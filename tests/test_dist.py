@@ -809,11 +809,12 @@ def test_a_reference_engine_outlives_the_engine_that_created_the_group(tmp_path)
                 torch.testing.assert_close(y, plain(x[3 * r : 3 * (r + 1)]), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("how", ["exit", "hang"])
+@pytest.mark.parametrize("how", ["exit", "hang", "diverge"])
 def test_a_dead_or_hung_rank_fails_the_others_naming_it(tmp_path, how):
-    """Rank 1 of 3 stops after its backward of step 2 (the engine initializes torch.distributed itself here):
-    the others raise within the timeout, naming rank 1. (4 s was too short for a start on a loaded machine: with 6
-    test workers on the GPU host, rank 0's first all-reduce timed out before rank 1 had stopped.)"""
+    """Rank 1 of 3 stops after its backward of step 2 (the engine initializes torch.distributed itself here), or
+    makes a broadcast where the others step (a call on some ranks only): the others raise within the timeout, naming
+    rank 1 and, when it diverged, the collective it was in. (4 s was too short for a start on a loaded machine:
+    with 6 test workers on the GPU host, rank 0's first all-reduce timed out before rank 1 had stopped.)"""
     timeout = 8.0
     cfg = config(2, "cpu", tmp_path / "nvme", offload={"comm_timeout": timeout})
     run = {"name": "doomed", "steps": 6, "gas": 1, "config": cfg, "die": {"rank": 1, "at_step": 2, "how": how}}
@@ -831,7 +832,8 @@ def test_a_dead_or_hung_rank_fails_the_others_naming_it(tmp_path, how):
             assert ranks.exit_times[r] - stopped < timeout + 8  # timeout, diagnosis, interpreter exit
             log = ranks.output(r)
             assert "CommError" in log, log[-3000:]
-            expect = "rank 1 stopped responding" if how == "exit" else "rank 1 is alive but has not reached"
+            expect = {"exit": "rank 1 stopped responding", "hang": "rank 1 is alive but has not reached",
+                      "diverge": "rank 1 was in broadcast (collective #"}[how]
             assert expect in log, log[-3000:]
 
 

@@ -11,8 +11,9 @@ them fail when the group's timeout (``offload.comm_timeout``) expires. Either wa
 who is at fault, so every rank runs a heartbeat thread that bumps a counter in the rendezvous store (the TCP
 store behind MASTER_ADDR:MASTER_PORT; no shared files), next to the number of the collective it last entered.
 On a failure, a rank marks itself failed in the store, watches the others' heartbeats for a few intervals, and
-raises :class:`CommError` naming each rank whose heartbeat stopped (died or frozen), or that is alive but has not
-reached this collective (stuck in its own code, or running a different number of steps).
+raises :class:`CommError` naming each rank whose heartbeat stopped (died or frozen), that is alive but has not
+reached this collective (stuck in its own code, or running a different number of steps), or that failed waiting in
+another kind of collective at the same number (a call made on some ranks only: a save behind a rank check).
 
 Collectives about one parameter (stage 3's all-gathers and reduce-scatters) name it (``key``), and each rank folds
 the names into ``trace`` in the order it issued them, and the parameters it used into a second trace (apart: a
@@ -268,7 +269,7 @@ class Comm:
     def _fail(self, op: str, seq: int, t0: float, exc: BaseException) -> CommError:
         elapsed = time.monotonic() - t0
         self.state = CommState.FAILED
-        culprits = self._beat.diagnose(seq) if self._beat is not None else \
+        culprits = self._beat.diagnose(seq, op) if self._beat is not None else \
             "no heartbeat store to tell which rank is at fault"
         self._error = CommError(
             f"{culprits}: {op} (collective #{seq}) failed on rank {self.rank} of {self.world_size} after "
@@ -342,12 +343,13 @@ class _Heartbeat:
     def _read(self, key: str) -> str | None:
         return self.store.get(key).decode() if self.store.check([key]) else None
 
-    def diagnose(self, seq: int) -> str:
-        """Who is at fault for collective ``seq`` failing here: watches the others for 3 heartbeat intervals."""
+    def diagnose(self, seq: int, op: str) -> str:
+        """Who is at fault for collective ``seq`` (an ``op``) failing here: watches the others for 3 heartbeat
+        intervals, and reads where those that failed too were."""
         me, world = self.comm.rank, self.comm.world_size
         others = [r for r in range(world) if r != me]
         try:
-            self.store.set(f"status/{me}", f"failed at collective #{seq}")
+            self.store.set(f"status/{me}", f"failed {seq} {op}")
             before = {r: self._read(f"beat/{r}") for r in others}
             time.sleep(3 * self.interval)
             after = {r: self._read(f"beat/{r}") for r in others}
@@ -360,7 +362,14 @@ class _Heartbeat:
             if status[r] == "closed":
                 behind.append(f"rank {r} has closed its engine")
             elif status[r] is not None:
-                failed.append(r)
+                _, their_seq, their_op = status[r].split(maxsplit=2)
+                if (int(their_seq), their_op) == (seq, op):
+                    failed.append(r)
+                else:  # each waited in a collective the other never called: a call made on some ranks only
+                    behind.append(f"rank {r} was in {their_op} (collective #{their_seq}) where rank {me} was in {op} "
+                                  f"(#{seq}): the ranks called different collectives, so code that makes them ran "
+                                  "on some ranks only (a save, load or evaluation behind a rank check, a branch); "
+                                  "every rank must make the same calls")
             elif before[r] is None or before[r] == after[r]:
                 dead.append(f"rank {r} stopped responding (no heartbeat for {3 * self.interval:.1f} s: its process "
                             "died or is frozen)")
