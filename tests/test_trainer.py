@@ -234,7 +234,7 @@ TWO_RANKS = textwrap.dedent("""
     data = [{{"input_ids": x, "labels": x}} for x in ids]
     args = TrainingArguments({out!r}, use_cpu=True, per_device_train_batch_size=2, gradient_accumulation_steps=2,
                              max_steps=3, logging_steps=1, report_to=[], save_strategy="no", disable_tqdm=True,
-                             ddp_backend="gloo")
+                             ddp_backend="gloo", ddp_timeout=120)  # a call on one rank only: a CommError, no hang
     if {plain}:
         trainer = Trainer(model=model, args=args, train_dataset=data)
         trainer.train()
@@ -628,7 +628,7 @@ def test_two_ranks_resume_after_a_crash_and_the_best_checkpoint_under_torchrun(t
                                            bos_token_id=0, eos_token_id=0))
         rows = lambda n, s: [{"input_ids": x, "labels": x}
                              for x in torch.randint(0, 64, (n, 16), generator=torch.Generator().manual_seed(s))]
-        args = TrainingArguments(out, use_cpu=True, ddp_backend="gloo", per_device_train_batch_size=2,
+        args = TrainingArguments(out, use_cpu=True, ddp_backend="gloo", ddp_timeout=120, per_device_train_batch_size=2,
                                  gradient_accumulation_steps=2, per_device_eval_batch_size=3, max_steps=6,
                                  learning_rate=2e-3, warmup_steps=1, logging_steps=1, report_to=[], disable_tqdm=True,
                                  eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2,
