@@ -510,6 +510,7 @@ def test_wait_timeout(tmp_path):
     class Slow(FileIO):
         def __init__(self):
             self.gate = threading.Event()
+            self.gate.set()  # open while the engine starts (it writes its files' headers), shut for the write below
 
         def pwrite(self, fd, buf, offset):
             self.gate.wait(10)
