@@ -33,7 +33,7 @@ import torch
 from ._checkpoint import make_folder
 from ._device import default_device, fast_bf16
 from ._progress import bar
-from .config import OffloadConfig, parse_bytes, read_json, without_auto
+from .config import OffloadConfig, is_auto, parse_bytes, read_json, without_auto
 from .memory import Tier, fmt_bytes
 
 
@@ -220,7 +220,7 @@ def estimate_command(args: argparse.Namespace) -> int:
 
     if args.gpus < 1:
         raise ValueError(f"--gpus must be at least 1, got {args.gpus}")
-    cfg = _estimate_config(args.config, args.gpus) if args.config else None
+    cfg, auto = _estimate_config(args.config, args.gpus) if args.config else (None, [])
     knobs = _estimate_knobs(args, cfg)
     mem_flag, mem_text = ("--device-mem", args.device_mem) if args.device_mem is not None else \
         ("--gpu-mem", args.gpu_mem)
@@ -262,7 +262,10 @@ def estimate_command(args: argparse.Namespace) -> int:
             args.largest_param, "--largest-param", 1, n, "a number of elements in [1, --params]")
         ests = estimate(n, largest_param=largest, **kw)
     ranks = f"{args.gpus} GPU(s)" if cuda else f"{args.gpus} rank(s) on the CPU"
-    precision = "bf16/fp16" if knobs["dtype_bytes"] == 2 else "fp32"
+    precision = "fp32" if knobs["dtype_bytes"] == 4 else "fp16" if knobs["fp16"] else "bf16"
+    if auto:
+        print(f"--config's {' and '.join(auto)} are \"auto\" (OffloadTrainer fills them from the TrainingArguments): "
+              f"planned as {precision}; write true or false there to plan for the run's precision")
     gas = knobs["gradient_accumulation_steps"]
     print(f"{n / 1e9:.3g}B parameters, {precision} with fp32 Adam state, {ranks}"
           + (f", {gas} accumulation steps" if gas > 1 else "") + "; peak bytes per tier per rank:\n")
@@ -279,19 +282,22 @@ def estimate_command(args: argparse.Namespace) -> int:
         print("\nnothing fits" if any(e.fits is not None for e in ests) else "\n(give --gpu-mem, --host-mem "
               "and --nvme-free to see what fits)")
         return 1 if any(e.fits is not None for e in ests) else 0
-    print(f"\nbest: {choice.placement}\n{json.dumps(config_for(choice), indent=2)}")
+    print(f"\nbest: {choice.placement}\n{json.dumps(config_for(choice, precision=precision), indent=2)}")
     return 0
 
 
-def _estimate_config(path: str, gpus: int) -> OffloadConfig:
+def _estimate_config(path: str, gpus: int) -> tuple[OffloadConfig, list[str]]:
     """``--config`` as a run on ``gpus`` ranks reads it: its sections that size memory, without "auto" values
-    (OffloadTrainer fills those from the TrainingArguments; here they are the plan's or the defaults)."""
+    (OffloadTrainer fills those from the TrainingArguments; here they are the plan's or the defaults), and which
+    of its precision switches were "auto" (read as off)."""
     raw = read_json(path)
     if not isinstance(raw, dict):
         raise ValueError(f"--config {path} must hold a JSON object, got {type(raw).__name__}")
     keep = ("zero_optimization", "offload", "fp16", "bf16", "bfloat16", "gradient_clipping", "train_batch_size",
             "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
-    return OffloadConfig.load(without_auto({k: v for k, v in raw.items() if k in keep})).for_world(gpus)
+    auto = [f"{key}.enabled" for key in ("fp16", "bf16", "bfloat16")
+            if isinstance(raw.get(key), dict) and is_auto(raw[key].get("enabled"))]
+    return OffloadConfig.load(without_auto({k: v for k, v in raw.items() if k in keep})).for_world(gpus), auto
 
 
 def _estimate_knobs(args: argparse.Namespace, cfg: OffloadConfig | None) -> dict[str, Any]:

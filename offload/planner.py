@@ -123,15 +123,18 @@ def best(estimates: list[Estimate]) -> Estimate | None:
     return next((e for e in estimates if e.fits), None)
 
 
-def config_for(e: Estimate, nvme_path: str = "/local_nvme") -> dict[str, Any]:
-    """A config fragment for an estimate's placement (its sizes are derived again at initialize)."""
+def config_for(e: Estimate, nvme_path: str = "/local_nvme", precision: str = "bf16") -> dict[str, Any]:
+    """A config fragment for an estimate's placement (its sizes are derived again at initialize), in the
+    ``precision`` it was planned for: "bf16", "fp16" or "fp32" (no section: DeepSpeed's default)."""
+    if precision not in ("bf16", "fp16", "fp32"):
+        raise ValueError(f"config_for: precision must be bf16, fp16 or fp32, got {precision!r}")
     zero: dict[str, Any] = {"stage": 3 if e.params != "none" else 2,
                             "offload_optimizer": {"device": e.optimizer}}
     if e.optimizer == "nvme":
         zero["offload_optimizer"]["nvme_path"] = nvme_path
     if e.params != "none":
         zero["offload_param"] = {"device": e.params, **({"nvme_path": nvme_path} if e.params == "nvme" else {})}
-    return {"bf16": {"enabled": True}, "zero_optimization": zero}
+    return {**({} if precision == "fp32" else {precision: {"enabled": True}}), "zero_optimization": zero}
 
 
 def table(estimates: list[Estimate]) -> str:

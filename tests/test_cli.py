@@ -192,11 +192,20 @@ def test_estimate_plans_with_a_configs_sizes_and_the_cpus_ram_once(tmp_path, cap
     here = {"gpu_mem": torch.cuda.get_device_properties(0).total_memory} if torch.cuda.is_available() else \
         {"cuda": False}  # as the CLI plans: for this machine (on CUDA, the card's memory as the budget)
     assert table(estimate(10**8, largest_param=10**7, dtype_bytes=4, **here)) in out
+    # said, and the config it suggests keeps that precision (it suggested bf16 under fp32's numbers)
+    assert "--config's fp16.enabled are \"auto\" (OffloadTrainer fills them from the TrainingArguments): planned as " \
+        "fp32" in out
+    assert main(["estimate", "--params", "1e8", "--config", str(hf), "--host-mem", "64GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "best: " in out and '"zero_optimization"' in out and "bf16" not in out and '"fp16"' not in out
     hf.write_text(json.dumps({"fp16": {"enabled": True}, "offload": {"device": "cpu"}}))
     assert main(["estimate", "--params", "1e8", "--largest-param", "1e7", "--config", str(hf)]) == 0
     out = capsys.readouterr().out
     assert "planned for the CPU as the device (the config's offload.device)" in out
     assert table(estimate(10**8, largest_param=10**7, cuda=False, fp16=True)) in out
+    assert main(["estimate", "--params", "1e8", "--config", str(hf), "--host-mem", "64GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "fp16 with fp32 Adam state" in out and '"fp16": {\n    "enabled": true' in out and "bf16" not in out
     assert main(["estimate", "--params", "1e20"]) == 2
     assert "--params must be a positive number of parameters such as 7e9, got '1e20'" in capsys.readouterr().err
 
