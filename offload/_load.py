@@ -30,7 +30,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 
@@ -48,6 +48,8 @@ class WriteRefused(RuntimeError):
 
 _INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")  # transformers' names
 _SINGLES = ("model.safetensors", "pytorch_model.bin")
+_PREFERRED = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",  # from_pretrained's order
+              "pytorch_model.bin.index.json")
 
 
 class StateSource:
@@ -63,12 +65,11 @@ class StateSource:
             return
         path = Path(source)
         if path.is_dir():
-            index = next((path / n for n in _INDEXES if (path / n).exists()), None)
-            single = next((path / n for n in _SINGLES if (path / n).exists()), None)
-            if index is None and single is None:
+            chosen = next((path / n for n in _PREFERRED if (path / n).exists()), None)
+            if chosen is None:
                 raise FileNotFoundError(f"{path} holds no {' / '.join(_INDEXES + _SINGLES)}: give the checkpoint "
                                         "file or its index")
-            path = index or single
+            path = chosen
         if not path.exists():
             raise FileNotFoundError(f"checkpoint {path} does not exist")
         if path.name.endswith(".index.json"):
@@ -85,9 +86,7 @@ class StateSource:
 
     @staticmethod
     def _safetensors_names(path: Path) -> list[str]:
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as f:
+        with _safe_open(path) as f:
             return list(f.keys())
 
     def _torch_file(self, path: Path) -> dict[str, torch.Tensor]:
@@ -113,9 +112,7 @@ class StateSource:
         path = self._shard(name)
         if path.suffix == ".safetensors":
             if path not in self._headers:  # one parse of each file's header (a MoE's holds tens of thousands)
-                from safetensors import safe_open
-
-                with safe_open(str(path), framework="pt") as f:
+                with _safe_open(path) as f:
                     self._headers[path] = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
             if name in self._headers[path]:
                 return self._headers[path][name]
@@ -144,9 +141,7 @@ class StateSource:
             if path.suffix != ".safetensors":
                 out.update((n, self.get(n)) for n in held)
                 continue
-            from safetensors import safe_open
-
-            with safe_open(str(path), framework="pt") as f:
+            with _safe_open(path) as f:
                 out.update((n, f.get_tensor(n)) for n in held)
         return {n: out[n] for n in names}
 
@@ -162,9 +157,7 @@ class StateSource:
             return self._dict[name].detach().cpu()
         path = self._shard(name)
         if path.suffix == ".safetensors":
-            from safetensors import safe_open
-
-            with safe_open(str(path), framework="pt") as f:  # mapped for this tensor only
+            with _safe_open(path) as f:  # mapped for this tensor only
                 return f.get_tensor(name)
         stored = self._torch_file(path)[name]
         out = stored.clone()
@@ -180,6 +173,19 @@ class StateSource:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _safe_open(path: Path) -> Any:
+    """safetensors' reader of ``path``; a damaged file (truncated, another format) is named in the error."""
+    from safetensors import safe_open
+
+    try:
+        return safe_open(str(path), framework="pt")
+    except OSError:
+        raise  # (names the file already)
+    except Exception as exc:  # noqa: BLE001 - safetensors' own error type names no file
+        raise ValueError(f"checkpoint file {path} is not a readable safetensors file ({exc}): a partial copy? "
+                         "copy it again") from exc
 
 
 def _drop_file_pages(t: torch.Tensor) -> None:

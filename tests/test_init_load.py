@@ -327,6 +327,42 @@ def test_a_mismatched_checkpoint_is_named_or_reported(tmp_path):
         offload.load_state_dict(make(), tmp_path)
 
 
+def test_a_folder_with_model_safetensors_and_an_index_loads_what_from_pretrained_loads(tmp_path):
+    """from_pretrained reads model.safetensors before model.safetensors.index.json, as the export's crash order
+    assumes (a new single file is renamed in before the old index goes); the load read the index."""
+    import shutil
+
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    models = []
+    for seed in range(3):
+        torch.manual_seed(seed)
+        models.append(transformers.LlamaForCausalLM(cfg))
+    new, old, model = models
+    old.save_pretrained(tmp_path / "x", max_shard_size="20KB")  # an earlier sharded export
+    new.save_pretrained(tmp_path / "single")
+    shutil.copy(tmp_path / "single" / "model.safetensors", tmp_path / "x" / "model.safetensors")
+    assert (tmp_path / "x" / "model.safetensors.index.json").exists()
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "x")).state_dict()
+    offload.load_state_dict(model, tmp_path / "x")
+    for name, want in new.state_dict().items():
+        assert torch.equal(hf[name], want) and torch.equal(model.state_dict()[name], want), name
+
+
+def test_a_damaged_shard_is_named_and_nothing_loads(tmp_path):
+    """A truncated shard (a partial copy): safetensors' own error names no file; with many shards the load's does."""
+    folder = save_checkpoint(tmp_path, "sharded", pretrained())
+    victim = folder / "model-00002-of-00002.safetensors"
+    victim.write_bytes(victim.read_bytes()[:-100])
+    model = make()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"checkpoint file .*model-00002-of-00002.safetensors is not a readable "
+                                         r"safetensors file .*copy it again"):
+        offload.load_state_dict(model, folder)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
 def test_checkpoints_match_as_from_pretrained_matches_them(tmp_path):
     """A transformers model takes what from_pretrained takes: a checkpoint of its base model (names without the
     ``model.`` prefix) into the model with a head, one with an older transformers' per-layer
