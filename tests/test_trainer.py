@@ -308,7 +308,9 @@ def test_half_precision_evaluation_before_training_and_the_best_checkpoint(tmp_p
     args = arguments(tmp_path / "run", max_steps=4, eval_strategy="steps", eval_steps=2, **{precision: True},
                      save_strategy="steps", save_steps=2, load_best_model_at_end=True, metric_for_best_model="loss",
                      greater_is_better=False)
-    with OffloadTrainer(model=gpt2(), args=args, train_dataset=dataset(32), eval_dataset=val,
+    model = gpt2()
+    config_dtype = model.config.dtype
+    with OffloadTrainer(model=model, args=args, train_dataset=dataset(32), eval_dataset=val,
                         offload_config=nvme(tmp_path)) as trainer:
         before = trainer.evaluate()["eval_loss"]
         dtype = torch.bfloat16 if precision == "bf16" else torch.float16
@@ -326,6 +328,9 @@ def test_half_precision_evaluation_before_training_and_the_best_checkpoint(tmp_p
         saved = load_file(str(Path(best) / "model.safetensors"))
         state = trainer.engine.consolidated_state_dict()
         assert all(torch.equal(state[k], v) for k, v in saved.items())
+        # the file's config says fp32 (the masters written); the model's own still says what it was
+        assert json.loads((Path(best) / "config.json").read_text())["dtype"] == "float32"
+        assert model.config.dtype == config_dtype
     trainer.save_model(str(tmp_path / "after"))
     assert f"save_model after close() writes the model's {dtype} training weights".replace("torch.", "") in \
         caplog.text

@@ -508,6 +508,7 @@ class OffloadTrainer(Trainer):
             return None
         config = getattr(model, "config", None)
         if adapter is None and config is not None and hasattr(config, "save_pretrained"):
+            config = copy.deepcopy(config)  # the file's: the model's own still says what it trains in
             config.architectures = [type(model).__name__]
             config.dtype = "float32"  # the weights written: the fp32 masters (from_pretrained's dtype="auto" reads it)
             if getattr(model, "is_remote_code", lambda: False)():  # trust_remote_code: its modelling files go too
