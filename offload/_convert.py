@@ -51,6 +51,31 @@ def _mapping(module: torch.nn.Module) -> list[Any]:
     return list(get_model_conversion_mapping(module))
 
 
+def buffers_from_pretrained_keeps(module: torch.nn.Module, dtype: torch.dtype) -> set[str]:
+    """The float buffers (qualified names) that ``from_pretrained(dtype=dtype)`` builds in another dtype than
+    ``dtype``: RoPE's ``inv_freq`` stays fp32 beside bf16 weights (rounded to bf16, its angles drift by radians at
+    long positions). A transformers model only, read from a twin built on the meta device under ``dtype`` as the
+    default, as from_pretrained builds it; empty otherwise, or where the twin cannot be built."""
+    if "transformers" not in sys.modules or not dtype.is_floating_point or dtype == torch.float32:
+        return set()
+    from transformers import PreTrainedModel
+
+    if not isinstance(module, PreTrainedModel):
+        return set()
+    default = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(dtype)
+        with torch.device("meta"):
+            twin = type(module)(copy.deepcopy(module.config))
+    except Exception as exc:  # noqa: BLE001 - a model that cannot be rebuilt from its config: buffers convert
+        log.warning("offload: %s could not be rebuilt on the meta device to read its buffers' dtypes (%s: %s); "
+                    "its float buffers are converted to %s", type(module).__name__, type(exc).__name__, exc, dtype)
+        return set()
+    finally:
+        torch.set_default_dtype(default)
+    return {name for name, b in twin.named_buffers() if b.is_floating_point() and b.dtype != dtype}
+
+
 def prefix_side(module: torch.nn.Module, model_names: Iterable[str],
                 checkpoint_names: Iterable[str]) -> tuple[str, bool] | None:
     """Where the model's base-model prefix (``lead``, with its dot) differs between the model's names and a

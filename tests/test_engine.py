@@ -1095,6 +1095,31 @@ def test_a_model_given_in_the_training_dtype_keeps_its_fp32_buffers(tmp_path, gi
                 assert torch.equal(engine(x).cpu(), expected)
 
 
+@pytest.mark.parametrize("param", ["none", "cpu"])
+def test_a_transformers_model_given_in_fp32_holds_its_buffers_as_from_pretrained_in_bf16_does(tmp_path, param):
+    """from_pretrained -> initialize (and offload.init) give the engine an fp32 transformers model: its buffers
+    take the dtypes from_pretrained(dtype=bf16) gives them (RoPE's inv_freq stays fp32: rounded to bf16, its angles
+    were 2.4 rad off at position 2000), and its forward equals that model's, bit for bit."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "ck")
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "ck"), dtype=torch.bfloat16).to(DEVICE)
+    assert hf.model.rotary_emb.inv_freq.dtype == torch.float32  # the reference's own choice
+    x = torch.randint(0, 64, (1, 2048), device=DEVICE)
+    with torch.no_grad():
+        expected = hf(x).logits.cpu()
+    model = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "ck"))  # fp32
+    cfg_ = config(tmp_path, "cpu", bf16={"enabled": True})
+    if param != "none":
+        cfg_["zero_optimization"].update(stage=3, offload_param={"device": param})
+    with offload.initialize(model, cfg_) as engine:
+        assert {n: b.dtype for n, b in model.named_buffers()} == {n: b.dtype for n, b in hf.named_buffers()}
+        with torch.no_grad():
+            assert torch.equal(engine(x).logits.cpu(), expected)
+
+
 def test_a_device_budget_too_small_for_the_gradients_names_the_device_budget():
     """No offload: the gradients live on the device, so a device budget they do not fit names that budget and
     offloading the optimizer as the fix (it named the host budget)."""

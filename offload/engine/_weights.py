@@ -25,6 +25,7 @@ import torch
 from nvme_swapper import aligned_tensor
 
 from .._cleanup import close_after_failure
+from .._convert import buffers_from_pretrained_keeps
 from ..dist import Comm, GradPartition, ParamShards
 from ..memory import AllOf, Copy, CopyStreams, Tier, TieredStore, fmt_bytes
 from ..optim._layout import FlatLayout
@@ -52,8 +53,10 @@ class Weights:
         self._reserved = 0  # bytes reserved on the DEVICE tier for the flat parameters
         # a model given with its parameters in the training dtype keeps its float buffers' dtypes: such a model
         # (transformers' from_pretrained(torch_dtype=bf16)) holds fp32 on purpose there (RoPE's inv_freq: rounded
-        # to bf16, its angles drift by radians at long positions); a model converted here converts its buffers too
+        # to bf16, its angles drift by radians at long positions); a model converted here converts its buffers,
+        # but for those a transformers model loaded in the training dtype would hold in another
         self._keep_buffer_dtypes = all(p.dtype == plan.dtype for p in module.parameters() if p.is_floating_point())
+        self._kept_buffers = set() if self._keep_buffer_dtypes else buffers_from_pretrained_keeps(module, plan.dtype)
         # each parameter, its storage address (DEVICE tier; parameter offload moves it) and whether it trains
         self._held: list[tuple[torch.nn.Parameter, int | None, bool]] = []
         try:
@@ -137,10 +140,11 @@ class Weights:
 
     def _move_buffers(self) -> None:
         with torch.no_grad():
-            for mod in self.module.modules():
+            for prefix, mod in self.module.named_modules():
                 for name, buf in mod._buffers.items():
                     if buf is not None:
-                        mod._buffers[name] = self._to_device(buf, keep_dtype=self._keep_buffer_dtypes)
+                        keep = self._keep_buffer_dtypes or f"{prefix}.{name}".lstrip(".") in self._kept_buffers
+                        mod._buffers[name] = self._to_device(buf, keep_dtype=keep)
 
     def _offload(self, comm: Comm, optimizer: OffloadedAdam, aio: Any, nvme_path: str | None) -> None:
         """Parameter offload: homes on HOST (the flat host buffers the optimizer updates in place) or NVMe (a key
