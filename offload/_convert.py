@@ -12,6 +12,9 @@ loads check before writing come from running the conversion on meta tensors, so 
 :class:`HubLayout` is the way back, as ``save_pretrained`` writes it (``revert_weight_conversion``): an export of a
 transformers model holds the Hub's names and layout, which vLLM, older transformers and the Hub's tools read,
 reverted one set of model tensors at a time (those one reverse converter joins).
+
+:func:`buffers_from_pretrained_keeps` is the third convention: the buffers a model loaded in a half dtype still
+holds in fp32 (RoPE's frequencies), which a bf16 or fp16 engine leaves in fp32 when it converts a model given in fp32.
 """
 
 from __future__ import annotations
