@@ -57,12 +57,18 @@ def _mapping(module: torch.nn.Module) -> list[Any]:
 def buffers_from_pretrained_keeps(module: torch.nn.Module, dtype: torch.dtype) -> set[str]:
     """The float buffers (qualified names) that ``from_pretrained(dtype=dtype)`` builds in another dtype than
     ``dtype``: RoPE's ``inv_freq`` stays fp32 beside bf16 weights (rounded to bf16, its angles drift by radians at
-    long positions). A transformers model only, read from a twin built on the meta device under ``dtype`` as the
-    default, as from_pretrained builds it; empty otherwise, or where the twin cannot be built."""
+    long positions). A transformers model only (or a peft model around one), read from a twin built on the meta
+    device under ``dtype`` as the default, as from_pretrained builds it; empty otherwise, or where the twin cannot
+    be built."""
     if "transformers" not in sys.modules or not dtype.is_floating_point or dtype == torch.float32:
         return set()
     from transformers import PreTrainedModel
 
+    prefix, peft = "", sys.modules.get("peft")
+    if peft is not None and isinstance(module, peft.PeftModel):  # LoRA: the base model's buffers, by its path
+        base = module.get_base_model()
+        prefix = next(name for name, m in module.named_modules() if m is base) + "."
+        module = base
     if not isinstance(module, PreTrainedModel):
         return set()
     default = torch.get_default_dtype()
@@ -76,7 +82,7 @@ def buffers_from_pretrained_keeps(module: torch.nn.Module, dtype: torch.dtype) -
         return set()
     finally:
         torch.set_default_dtype(default)
-    return {name for name, b in twin.named_buffers() if b.is_floating_point() and b.dtype != dtype}
+    return {prefix + name for name, b in twin.named_buffers() if b.is_floating_point() and b.dtype != dtype}
 
 
 def prefix_side(module: torch.nn.Module, model_names: Iterable[str],

@@ -214,3 +214,18 @@ def test_load_best_model_at_end_loads_the_best_adapter(tmp_path):
         assert ours.state.best_model_checkpoint.endswith("checkpoint-2")
         assert plain.state.best_model_checkpoint.endswith("checkpoint-2")
         assert math.isclose(ours.evaluate()["eval_loss"], plain.evaluate()["eval_loss"], rel_tol=1e-5)
+
+
+def test_a_bf16_engine_keeps_the_base_models_rotary_frequencies_fp32(tmp_path):
+    """LoRA on a base model loaded in fp32, trained in bf16: the base's buffers take the dtypes from_pretrained
+    (dtype=bf16) gives them, through the peft wrapper (RoPE's inv_freq stays fp32), and the adapters still train."""
+    model = lora()
+    cfg = placement_config(tmp_path, "opt-host", bf16={"enabled": True})
+    with offload.initialize(model, cfg) as engine:
+        buffers = {n: b.dtype for n, b in model.named_buffers()}
+        assert buffers and all(d == torch.float32 for n, d in buffers.items() if "inv_freq" in n), buffers
+        before = adapters(model)
+        x = batches(1)[0].to(DEVICE)
+        engine.backward(engine(x, labels=x).loss)
+        engine.step()
+        assert any(not torch.equal(v, before[k]) for k, v in adapters(model).items())
