@@ -46,10 +46,9 @@ if TYPE_CHECKING:
 class WriteRefused(RuntimeError):
     """Trainable weights written once an accumulation window's updates have started: refused before any write."""
 
-_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")  # transformers' names
-_SINGLES = ("model.safetensors", "pytorch_model.bin")
-_PREFERRED = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",  # from_pretrained's order
-              "pytorch_model.bin.index.json")
+# a folder's checkpoint: transformers' names, in the order from_pretrained looks for them
+_CHECKPOINT_NAMES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                     "pytorch_model.bin.index.json")
 
 
 class StateSource:
@@ -65,9 +64,9 @@ class StateSource:
             return
         path = Path(source)
         if path.is_dir():
-            chosen = next((path / n for n in _PREFERRED if (path / n).exists()), None)
+            chosen = next((path / n for n in _CHECKPOINT_NAMES if (path / n).exists()), None)
             if chosen is None:
-                raise FileNotFoundError(f"{path} holds no {' / '.join(_INDEXES + _SINGLES)}: give the checkpoint "
+                raise FileNotFoundError(f"{path} holds no {' / '.join(_CHECKPOINT_NAMES)}: give the checkpoint "
                                         "file or its index")
             path = chosen
         if not path.exists():
