@@ -76,7 +76,8 @@ class SwapEngine:
         self._inflight: set[SwapHandle] = set()
         self._counters = dict.fromkeys(("bytes_written", "bytes_read", "bytes_bounced", "writes", "reads",
                                         "failed"), 0)
-        self._closed = True
+        self._closed = True  # no new request (set first: a failed construction is closed)
+        self._released = True  # threads joined, file closed and removed: set last, so a close cut short goes on
 
         parent = Path(directory)
         if parent.exists() and not parent.is_dir():
@@ -103,7 +104,7 @@ class SwapEngine:
                 self._file.close(remove=True)
             shutil.rmtree(self.directory, ignore_errors=True)
             raise
-        self._closed = False
+        self._closed = self._released = False
 
     def _choose_backend(self) -> str:
         wanted = self.config.backend
@@ -224,11 +225,12 @@ class SwapEngine:
     # lifetime ---------------------------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Waits for requests in flight, joins the threads, closes the file, removes the directory (unless keep)."""
-        if self._closed:
+        """Waits for requests in flight, joins the threads, closes the file, removes the directory (unless keep).
+        A close cut short (a KeyboardInterrupt while it waits) is finished by the next call."""
+        if self._released:
             return
-        self.synchronize()
         self._closed = True
+        self.synchronize()
         self._workers.close()
         if self._keep:
             manifest = {k: {"offset": e.extent.offset, "nbytes": e.nbytes} for k, e in self._index.items()}
@@ -238,6 +240,7 @@ class SwapEngine:
         self._file.close(remove=not self._keep)
         if not self._keep:
             shutil.rmtree(self.directory, ignore_errors=True)
+        self._released = True
 
     def __enter__(self) -> "SwapEngine":
         return self
@@ -246,7 +249,7 @@ class SwapEngine:
         self.close()
 
     def __del__(self) -> None:
-        if not getattr(self, "_closed", True):
+        if not getattr(self, "_released", True):
             log.warning("SwapEngine(%s) was not closed; its threads and files leak until exit", self.directory)
 
     # internals --------------------------------------------------------------------------------------------------

@@ -319,11 +319,17 @@ def _uncommitted(root: Path, tag: str) -> bool:
     marker = _committing(root, tag)
     if not marker.exists():
         return False
-    latest = root / "latest"
-    if latest.exists() and latest.read_text().strip() == tag:
+    if _names_latest(root, tag):
         marker.unlink(missing_ok=True)  # killed after latest named it: committed
         return False
     return True
+
+
+def _names_latest(root: Path, tag: str) -> bool:
+    try:
+        return (root / "latest").read_text().strip() == tag
+    except OSError:
+        return False
 
 
 def _check_schedule_state(engine: "Engine") -> None:
@@ -400,7 +406,8 @@ def _commit(engine: "Engine", index: dict[str, dict[str, Any]], frozen: bool, tm
         _write_file(root / ".latest.tmp", final.name.encode())
         os.replace(root / ".latest.tmp", root / "latest")
     except BaseException:
-        shutil.rmtree(final, ignore_errors=True)  # ``latest`` still names the previous one: nothing committed
+        if not _names_latest(root, final.name):  # an interrupt after the replace finds the save committed
+            shutil.rmtree(final, ignore_errors=True)  # ``latest`` still names the previous one: nothing committed
         with contextlib.suppress(OSError):
             (root / ".latest.tmp").unlink(missing_ok=True)
             marker.unlink(missing_ok=True)

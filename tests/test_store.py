@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nvme_swapper import AioConfig, FileIO
+from nvme_swapper import AioConfig, FileIO, SwapHandle
 from offload.memory import BudgetExceeded, BufferPool, Residency, StagingArena, Tier, TierAccount, TieredStore
 
 
@@ -97,6 +98,45 @@ def test_failed_write_back_keeps_the_bytes(tmp_path):
         assert store.residency("a") is Residency.NVME  # read back from the file, not the buffer it left
         assert torch.all(store.acquire("a") == 7.0)
     finally:
+        store.close()
+
+
+def test_a_read_whose_wait_is_cut_short_keeps_its_buffer(tmp_path, monkeypatch):
+    """A Ctrl-C while acquire waits for a read cuts the wait short, not the read: the read keeps its staging buffer
+    (given back, the next key's read would share it and the late read land in that key's bytes) and the next
+    acquire finishes it."""
+    gate = threading.Event()
+    gate.set()
+
+    class SlowReads(FileIO):
+        def pread(self, fd, buf, offset):
+            gate.wait(10)
+            return super().pread(fd, buf, offset)
+
+    store = make_store(tmp_path, file_io=SlowReads())
+    try:
+        for i, k in enumerate("abc"):
+            store.stage(k).fill_(i + 1)
+            store.evict(k).wait()
+        gate.clear()
+        wait = SwapHandle.wait
+
+        def interrupted(self, timeout=None):
+            monkeypatch.setattr(SwapHandle, "wait", wait)
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(SwapHandle, "wait", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            store.acquire("a")
+        assert store.residency("a") is Residency.FETCHING  # still reading into its buffer
+        b = store.fetch("b")  # the other buffer
+        assert store.fetch("c") is None  # none free: a's is still a's
+        gate.set()
+        assert torch.all(store.acquire("a") == 1) and torch.all(b.wait() == 2)
+        store.release("a")
+        assert torch.all(store.acquire("c") == 3) and torch.all(store.acquire("b") == 2)
+    finally:
+        gate.set()
         store.close()
 
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -71,6 +72,7 @@ from ..plan import ModelSizes, Partition, Plan, resolve
 from ._gate import UpdateGate
 from ._gathered import Gathered
 from ._grads import GradientStream
+from ._interrupts import FORCED, HeldInterrupts
 from ._model_state import ModelStateHooks
 from ._weights import Weights
 
@@ -114,6 +116,18 @@ def _squares(g: torch.Tensor) -> float:
     return n * n
 
 
+
+def _held(call: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Runs an engine method with Ctrl-C held off until it returns (see ``_interrupts``); a second Ctrl-C cuts it
+    short and leaves the engine FAILED, naming ``call``."""
+    def wrap(method: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(method)
+        def held(self: "Engine", *args: Any, **kwargs: Any) -> Any:
+            with HeldInterrupts(lambda: self._interrupted(call)):
+                return method(self, *args, **kwargs)
+        return held
+    return wrap
+
 class Engine:
     """Returned by :func:`offload.initialize`. See the module docstring."""
 
@@ -147,6 +161,7 @@ class Engine:
         self._applied = False  # the last step() updated the parameters (was_step_applied)
         self.scaler = LossScaler(cfg.fp16)
         self._hooks: list[Any] = []
+        self._teardown_left: list[Callable[[], object]] | None = None  # close's steps an interrupt cut short
         self._rank_dirs: list[Path] = []
         self._seen_micro: set[int] = set()  # parameters with a gradient in this micro-batch
         self._last_micro = True
@@ -277,6 +292,7 @@ class Engine:
 
     # the training step ------------------------------------------------------------------------------------------
 
+    @_held("the forward")
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._call(*args, **kwargs)
 
@@ -322,6 +338,7 @@ class Engine:
                              "gradients up; set gradient_accumulation_steps to the longest window you use")
         self._boundary = is_boundary
 
+    @_held("engine.backward")
     def backward(self, loss: torch.Tensor, *, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of ``loss`` scaled by the fp16 loss scale and, unless ``scale_wrt_gas`` is False (a loss the
         caller already normalised over the accumulation window), by 1/gradient_accumulation_steps; returns ``loss``
@@ -379,6 +396,7 @@ class Engine:
         self._backward_done = True
         return loss
 
+    @_held("engine.zero_grad")
     def zero_grad(self) -> None:
         """Drops the gradients of an unfinished accumulation window (a loop interrupted between backward and
         step), as ``model.zero_grad()`` does for a plain model, so the next window starts afresh; nothing to do
@@ -489,6 +507,7 @@ class Engine:
         if self._plan.overlap and self._last_micro and self.phase is Phase.BACKWARD:
             self.optimizer.submit(k)
 
+    @_held("engine.step")
     def step(self) -> None:
         """At an accumulation boundary: overflow check, clipping, the optimizer step; a no-op between micro-batches.
         Gradients are consumed (the next backward starts from zero)."""
@@ -654,6 +673,7 @@ class Engine:
         return {"payload_bytes": sum(self.comm.payload_bytes.values()),
                 "wire_bytes": sum(self.comm.wire_bytes.values())}
 
+    @_held("engine.finish_step")
     def finish_step(self) -> None:
         """Waits until the last step's update is in every parameter. ``step()`` returns before (the next forward
         waits for each parameter as it reaches it: ``plan().overlap_forward``), so call this to read parameters
@@ -684,6 +704,7 @@ class Engine:
         if self._plan.delayed:
             self.apply_delayed_update()
 
+    @_held("engine.apply_delayed_update")
     def apply_delayed_update(self) -> None:
         """Delayed update: waits for the update in flight and puts its parameters on the device now (``step``
         does this itself; call it to see the newest parameters before the next step)."""
@@ -772,11 +793,13 @@ class Engine:
             self._held -= 1
             block.exit()
 
+    @_held("engine.read_parameter")
     def read_parameter(self, p: torch.nn.Parameter) -> torch.Tensor:
         """A parameter's current low-precision value as a host tensor, wherever it lives."""
         self._finish_updates()
         return self.weights.read(p)
 
+    @_held("engine.write_parameter")
     def write_parameter(self, p: torch.nn.Parameter, value: torch.Tensor) -> None:
         """Sets a parameter's low-precision value wherever it lives (rounded to its dtype)."""
         self._finish_updates()
@@ -838,6 +861,7 @@ class Engine:
                              self.weights.pending, str(self.dtype),
                              self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None)
 
+    @_held("engine.load_training_state")
     def load_training_state(self, state: TrainingState) -> None:
         self.global_steps, self.micro_steps = state.global_steps, state.micro_steps
         self._backward_done = self._refused = False
@@ -850,6 +874,7 @@ class Engine:
         if self.lr_scheduler is not None and state.lr_scheduler is not None:
             self.lr_scheduler.load_state_dict(state.lr_scheduler)
 
+    @_held("engine.load_state_dict")
     def load_state_dict(self, source: str | Path | Mapping[str, torch.Tensor], *, strict: bool = True) -> Any:
         """Loads model weights (a safetensors file, a sharded checkpoint folder or index, a torch file, or a dict)
         tensor by tensor into the fp32 master weights and each parameter's home; Adam's moments and the counters
@@ -860,6 +885,7 @@ class Engine:
 
         return load_into_engine(self, source, strict)
 
+    @_held("engine.consolidated_state_dict")
     def consolidated_state_dict(self, keys: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
         """The model state as plain CPU tensors: fp32 master weights for trainable parameters. ``keys``: only
         those entries of ``module.state_dict()`` (a LoRA adapter's, say), read from the sub-groups holding them.
@@ -870,6 +896,7 @@ class Engine:
             return _checkpoint.consolidated_state_dict(self)
         return _checkpoint.engine_tensors(self, list(keys))
 
+    @_held("engine.save_safetensors")
     def save_safetensors(self, path: str | Path, *, max_shard_size: int | str = "5GB") -> list[Path]:
         """Writes the model (fp32 master weights) into the folder ``path`` as ``model.safetensors``, or as shards of
         at most ``max_shard_size`` with ``model.safetensors.index.json``: what ``from_pretrained`` and
@@ -881,6 +908,7 @@ class Engine:
 
         return save_engine(self, path, max_shard_size)
 
+    @_held("engine.save_16bit_model")
     def save_16bit_model(self, save_dir: str | Path, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> Path:
         """DeepSpeed's: the model in the training dtype in one file, ``save_dir/save_filename`` (a torch state
@@ -897,6 +925,7 @@ class Engine:
 
         return save_16bit(self, save_dir, save_filename, exclude_frozen_parameters)
 
+    @_held("engine.save_checkpoint")
     def save_checkpoint(self, path: str | Path, tag: str | int | None = None, client_state: dict | None = None, *,
                         exclude_frozen_parameters: bool = False) -> Path:
         """Writes model, optimizer state (wherever it lives), loss scaler and counters under ``path/tag`` and then
@@ -916,6 +945,7 @@ class Engine:
         return _checkpoint.save(self, Path(path), f"step{self.global_steps}" if tag is None else str(tag),
                                 frozen=not exclude_frozen_parameters, client_state=client_state)
 
+    @_held("engine.load_checkpoint")
     def load_checkpoint(self, path: str | Path, tag: str | int | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[Path, dict[str, Any]]:
@@ -990,6 +1020,11 @@ class Engine:
         if self.phase is Phase.CLOSED:
             raise RuntimeError("the engine is closed")
 
+    def _interrupted(self, call: str) -> None:
+        """A second Ctrl-C cut ``call`` short (see ``_held``): what it changed may be half changed."""
+        if self.phase is not Phase.CLOSED:
+            self._fail(call, KeyboardInterrupt(FORCED))
+
     def _fail(self, call: str, exc: BaseException) -> None:
         self.phase = Phase.FAILED  # the last step's norm stays readable where its updates all ran (last_grad_norm)
         self._failure = f"{call} raised {type(exc).__name__}: {exc}"
@@ -1012,12 +1047,15 @@ class Engine:
                                f"{', '.join(p.value for p in allowed)}); calls from hooks or other threads during "
                                "a step are not supported")
 
+    @_held("engine.close")
     def close(self) -> None:
         """Joins the optimizer thread, closes the swap engines (removing their files) and frees the tiers' buffers.
-        The model keeps working with its current parameters."""
+        The model keeps working with its current parameters. A close cut short (a second Ctrl-C) is finished by
+        the next call, or at exit."""
         if self.phase is Phase.CLOSED:
+            if self._teardown_left:
+                self._teardown()
             return
-        _unclosed.discard(self)
         try:
             failed = self.phase is Phase.FAILED
             try:
@@ -1035,12 +1073,13 @@ class Engine:
             self._teardown()
 
     def _teardown(self) -> None:
-        """Stops and frees whatever was built, in reverse order; safe on a half-built engine."""
+        """Stops and frees whatever was built, in reverse order; safe on a half-built engine. Steps an interrupt
+        cut short are kept in ``_teardown_left`` (and the engine among those closed at exit) to run again."""
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
         sync = self.copies.synchronize if self.copies is not None else None
-        run_all([  # every step runs even after one fails (a GPU in a sticky error state fails each synchronize)
+        steps = self._teardown_left if self._teardown_left is not None else [
             self._gate.close if self._gate is not None else None,
             sync,  # no copy may still touch the buffers freed below
             self.grads.close if self.grads is not None else None,
@@ -1051,7 +1090,13 @@ class Engine:
             sync,
             self.store.close if self.store is not None else None,
             self._close_comm,
-        ])
+        ]
+        self._teardown_left = []
+        try:  # every step runs even after one fails (a GPU in a sticky error state fails each synchronize)
+            run_all(steps, cut_short=self._teardown_left)
+        finally:
+            if not self._teardown_left:
+                _unclosed.discard(self)
 
     def _close_comm(self) -> None:
         """Stops the heartbeat, destroys the process group if the engine created it, and removes the per-rank

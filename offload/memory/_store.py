@@ -342,12 +342,16 @@ class TieredStore:
         m.residency = Residency.FETCHING
 
     def _wait(self, m: _Managed) -> None:
-        assert m.io is not None
+        """Waits for ``m``'s transfer. Once it has finished (well or not) it is cleared; a wait cut short (an
+        interrupt) leaves it in flight, in ``m.io`` for the next wait, its buffer still its own."""
+        io = m.io
+        assert io is not None
         t = time.perf_counter()
         try:
-            m.io.wait()
+            io.wait()
         finally:
-            m.io = None
+            if io.done():
+                m.io = None
             self.stall_seconds += time.perf_counter() - t
 
     def _claim(self, m: _Managed) -> None:
@@ -367,6 +371,8 @@ class TieredStore:
         try:
             self._wait(m)
         except BaseException:
+            if m.io is not None:  # the wait was cut short, not the transfer: the buffer stays with the transfer
+                raise
             if m.residency is Residency.FETCHING:
                 assert m.slot is not None and self._pool is not None
                 self._pool.give(m.slot)

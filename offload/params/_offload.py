@@ -692,8 +692,12 @@ class ParameterOffload:
             else:
                 pending.wait()
             self.copies.hold(rec.device)  # allocated on the copy stream, read on the compute stream
-        except BaseException:
+        except Exception:
             self._fetch_failed(rec)
+            raise
+        except BaseException:  # the wait was cut short (a second Ctrl-C), not the fetch: it stays in flight
+            rec.pending = pending
+            self.in_flight_numel += rec.numel
             raise
         finally:
             self.store.stall_seconds += time.perf_counter() - t

@@ -1,0 +1,175 @@
+"""Ctrl-C (SIGINT) during engine calls, as a notebook user sends it: one is held until the call returns, so the
+engine stays consistent and training on matches torch's AdamW on an un-offloaded copy; a second cuts the call
+short and leaves the engine failed, until a checkpoint is loaded; a close cut short is finished by the next; a save
+interrupted after ``latest`` named it stays loadable. Engines run on the machine's device (tests/models.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+import torch
+
+import offload
+from offload import _checkpoint
+from offload.engine import _engine
+from models import batches, close_enough, lm_loss, make, on_device, placement_config, reference_model
+
+STEPS = 6
+
+
+@pytest.fixture(autouse=True)
+def python_sigint_handler():
+    """Python's own SIGINT handler for the test (a test runner's worker may have another), restored after."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
+
+
+def reference(data):
+    """torch's AdamW on an un-offloaded copy, the lr and decay of placement_config."""
+    model = reference_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    for x, y in data:
+        opt.zero_grad()
+        lm_loss(model(on_device(x)), y).backward()
+        opt.step()
+    return model
+
+
+def ctrl_c(times: int = 1) -> None:
+    for _ in range(times):
+        signal.raise_signal(signal.SIGINT)
+
+
+class CtrlCInBackward(torch.autograd.Function):
+    """The identity, whose backward presses Ctrl-C: inside engine.backward, between the engine's hooks."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctrl_c()
+        return g
+
+
+def pressing_in(obj, name: str, times: int):
+    """Wraps ``obj.name`` so that its next call presses Ctrl-C ``times`` times first."""
+    original = getattr(obj, name)
+
+    def pressed(*args, **kwargs):
+        setattr(obj, name, original)
+        ctrl_c(times)
+        return original(*args, **kwargs)
+
+    setattr(obj, name, pressed)
+
+
+@pytest.mark.parametrize("placement", ["opt-nvme", "all-nvme"])
+def test_one_ctrl_c_lands_after_the_call_and_training_goes_on_exactly(tmp_path, placement):
+    """Ctrl-C inside a backward and inside a step: each call finishes first, then raises KeyboardInterrupt; the
+    loop caught it and went on, as a notebook cell run again does, and ends where torch's AdamW ends."""
+    data = batches(STEPS)
+    model = make()
+    with offload.initialize(model, placement_config(tmp_path, placement)) as engine:
+        for i, (x, y) in enumerate(data):
+            loss = lm_loss(engine(x), y)
+            if i == 1:
+                with pytest.raises(KeyboardInterrupt):
+                    engine.backward(CtrlCInBackward.apply(loss))
+                assert engine.phase is _engine.Phase.ACCUMULATING and engine.micro_steps == 2
+            else:
+                engine.backward(loss)
+            if i == 3:
+                pressing_in(engine.grads, "wait", 1)
+                with pytest.raises(KeyboardInterrupt):
+                    engine.step()
+                assert engine.phase is _engine.Phase.IDLE and engine.global_steps == 4
+            else:
+                engine.step()
+        state = engine.consolidated_state_dict()
+    for name, r in reference(data).named_parameters():
+        close_enough(state[name], r.detach(), 1e-5)
+
+
+def test_a_second_ctrl_c_cuts_the_step_short_and_a_checkpoint_recovers(tmp_path):
+    """Two presses inside a step: the second raises at once, the engine refuses to go on (its state may be half
+    updated) naming the interrupt, and loading the checkpoint before it gives torch's AdamW's result."""
+    data = batches(STEPS)
+    model = make()
+    with offload.initialize(model, placement_config(tmp_path, "all-nvme")) as engine:
+        for i, (x, y) in enumerate(data[:3]):
+            engine.backward(lm_loss(engine(x), y))
+            if i == 2:
+                pressing_in(engine.grads, "wait", 2)
+                with pytest.raises(KeyboardInterrupt):
+                    engine.step()
+            else:
+                engine.step()
+            if i == 1:
+                engine.save_checkpoint(tmp_path / "ckpt", tag="two")
+        assert engine.phase is _engine.Phase.FAILED
+        with pytest.raises(RuntimeError, match="engine.step raised KeyboardInterrupt: a second Ctrl-C cut it short"):
+            engine.backward(lm_loss(engine(data[3][0]), data[3][1]))
+        engine.load_checkpoint(tmp_path / "ckpt")
+        for x, y in data[2:]:
+            engine.backward(lm_loss(engine(x), y))
+            engine.step()
+        state = engine.consolidated_state_dict()
+    for name, r in reference(data).named_parameters():
+        close_enough(state[name], r.detach(), 1e-5)
+
+
+def test_a_close_cut_short_is_finished_by_the_next_close(tmp_path):
+    """Two presses while close() joins the swap engine's threads: it raises with the swap files, their threads
+    and the engine among those closed at exit still there; the next close() removes them all."""
+    model = make()
+    engine = offload.initialize(model, placement_config(tmp_path, "opt-nvme"))
+    x, y = batches(1)[0]
+    engine.backward(lm_loss(engine(x), y))
+    engine.step()
+    swap = engine.store._swap
+    pressing_in(swap._workers, "close", 2)
+    with pytest.raises(KeyboardInterrupt):
+        engine.close()
+    assert engine.phase is _engine.Phase.CLOSED and engine in _engine._unclosed
+    assert swap.directory.exists()
+    assert any(t.name.startswith("nvme_swapper") for t in threading.enumerate())
+    engine.close()
+    assert engine not in _engine._unclosed
+    assert not swap.directory.exists() and not os.listdir(tmp_path / "offload_optimizer")
+    with torch.no_grad():
+        assert torch.isfinite(model(on_device(x))).all()  # the model is handed back with its trained weights
+
+
+def test_a_save_interrupted_after_latest_named_it_stays_loadable(tmp_path, monkeypatch):
+    """A KeyboardInterrupt right after ``latest`` was replaced: the save is committed, so its folder stays."""
+    model = make()
+    data = batches(2)
+    replace = os.replace
+
+    def then_interrupted(src, dst, *args, **kwargs):
+        replace(src, dst, *args, **kwargs)
+        if os.path.basename(dst) == "latest":
+            raise KeyboardInterrupt
+
+    with offload.initialize(model, placement_config(tmp_path, "opt-host")) as engine:
+        for x, y in data:
+            engine.backward(lm_loss(engine(x), y))
+            engine.step()
+        monkeypatch.setattr(_checkpoint.os, "replace", then_interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            engine.save_checkpoint(tmp_path / "ckpt", tag="saved")
+        monkeypatch.setattr(_checkpoint.os, "replace", replace)
+        saved = engine.consolidated_state_dict()
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "saved"
+    with offload.initialize(make(seed=3), placement_config(tmp_path, "opt-host")) as engine:
+        engine.load_checkpoint(tmp_path / "ckpt")
+        assert engine.global_steps == 2
+        loaded = engine.consolidated_state_dict()
+    for k, v in saved.items():
+        assert torch.equal(loaded[k], v), k
