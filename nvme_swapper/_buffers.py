@@ -140,6 +140,9 @@ def aligned_tensor(
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if pin_memory is None:
         pin_memory = torch.cuda.is_available()
+    elif pin_memory and not torch.cuda.is_available():
+        raise ValueError("aligned_tensor(pin_memory=True): pinning registers the memory with CUDA, which this "
+                         "process does not have; pass pin_memory=False (or None: pinned where CUDA is)")
     alignment = HUGE_PAGE if huge_pages and nbytes >= HUGE_PAGE else PAGE
     body = _HostRegion(nbytes, alignment, pin=pin_memory).tensor()
     if prefault and not pin_memory:

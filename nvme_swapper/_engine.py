@@ -270,6 +270,11 @@ class SwapEngine:
         if not tensor.is_contiguous():
             raise ValueError(f"{what} of key {key!r}: the tensor is not contiguous (strides {tensor.stride()}); "
                              "pass tensor.contiguous() or a contiguous buffer")
+        if tensor.is_conj() or tensor.is_neg():  # lazy views: their memory holds the values before the flip
+            kind = "conjugate" if tensor.is_conj() else "negative"
+            raise ValueError(f"{what} of key {key!r}: the tensor is a lazy {kind} view, whose memory does not hold "
+                             "its values; pass tensor.resolve_conj().resolve_neg() (a read's destination must be a "
+                             "plain tensor)")
 
     def _want_sums(self, handle: SwapHandle) -> None:
         if self.config.checksum:

@@ -42,6 +42,9 @@ class SwapHandle:
         self.extent: Extent | None = None  # writes: chosen at issue; reads: resolved when the first part runs
         self.after = after  # the previous request on the same key, which must finish first
         self._future: concurrent.futures.Future[None] = concurrent.futures.Future()
+        # running from the start, so never cancelled: an asyncio waiter that is cancelled (``wait_for``'s timeout)
+        # stops waiting, while the transfer, which the workers still run, completes this future as usual
+        self._future.set_running_or_notify_cancel()
         self._lock = threading.Lock()
         self._parts_left = 0
         self._error: BaseException | None = None

@@ -133,9 +133,10 @@ def checksum(address: int, nbytes: int) -> int:
 def tensor_checksum(t: Any) -> int:
     """:func:`checksum` of a contiguous host tensor's bytes: equal bytes give equal checksums in every process that
     computes the same :func:`checksum_kind` (ranks comparing their copies of a model use it)."""
-    if t.device.type != "cpu" or not t.is_contiguous():
+    if t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg():
         raise ValueError(f"tensor_checksum needs a contiguous host tensor, got one on {t.device} "
-                         f"(contiguous: {t.is_contiguous()}); copy it with .contiguous().cpu() first")
+                         f"(contiguous: {t.is_contiguous()}, lazy conjugate or negative view: "
+                         f"{t.is_conj() or t.is_neg()}); pass .contiguous().cpu().resolve_conj().resolve_neg()")
     return checksum(t.data_ptr(), t.numel() * t.element_size())
 
 

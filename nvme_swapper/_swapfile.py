@@ -134,10 +134,11 @@ class SwapFile:
             if extent is not None:
                 return extent
             # grow: extend a free run that ends at the end of the file, or append
-            start = self.size
-            if self._free and sum(self._free[-1]) == self.size:
-                start = self._free.pop()[0]
-            self._grow(start + length)
+            tail = bool(self._free) and sum(self._free[-1]) == self.size
+            start = self._free[-1][0] if tail else self.size
+            self._grow(start + length)  # (a failed growth leaves the free run where it was)
+            if tail:
+                self._free.pop()
             return Extent(start, length)
 
     def _merge_kept(self) -> None:

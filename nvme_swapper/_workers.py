@@ -142,10 +142,12 @@ class ThreadWorkers:
         is_write = handle.op is Op.WRITE
         start, end = part.start, part.end
         known: dict[int, int] | None = None
+        bounced = 0  # bytes through the bounce buffer (O_DIRECT only): an unaligned tensor's, an aligned one's tail
         if not self._file.direct:
             self._sync(handle, memory_at(handle.address + start, end - start), extent.offset + start, is_write)
         elif handle.address % PAGE:
             self._bounced(handle, extent, start, end, bounce, bounce_address, is_write)
+            bounced = end - start
         else:
             body_end = end - end % PAGE
             if body_end > start:
@@ -158,8 +160,9 @@ class ThreadWorkers:
                         self._sync(handle, memory_at(addr, n), off, is_write)
             if end > body_end:
                 self._bounced(handle, extent, body_end, end, bounce, bounce_address, is_write)
+                bounced = end - body_end
         _checksum_part(handle, start, end, bs, str(self._file.path), known)
-        self._on_bytes(handle.op, end - start, 0 if handle.address % PAGE == 0 else end - start)
+        self._on_bytes(handle.op, end - start, bounced)
 
     def _aio(self, handle: SwapHandle, ctx: int, fd: int, is_write: bool, transfers: Transfers) -> dict[int, int]:
         """Runs the transfers on the AIO context; returns the checksums it computed, by block index (only the
@@ -236,10 +239,14 @@ class AiofilesWorkers:
             asyncio.run_coroutine_threadsafe(self._run(part), self._loop)
 
     def close(self) -> None:
+        """Joins aiofiles' executor threads and the loop's thread (on that loop: the caller may be inside an event
+        loop of its own, where no other loop can run), then closes the loop; a close cut short is finished by the
+        next call."""
         if self._thread.is_alive():
+            asyncio.run_coroutine_threadsafe(self._loop.shutdown_default_executor(), self._loop).result()
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join()
-            self._loop.run_until_complete(self._loop.shutdown_default_executor())
+        if not self._loop.is_closed():
             self._loop.close()
 
     async def _run(self, part: Part) -> None:
@@ -270,6 +277,8 @@ class AiofilesWorkers:
                                              os.POSIX_FADV_DONTNEED)
                 _checksum_part(handle, part.start, part.end, self._config.block_size, path)
                 self._on_bytes(handle.op, len(view), 0)
+        except OSError as exc:  # named as the other backends name it: the key, the swap file
+            error = exc if exc.filename else _io_error(handle, str(self._file.path), exc)
         except BaseException as exc:
             error = exc
         handle.part_done(error)

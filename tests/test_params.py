@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 import offload
 from models import DEVICE, TinyGPT, batches, lm_loss, make, on_device, placement_config, reference_model
+from nvme_swapper import PAGE
 from offload.memory import arena_span
 from offload.params import ParamState
 
@@ -123,7 +124,8 @@ def test_nvme_reads_through_pinned_staging_as_on_cuda(tmp_path, monkeypatch, opt
         arena = engine.weights.params._arena  # a prefetch bucket's reads and the largest parameter, in whole pages
         homed = [arena_span(p.numel(), 4) for p in model.parameters() if p.numel() > 100]
         assert arena.buffer.numel() == min(arena_span(4_000, 4) + max(homed), sum(homed))
-        assert engine.stats()["params"]["nvme"]["bytes_bounced"] == 0  # every read lands O_DIRECT in its piece
+        swap = engine.stats()["params"]["nvme"]  # every read lands O_DIRECT in its piece, but for a sub-page tail
+        assert swap["bytes_bounced"] < PAGE * (swap["reads"] + swap["writes"])
         assert engine.stats()["params"]["last_step"]["landed"] > 0
     assert_same(model, ref, losses, ref_losses)
 

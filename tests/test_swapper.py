@@ -531,13 +531,99 @@ def test_wait_timeout(tmp_path):
 
 
 def test_unaligned_tensor_is_counted_as_bounced(tmp_path):
+    """Under O_DIRECT an unaligned tensor goes through the bounce buffer whole, an aligned one its sub-page tail
+    only; a buffered file bounces nothing."""
     with SwapEngine(tmp_path, AioConfig(block_size=1 << 16)) as eng:
+        direct = eng.stats()["o_direct"]
         src = random_tensor(100_000, torch.uint8, aligned=False, offset=1)
         eng.write("k", src).wait()
-        assert eng.stats()["bytes_bounced"] == 100_000
+        assert eng.stats()["bytes_bounced"] == (100_000 if direct else 0)
         aligned = random_tensor(100_000, torch.uint8, aligned=True)
         eng.write("k", aligned).wait()
-        assert eng.stats()["bytes_bounced"] == 100_000  # aligned: straight from its memory
+        assert eng.stats()["bytes_bounced"] == (100_000 + 100_000 % PAGE if direct else 0)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("backend", ["aio", "threads", "aiofiles"])
+async def test_a_cancelled_await_leaves_the_transfer_and_the_engine_working(tmp_path, backend):
+    """asyncio.wait_for's timeout cancels the waiter, not the write: the write completes, the worker threads live
+    on, and the engine serves the next requests (before, the cancelled future killed an I/O thread)."""
+    with SwapEngine(tmp_path, AioConfig(backend=backend, block_size=1 << 16)) as eng:
+        src = random_tensor(16 << 20, torch.uint8, aligned=True, seed=4)
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(eng.awrite("big", src), 1e-6)
+        eng.synchronize()
+        out = torch.empty_like(src)
+        await eng.aread("big", out)
+        assert same_bytes(out, src)
+        eng.write("small", torch.ones(4)).wait(10)
+
+
+def test_a_failed_growth_keeps_the_free_space_at_the_files_end(tmp_path):
+    """A write that needs the file to grow on a full disk fails; the reserved room at the file's end stays free
+    for the writes that fit in it."""
+    class Full(FileIO):
+        full = False
+
+        def fallocate(self, fd, offset, length):
+            if self.full:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return super().fallocate(fd, offset, length)
+
+    io = Full()
+    with SwapEngine(tmp_path, AioConfig(block_size=1 << 16), file_io=io) as eng:
+        eng.write("a", aligned_tensor(1 << 20)).wait()
+        eng.reserve(2 << 20)
+        free = eng.stats()["free_bytes"]
+        io.full = True
+        with pytest.raises(OSError) as info:
+            eng.write("b", aligned_tensor(3 << 20)).wait()
+        assert info.value.errno == errno.ENOSPC
+        assert eng.stats()["free_bytes"] == free
+        src = random_tensor(1 << 20, torch.uint8, aligned=True, seed=5)
+        eng.write("c", src).wait()  # fits in what was reserved
+        out = torch.empty_like(src)
+        eng.read("c", out).wait()
+        assert same_bytes(out, src)
+
+
+def test_lazy_conjugate_and_negative_views_are_refused(tmp_path):
+    """Their memory holds the values before the flip: stored as they are, they would read back unflipped."""
+    x = torch.randn(1000, dtype=torch.complex64)
+    with SwapEngine(tmp_path, AioConfig(block_size=1 << 16)) as eng:
+        with pytest.raises(ValueError, match="'k'.*lazy conjugate view"):
+            eng.write("k", x.conj())
+        eng.write("k", x.conj().resolve_conj()).wait()
+        out = torch.empty_like(x)
+        with pytest.raises(ValueError, match="'k'.*lazy conjugate view"):
+            eng.read("k", out.conj())
+        eng.read("k", out).wait()
+        assert torch.equal(out, x.conj())
+        with pytest.raises(ValueError, match="'n'.*lazy negative view"):
+            eng.write("n", torch._neg_view(torch.randn(10)))
+    with pytest.raises(ValueError, match="lazy conjugate or negative view: True"):
+        tensor_checksum(x.conj())
+
+
+def test_aiofiles_errors_name_the_key_and_the_file(tmp_path, monkeypatch):
+    import aiofiles
+
+    def broken(*args, **kwargs):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    with SwapEngine(tmp_path, AioConfig(backend="aiofiles")) as eng:
+        monkeypatch.setattr(aiofiles, "open", broken)
+        with pytest.raises(OSError) as info:
+            eng.write("k", torch.ones(10)).wait(10)
+        assert info.value.errno == errno.EIO
+        assert "write of key 'k' failed" in str(info.value) and str(eng.directory) in str(info.value)
+
+
+def test_pinning_without_cuda_is_a_clear_error():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is here, so pinning works (test_pinned_aligned_tensor_when_cuda)")
+    with pytest.raises(ValueError, match="pin_memory=False"):
+        aligned_tensor(10, pin_memory=True)
 
 
 def test_pinned_aligned_tensor_when_cuda():
