@@ -54,9 +54,10 @@ def cow_spare(groups: Iterable[Iterable[int]], writes: int) -> int:
 
 
 def swap_file_bytes(groups: Iterable[Iterable[int]], writes: int, singles: Iterable[int] = ()) -> int:
-    """The most a swap file takes for keys of these byte sizes: each key in whole pages, the header page, and the
-    room of their rewrites (:func:`cow_spare`): ``groups`` rewritten together, ``writes`` groups at once, and
-    ``singles`` one at a time."""
+    """The most a swap file takes for keys of these byte sizes, when :meth:`SwapEngine.reserve` made it that
+    large first (as the offload store does): each key in whole pages, the header page, and the room of their
+    rewrites (:func:`cow_spare`): ``groups`` rewritten together, ``writes`` groups at once, and ``singles`` one at a
+    time. A file grown write by write may fragment past it (a smaller key splitting a hole another length needs)."""
     groups, singles = [list(g) for g in groups], [[n] for n in singles]
     live = sum(round_up(n, PAGE) for group in groups + singles for n in group)
     return live + PAGE + cow_spare(groups, writes) + cow_spare(singles, 1)

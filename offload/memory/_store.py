@@ -415,11 +415,11 @@ class TieredStore:
         while self._evicting and (block and not freed or self._evicting[0].io.done()):
             m = self._evicting[0]
             self._wait_or_settle(m)
-            self._evicting.popleft()
-            self.moved["host->nvme"] += m.nbytes
             assert m.slot is not None and self._pool is not None
-            self._pool.give(m.slot)
-            m.slot, m.residency = None, Residency.NVME
+            slot, m.slot, m.residency = m.slot, None, Residency.NVME  # the record, its queue and pool together
+            self._evicting.popleft()
+            self._pool.give(slot)
+            self.moved["host->nvme"] += m.nbytes
             freed = True
         return freed
 

@@ -510,9 +510,10 @@ class ParameterOffload:
 
     def _released(self, rec: _Param) -> None:
         """The end of every way back to RELEASED, once the buffer is cached or freed."""
+        placeholder = self._placeholder(rec)  # first: the record changes in the few steps after it
         self.live_numel -= rec.numel
         rec.device = rec.after = None
-        rec.param.data = self._placeholder(rec)
+        rec.param.data = placeholder
         rec.state = ParamState.RELEASED
         self.counters["released"] += 1
 
