@@ -1,10 +1,111 @@
-"""What the bench scripts share: the shape of a GPT of a given size, this process's memory as /proc tells it, an end
-by SIGTERM that still runs their cleanup, and the help of ``--out``."""
+"""What the bench scripts share: their flags' types (checked as argparse parses them, so a bad value is an error
+naming the flag before any set-up), the shape of a GPT of a given size, this process's memory as /proc tells it, an
+end by SIGTERM that still runs their cleanup, and the help of ``--out``."""
 
 from __future__ import annotations
 
+import argparse
+import math
 import signal
 import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from nvme_swapper import AioConfig
+from offload.config import parse_bytes
+
+T = TypeVar("T")
+
+
+def count(minimum: int = 1, maximum: int | None = None) -> Callable[[str], int]:
+    """An argparse ``type``: a whole number from ``minimum`` (to ``maximum``), written as 3 or 1e6. argparse names
+    the flag in the error ("argument --rounds: must be a whole number >= 1, got '0'")."""
+    allowed = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum}"
+
+    def whole_number(text: str) -> int:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not value.is_integer() or value < minimum or (maximum is not None and value > maximum):  # nan, inf too
+            raise argparse.ArgumentTypeError(f"must be a whole number {allowed}, got {text!r}")
+        return int(value)
+
+    return whole_number
+
+
+def number(minimum: float, *, inclusive: bool = True) -> Callable[[str], float]:
+    """An argparse ``type``: a finite real number of at least (or, not ``inclusive``, above) ``minimum``."""
+    bound = f"{'>=' if inclusive else '>'} {minimum:g}"
+
+    def real(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value < minimum or (value == minimum and not inclusive):
+            raise argparse.ArgumentTypeError(f"must be a number {bound}, got {text!r}")
+        return value
+
+    return real
+
+
+def byte_count(text: str) -> int:
+    """An argparse ``type``: a byte count, 16777216, 1.6e7 or 16MiB (offload.config.parse_bytes)."""
+    try:
+        return parse_bytes(text, "")
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a byte count such as 16777216 or 16MiB (units: B, KB, MB, GB, TB, "
+                                         f"KiB, MiB, GiB, TiB), got {text!r}") from None
+
+
+def listed(item: Callable[[str], T]) -> Callable[[str], list[T]]:
+    """An argparse ``type``: comma-separated values, each of the type ``item``, at least one, none empty."""
+
+    def comma_separated(text: str) -> list[T]:
+        values = []
+        for part in text.split(","):
+            try:
+                values.append(item(part.strip()))
+            except argparse.ArgumentTypeError as exc:
+                raise argparse.ArgumentTypeError(f"takes comma-separated values, each of which {exc}"
+                                                 + (f" (in {text!r})" if "," in text else "")) from None
+        return values
+
+    return comma_separated
+
+
+def check_aio(ap: argparse.ArgumentParser, flags: str, **fields: Any) -> None:
+    """``AioConfig(**fields)``, or ``ap.error`` naming ``flags`` (the flags those fields came from) and why not."""
+    try:
+        AioConfig(**fields)
+    except ValueError as exc:
+        ap.error(f"{flags}: {exc}")
+
+
+def gpt_heads(ap: argparse.ArgumentParser, width: int) -> int:
+    """The attention heads of a bench GPT ``width`` wide, one per 64 of width; ``ap.error`` where they do not divide
+    the width."""
+    heads = max(1, width // 64)
+    if width % heads:
+        ap.error(f"--width must be a multiple of its number of heads (width // 64 = {heads}), got {width}")
+    return heads
+
+
+def largest_fetched(model: torch.nn.Module, persistence_threshold: int) -> int:
+    """Elements of the largest parameter of ``model`` above ``persistence_threshold``: the smallest window
+    (stage3_max_live_parameters) that can fetch it; 0 when every parameter stays on the device."""
+    return max((p.numel() for p in model.parameters() if p.numel() > persistence_threshold), default=0)
+
+
+def check_live(ap: argparse.ArgumentParser, live: int, largest: int) -> None:
+    """``ap.error`` naming --live where that window cannot hold the ``largest`` parameter it fetches (the engine would
+    refuse it naming the config key, after the bench's set-up)."""
+    if live < largest:
+        ap.error(f"--live (stage3_max_live_parameters) must hold the largest parameter the window fetches, "
+                 f"{largest} elements, got {live}")
 
 
 def exit_on_sigterm() -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
-from _common import exit_on_sigterm  # noqa: E402
+from _common import byte_count, check_aio, count, exit_on_sigterm  # noqa: E402
 
 from nvme_swapper import AioConfig, SwapEngine, aligned_tensor  # noqa: E402
 from nvme_swapper._native import checksum, checksum_isa, checksum_kind, memory_at  # noqa: E402
@@ -70,14 +70,16 @@ def hash_rate(t: torch.Tensor, block: int) -> tuple[float, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", type=Path, default=None, help="directory on the disk to measure (default: a temp dir)")
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--tensors", type=int, default=16)
-    ap.add_argument("--mib", type=int, default=64)
-    ap.add_argument("--block-size", type=int, default=1 << 20)
-    ap.add_argument("--queue-depth", type=int, default=8)
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=count(1), default=7)
+    ap.add_argument("--tensors", type=count(1), default=16)
+    ap.add_argument("--mib", type=count(1), default=64)
+    ap.add_argument("--block-size", type=byte_count, default=1 << 20)
+    ap.add_argument("--queue-depth", type=count(1), default=8)
+    ap.add_argument("--threads", type=count(1), default=1)
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = ap.parse_args()
+    check_aio(ap, "--block-size/--queue-depth/--threads", block_size=args.block_size, queue_depth=args.queue_depth,
+              thread_count=args.threads)
 
     nbytes = args.mib << 20
     g = torch.Generator().manual_seed(0)

@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import exit_on_sigterm, out_help  # noqa: E402
+from _common import count, exit_on_sigterm, listed, out_help  # noqa: E402
 from nvme_swapper import aligned_tensor  # noqa: E402
 from offload.ops import adam_step, cpu_adam_backend, host_stream_buffer, squared_norm  # noqa: E402
 from offload._progress import progress  # noqa: E402
@@ -162,18 +162,16 @@ def print_table(n: int, nthreads: int, rows: dict, ratios: dict, met: dict) -> N
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--params", type=lambda v: int(float(v)), default=100_000_000,
-                        help="parameters per update (default 1e8)")
-    parser.add_argument("--repeats", type=int, default=7, help="timed rounds after one warm-up round (default 7)")
-    parser.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
+    parser.add_argument("--params", type=count(1), default=100_000_000, help="parameters per update (default 1e8)")
+    parser.add_argument("--repeats", type=count(1), default=7,
+                        help="timed rounds after one warm-up round (default 7)")
+    parser.add_argument("--threads", type=listed(count(1)), default="1,2",
+                        help="comma-separated thread counts (default 1,2)")
     parser.add_argument("--out", type=Path, default=Path("results/cpu_adam.json"), help=out_help("cpu_adam"))
     args = parser.parse_args()
-    if args.params < 1 or args.repeats < 1:
-        parser.error("--params and --repeats must be positive")
-    threads = [int(t) for t in args.threads.split(",")]
     backend = cpu_adam_backend()
     print(f"CPU Adam backend: {backend}; torch {torch.__version__}")
-    results = run(args.params, threads, args.repeats)
+    results = run(args.params, args.threads, args.repeats)
     report = {
         "params": args.params,
         "repeats": args.repeats,

@@ -36,6 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
+from _common import count, gpt_heads  # noqa: E402
 
 from offload._progress import progress  # noqa: E402
 
@@ -229,15 +230,16 @@ def report(rows: list[list[dict]], out: str, sparse: list[dict], start: list[dic
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ranks", type=int, default=2)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--width", type=int, default=256)
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--sync-mb", type=int, default=1024, help="model size for the start's sync (0: skip it)")
-    ap.add_argument("--sync-repeats", type=int, default=3)
+    ap.add_argument("--ranks", type=count(1), default=2)
+    ap.add_argument("--layers", type=count(1), default=4)
+    ap.add_argument("--width", type=count(1), default=256)
+    ap.add_argument("--steps", type=count(1), default=3)
+    ap.add_argument("--sync-mb", type=count(0), default=1024, help="model size for the start's sync (0: skip it)")
+    ap.add_argument("--sync-repeats", type=count(1), default=3)
     ap.add_argument("--out", default="results/dist_comm.json")
     ap.add_argument("--worker", action="store_true", help="be one rank (set by the launcher, or use torchrun)")
     args = ap.parse_args()
+    gpt_heads(ap, args.width)
     if args.worker or "RANK" in os.environ:
         worker(args)
         return

@@ -79,7 +79,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
-from _common import out_help, peak_rss, proc_bytes, shape_for  # noqa: E402
+from _common import count, gpt_heads, number, out_help, peak_rss, proc_bytes, shape_for  # noqa: E402
 
 import offload  # noqa: E402
 from nvme_swapper import aligned_tensor, pinned_bytes  # noqa: E402
@@ -463,14 +463,14 @@ def _result_in(stdout: str) -> dict[str, Any] | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--params", type=float, default=1e9, help="model size; ignored with --layers")
-    ap.add_argument("--layers", type=int, default=None)
-    ap.add_argument("--width", type=int, default=None)
-    ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--tokens", type=int, default=512, help="sequence length")
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=5, help="measured steps")
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--params", type=count(1), default=10**9, help="model size (default 1e9); ignored with --layers")
+    ap.add_argument("--layers", type=count(1), default=None)
+    ap.add_argument("--width", type=count(1), default=None, help="with --layers (default 768)")
+    ap.add_argument("--vocab", type=count(1), default=32000)
+    ap.add_argument("--tokens", type=count(1), default=512, help="sequence length")
+    ap.add_argument("--batch", type=count(1), default=4)
+    ap.add_argument("--steps", type=count(1), default=5, help="measured steps")
+    ap.add_argument("--warmup", type=count(0), default=2)
     ap.add_argument("--placements", default=",".join(PLACEMENTS))
     ap.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
                     help="training dtype (plain torch: autocast to it); auto: bf16 where the device runs it at full "
@@ -483,17 +483,18 @@ def main() -> None:
                     help="auto: torchao's CPUOffloadOptimizer beside ours in opt-host, when it is importable and CUDA "
                     "is there")
     ap.add_argument("--nvme-dir", default=None, help="where swap files go (default: a temporary directory)")
-    ap.add_argument("--rounds", type=int, default=1,
+    ap.add_argument("--rounds", type=count(1), default=1,
                     help="run every placement this many times, round-robin, and quote the median of each round's "
                     "ratios (a shared machine's slow spells then hit ours and the baseline alike)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the model in every run (plain torch, "
                     "compute bound, ours, DeepSpeed's engine.compile())")
-    ap.add_argument("--clip", type=float, default=0.0, help="gradient clipping for every framework alike (0: off; "
+    ap.add_argument("--clip", type=number(0), default=0.0, help="gradient clipping for every framework alike (0: off; "
                     "transformers' Trainer clips at 1.0 by default, which stops the optimizer from overlapping "
                     "backward: the norm must be known first)")
-    ap.add_argument("--timeout", type=float, default=900, help="seconds per run")
-    ap.add_argument("--build-timeout", type=float, default=420, help="seconds for DeepSpeed to build its ops "
-                    "(CPU Adam; AIO with NVMe placements) before the runs, once")
+    ap.add_argument("--timeout", type=number(0, inclusive=False), default=900, help="seconds per run")
+    ap.add_argument("--build-timeout", type=number(0, inclusive=False), default=420,
+                    help="seconds for DeepSpeed to build its ops (CPU Adam; AIO with NVMe placements) before the runs, "
+                    "once")
     ap.add_argument("--out", default="results/gpu_train.json", help=out_help("gpu_train"))
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -502,14 +503,14 @@ def main() -> None:
         os._exit(0)  # a peer's communicator or I/O threads may hang the exit; the result is out
     placements = [p.strip() for p in args.placements.split(",") if p.strip()]
     unknown = [p for p in placements if p not in PLACEMENTS]
-    if unknown:
-        ap.error(f"--placements: unknown {unknown}; known: {', '.join(PLACEMENTS)}")
-    for name in ("steps", "batch", "tokens", "rounds"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name} must be at least 1")
+    if unknown or not placements:
+        ap.error(f"--placements must name placements among {', '.join(PLACEMENTS)}; "
+                 + (f"unknown: {', '.join(unknown)}" if unknown else f"got {args.placements!r}"))
+    if args.width is not None and args.layers is None:
+        ap.error("--width needs --layers")
     layers, width = (args.layers, args.width or 768) if args.layers else shape_for(args.params, args.vocab,
                                                                                      args.tokens)
-    cfg = GPTConfig(vocab_size=args.vocab, context=args.tokens, layers=layers, heads=max(1, width // 64),
+    cfg = GPTConfig(vocab_size=args.vocab, context=args.tokens, layers=layers, heads=gpt_heads(ap, width),
                     width=width)
     n = cfg.num_parameters
     if args.nvme_dir:

@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
-from _common import exit_on_sigterm, out_help  # noqa: E402
+from _common import count, exit_on_sigterm, out_help  # noqa: E402
 
 import offload  # noqa: E402
 from nvme_swapper import aligned_tensor  # noqa: E402
@@ -113,18 +113,19 @@ def median(xs: list[float]) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--params", type=float, default=1e9)
-    ap.add_argument("--host-params", type=float, default=2e8)
-    ap.add_argument("--sub-group", type=float, default=1e8)
-    ap.add_argument("--buffers", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--params", type=count(1), default=10**9, help="parameters of the NVMe engine (default 1e9)")
+    ap.add_argument("--host-params", type=count(1), default=2 * 10**8,
+                    help="parameters of the HOST engine (default 2e8)")
+    ap.add_argument("--sub-group", type=count(1), default=10**8, help="sub_group_size (default 1e8)")
+    ap.add_argument("--buffers", type=count(1, 64), default=4, help="offload_optimizer.buffer_count (default 4)")
+    ap.add_argument("--rounds", type=count(1), default=3)
     ap.add_argument("--nvme-dir", default=None, help="where the swap files go (default: a temp dir in cwd)")
     ap.add_argument("--quick", action="store_true", help="1e8 / 5e7 parameters, 2 rounds")
     ap.add_argument("--out", default="results/offload_step.json", help=out_help("offload_step"))
     args = ap.parse_args()
     if args.quick:
-        args.params, args.host_params, args.sub_group, args.rounds = 1e8, 5e7, 2.5e7, 2
-    n, n_host, sub = int(args.params), int(args.host_params), int(args.sub_group)
+        args.params, args.host_params, args.sub_group, args.rounds = 10**8, 5 * 10**7, 25 * 10**6, 2
+    n, n_host, sub = args.params, args.host_params, args.sub_group
     nvme = Path(tempfile.mkdtemp(prefix="bench-step-", dir=args.nvme_dir or Path.cwd()))
     torch.manual_seed(0)
     results: dict[str, list[float]] = {}
@@ -133,6 +134,10 @@ def main() -> None:
         need = 12 * n + args.buffers * 12 * sub
         if need > free * 0.9:
             n = int((free * 0.9 - args.buffers * 12 * sub) / 12 // CHUNK * CHUNK)
+            if n < 1:
+                sys.exit(f"error: {nvme.parent} has {free / 1e9:.3g} GB free, too little for --params {args.params} "
+                         f"(12 B/param of Adam state and {args.buffers} --buffers of --sub-group {sub} parameters); "
+                         "pass --nvme-dir on a larger disk")
             print(f"the disk holds less than --params needs: using {n:.3g} parameters", file=sys.stderr)
         engine = engine_for(n, "nvme", nvme, sub, args.buffers)
         adam = adam_alone(n, sub)

@@ -49,14 +49,13 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
-from _common import (exit_on_sigterm, huge_pages, mem_available, out_help, peak_rss, proc_bytes,  # noqa: E402
-                     reset_peak_rss, shape_for)
+from _common import (byte_count, check_live, count, exit_on_sigterm, gpt_heads, huge_pages,  # noqa: E402
+                     largest_fetched, mem_available, out_help, peak_rss, proc_bytes, reset_peak_rss, shape_for)
 
 import offload  # noqa: E402
 from nvme_swapper import AioConfig, aligned_tensor  # noqa: E402
 from nvme_swapper._tune import measure  # noqa: E402
 from offload._device import fast_bf16  # noqa: E402
-from offload.config import parse_bytes  # noqa: E402
 from offload.memory import fmt_bytes  # noqa: E402
 from offload.models import GPT, GPTConfig, synthetic_batches  # noqa: E402
 
@@ -78,23 +77,25 @@ def swap_bytes(engine: offload.Engine) -> tuple[int, int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--params", type=float, default=1e8, help="model size (parameters); ignored with --layers")
-    ap.add_argument("--layers", type=int, default=None)
-    ap.add_argument("--width", type=int, default=None, help="with --layers (default 768)")
-    ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--tokens", type=int, default=64, help="sequence length")
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=4, help="measured steps")
-    ap.add_argument("--warmup", type=int, default=1, help="steps before the measured ones (traces recorded)")
+    ap.add_argument("--params", type=count(1), default=10**8,
+                    help="model size (parameters; default 1e8); ignored with --layers")
+    ap.add_argument("--layers", type=count(1), default=None)
+    ap.add_argument("--width", type=count(1), default=None, help="with --layers (default 768)")
+    ap.add_argument("--vocab", type=count(1), default=8192)
+    ap.add_argument("--tokens", type=count(1), default=64, help="sequence length")
+    ap.add_argument("--batch", type=count(1), default=1)
+    ap.add_argument("--steps", type=count(1), default=4, help="measured steps")
+    ap.add_argument("--warmup", type=count(0), default=1, help="steps before the measured ones (traces recorded)")
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--nvme-dir", default=None, help="where the swap files go (default: a temp dir in cwd)")
     ap.add_argument("--aio", default=None, help="a JSON file with an aio section (python -m offload tune --out)")
-    ap.add_argument("--sub-group", type=float, default=None,
+    ap.add_argument("--sub-group", type=count(1), default=None,
                     help="zero_optimization.sub_group_size (elements; default: the plan's)")
-    ap.add_argument("--buffers", type=int, default=None, help="offload_optimizer.buffer_count (default: the plan's)")
-    ap.add_argument("--live", type=float, default=None,
+    ap.add_argument("--buffers", type=count(1, 64), default=None,
+                    help="offload_optimizer.buffer_count (default: the plan's)")
+    ap.add_argument("--live", type=count(1), default=None,
                     help="stage3_max_live_parameters (elements; default: the plan's)")
-    ap.add_argument("--prefetch", type=float, default=None,
+    ap.add_argument("--prefetch", type=count(1), default=None,
                     help="stage3_prefetch_bucket_size (elements; default: the plan's)")
     ap.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
                     help="training dtype; auto: bf16 where this CPU runs it at full speed (offload._device.fast_bf16), "
@@ -102,7 +103,8 @@ def main() -> None:
     ap.add_argument("--build", choices=["init", "bf16"], default="init",
                     help="init: inside offload.init (fp32 in a file arena); bf16: in RAM in bf16 (as before "
                          "offload.init)")
-    ap.add_argument("--probe-size", default="1GiB", help="bytes of the disk probe before and after training")
+    ap.add_argument("--probe-size", type=byte_count, default="1GiB",
+                    help="bytes of the disk probe before and after training")
     ap.add_argument("--no-overlap", action="store_true", help="offload_optimizer.overlap_step false")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--one-batch", action="store_true",
@@ -110,39 +112,43 @@ def main() -> None:
                          "fresh batches of the synthetic task need dozens of steps to show learning")
     ap.add_argument("--out", default="results/train.json", help=out_help("train"))
     args = ap.parse_args()
-    for name in ("steps", "batch", "tokens", "buffers"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            ap.error(f"--{name} must be at least 1, got {getattr(args, name)}")
-    if args.warmup < 0:
-        ap.error(f"--warmup must be at least 0, got {args.warmup}")
     if (args.width is not None) and args.layers is None:
         ap.error("--width needs --layers")
-    probe_bytes = parse_bytes(args.probe_size, "--probe-size")
+    probe_bytes = args.probe_size
     if probe_bytes < 1 << 20 or probe_bytes % 4096:
-        ap.error(f"--probe-size must be at least 1MiB and a multiple of 4KiB, got {args.probe_size}")
+        ap.error(f"--probe-size must be at least 1MiB and a multiple of 4KiB, got {probe_bytes} bytes")
     aio_section: dict[str, Any] = {"block_size": 4 << 20, "queue_depth": 8, "thread_count": 1}
-    if args.aio:
-        aio_section = json.loads(Path(args.aio).read_text()).get("aio", {})
-    aio = AioConfig.from_dict(aio_section)
+    try:
+        if args.aio:
+            fragment = json.loads(Path(args.aio).read_text())
+            if not isinstance(fragment, dict):
+                raise ValueError(f"a JSON object with an aio section expected, got {type(fragment).__name__}")
+            aio_section = fragment.get("aio", {})
+        aio = AioConfig.from_dict(aio_section)
+    except (OSError, ValueError) as exc:
+        ap.error(f"--aio {args.aio}: {exc}")
 
     if args.layers is not None:
         layers, width = args.layers, args.width or 768
     else:
         layers, width = shape_for(args.params, args.vocab, args.tokens)
-    cfg = GPTConfig(vocab_size=args.vocab, context=args.tokens, layers=layers, heads=max(1, width // 64), width=width)
+    cfg = GPTConfig(vocab_size=args.vocab, context=args.tokens, layers=layers, heads=gpt_heads(ap, width), width=width)
     n = cfg.num_parameters
-    sub_group = int(args.sub_group) if args.sub_group else None
-    live = min(int(args.live), n) if args.live else None
+    sub_group = args.sub_group
+    live = min(args.live, n) if args.live is not None else None
     base = Path(args.nvme_dir) if args.nvme_dir else Path.cwd()
     base.mkdir(parents=True, exist_ok=True)
     dtype = args.dtype if args.dtype != "auto" else "bf16" if fast_bf16(torch.device("cpu")) else "fp32"
     if args.build == "bf16" and dtype != "bf16":
         sys.exit("error: --build bf16 builds the model in bf16: it needs --dtype bf16")
     with torch.device("meta"):
-        plan = next(e for e in offload.estimate(model=GPT(cfg), sub_group_size=sub_group, buffer_count=args.buffers,
+        shape = GPT(cfg)
+        plan = next(e for e in offload.estimate(model=shape, sub_group_size=sub_group, buffer_count=args.buffers,
                                                 max_live_parameters=live, cuda=False,
                                                 dtype_bytes=2 if dtype == "bf16" else 4)
                     if e.placement == "optimizer + parameters on nvme")
+    if live is not None and plan.plan is not None:
+        check_live(ap, live, largest_fetched(shape, plan.plan.persistence_threshold))
     avail, free = mem_available(), shutil.disk_usage(base).free
     print(f"train bench: GPT {layers} layers x {width} wide, {n / 1e9:.3g}B parameters, {args.tokens} tokens x "
           f"{args.batch}, {dtype}; plan per tier: device {fmt_bytes(plan.device)}, host {fmt_bytes(plan.host)}, nvme "
@@ -175,14 +181,14 @@ def main() -> None:
                                   "overlap_step": not args.no_overlap},
             "offload_param": {"device": "nvme", "nvme_path": str(work / "params")},
         }
-        if sub_group:
+        if sub_group is not None:
             zero["sub_group_size"] = sub_group
-        if args.buffers:
+        if args.buffers is not None:
             zero["offload_optimizer"]["buffer_count"] = args.buffers
-        if live:
+        if live is not None:
             zero["stage3_max_live_parameters"] = live
-        if args.prefetch:
-            zero["stage3_prefetch_bucket_size"] = int(args.prefetch)
+        if args.prefetch is not None:
+            zero["stage3_prefetch_bucket_size"] = args.prefetch
         config = {
             "bf16": {"enabled": dtype == "bf16"},
             "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.01, "betas": [0.9, 0.95]}},

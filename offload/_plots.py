@@ -191,7 +191,8 @@ def plot_params(data: dict[str, Any], out: Path) -> list[Path]:
     ax.set_ylabel("forward+backward time (s)")
     ax.set_xlabel("run")
     ax.set_title(f"Parameter offload, forward+backward time: GPT {cfg['layers']}x{cfg['width']},\n"
-                 f"{data['param_bytes'] / 1e6:.3g} MB of bf16 parameters read twice per step; offload / max(others) "
+                 f"{data['param_bytes'] / 1e6:.3g} MB of bf16 parameters, {data['bytes_read_per_step'] / 1e6:.3g} MB "
+                 f"read per step; offload / max(others) "
                  f"= {data['ratio']:.2f}", fontsize=10)
     ax.grid(axis="y", alpha=0.3)
     return [_save(fig, out / "params_time.png")]
