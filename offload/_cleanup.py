@@ -5,8 +5,8 @@ built so far is closed before the error propagates. A second error raised by tha
 the first, e.g. a half-built object) must not replace the original: :func:`close_after_failure` attaches it to the
 original as a note and lets the caller re-raise the original. :func:`run_all` is the same rule for a ``close()``
 made of steps: each runs even after an earlier one failed (a GPU left in a sticky error state fails every later
-synchronize, and the swap files, threads and hooks must still go), and the first error is raised; a step cut
-short by an interrupt can be kept to run again.
+synchronize, and the swap files, threads and hooks must still go), and the first error is raised; an interrupt
+stops it, and the steps left can be kept to run again.
 """
 
 from __future__ import annotations
@@ -39,18 +39,24 @@ def note_on(error: BaseException, note: str) -> None:
 
 def run_all(steps: Iterable[Callable[[], object] | None], *, cut_short: list[Callable[[], object]] | None = None
             ) -> None:
-    """Calls every step (None: skipped) in order, even after one raised; then raises the first error, with any
-    later ones noted on it. ``cut_short``: a step interrupted (KeyboardInterrupt, SystemExit: not an
-    ``Exception``, so not a failure of its own) is appended to it, for a later call to run again."""
+    """Calls every step (None: skipped) in order, even after one failed; then raises the first error, with any
+    later ones noted on it. A step interrupted (KeyboardInterrupt, SystemExit: not an ``Exception``, so no failure
+    of its own) stops the run, since the steps after it may free what it still needs: it and the rest go to
+    ``cut_short`` (when given), for a later call to run again."""
     first: BaseException | None = None
-    for step in steps:
+    steps = list(steps)
+    for i, step in enumerate(steps):
         if step is None:
             continue
         try:
             step()
         except BaseException as exc:  # noqa: BLE001 - raised below, once every step has run
-            if cut_short is not None and not isinstance(exc, Exception):
-                cut_short.append(step)
+            if not isinstance(exc, Exception):
+                if cut_short is not None:
+                    cut_short.extend(s for s in steps[i:] if s is not None)
+                if first is not None:
+                    _note(exc, first)
+                raise
             if first is None:
                 first = exc
             else:

@@ -15,6 +15,7 @@ import torch
 import offload
 from offload import _checkpoint
 from offload.engine import _engine
+from offload.engine._interrupts import FORCED, HeldInterrupts
 from models import batches, close_enough, lm_loss, make, on_device, placement_config, reference_model
 
 STEPS = 6
@@ -173,3 +174,52 @@ def test_a_save_interrupted_after_latest_named_it_stays_loadable(tmp_path, monke
         loaded = engine.consolidated_state_dict()
     for k, v in saved.items():
         assert torch.equal(loaded[k], v), k
+
+
+def test_a_close_cut_short_while_handing_parameters_back_hands_them_all_back_next_time(tmp_path):
+    """Two presses while close() reads the parameters back from NVMe (its slow part): nothing it reads from is
+    freed, and the next close() hands every parameter back with its trained value."""
+    model = make()
+    engine = offload.initialize(model, placement_config(tmp_path, "all-nvme"))
+    for x, y in batches(2):
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+    want = {k: v.to(torch.float32) for k, v in engine.consolidated_state_dict().items()}
+    pressing_in(engine.weights.params, "read_home", 2)
+    with pytest.raises(KeyboardInterrupt):
+        engine.close()
+    assert engine in _engine._unclosed
+    engine.close()
+    assert engine not in _engine._unclosed and not os.listdir(tmp_path / "offload_param")
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach().float().cpu(), want[name].cpu()), name
+
+
+def test_a_handler_of_the_users_gets_both_presses_and_the_call_goes_on(tmp_path):
+    """A handler that only sets a flag (a graceful stop) sees both signals; the call finishes and the engine is
+    not failed, so the loop can save and stop."""
+    seen = []
+    signal.signal(signal.SIGINT, lambda signum, frame: seen.append(signum))
+    model = make()
+    x, y = batches(1)[0]
+    with offload.initialize(model, placement_config(tmp_path, "opt-nvme")) as engine:
+        pressing_in(engine.grads, "wait", 2)
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+        assert seen == [signal.SIGINT, signal.SIGINT] and engine.phase is _engine.Phase.IDLE
+        engine.save_checkpoint(tmp_path / "ckpt")
+
+
+def test_the_second_press_gives_sigint_back_at_once():
+    """Whenever the second press comes (inside the call, or as the call returns), the handler is Python's again
+    from then on, so no later call is left holding it."""
+    forced = []
+    held = HeldInterrupts(lambda: forced.append(True))
+    held.__enter__()
+    recorder = signal.getsignal(signal.SIGINT)
+    recorder(signal.SIGINT, None)
+    with pytest.raises(KeyboardInterrupt, match=FORCED):
+        recorder(signal.SIGINT, None)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler and forced == [True]
+    held.__exit__(None, None, None)  # nothing left to deliver
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

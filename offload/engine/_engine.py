@@ -123,7 +123,7 @@ def _held(call: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     def wrap(method: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(method)
         def held(self: "Engine", *args: Any, **kwargs: Any) -> Any:
-            with HeldInterrupts(lambda: self._interrupted(call)):
+            with self._holding(call):
                 return method(self, *args, **kwargs)
         return held
     return wrap
@@ -169,7 +169,7 @@ class Engine:
         self._window_start = (0, 0)  # micro_steps and sub_groups_overlapped when the open window began
         self._backward_done = False  # a backward ran since the last step() (its micro-batch is counted)
         self._refused = False  # the last backward refused its non-finite loss (a step() after it counts the batch)
-        self._held = 0  # engine.gathered() blocks open
+        self._gathered_open = 0  # engine.gathered() blocks open
         self.lr_scheduler: WarmupSchedule | None = None
         self.store: TieredStore | None = None
         self.copies: CopyStreams | None = None
@@ -513,7 +513,7 @@ class Engine:
         Gradients are consumed (the next backward starts from zero)."""
         self._applied = False  # first: a step() that raises, in its checks too, applied nothing (DeepSpeed's too)
         self._expect_trainable("engine.step()")
-        if self._held:
+        if self._gathered_open:
             raise RuntimeError("engine.step() inside an engine.gathered() block: the update would change the "
                                "parameters the block holds; step after the block")
         if self._refused and not self._backward_done:  # the loop stepped past a refused batch: it counts, with
@@ -738,17 +738,17 @@ class Engine:
         here: at the end of a step whose updates ran inside it); None if some update of it never ran. One rank
         takes it when it is read, so a step never waits for the device for it."""
         squares = self.optimizer.grad_squares(self._norm_step)
-        self._norm_step = None
         if isinstance(squares, torch.Tensor):  # on the GPU: all-reduced and rooted there, read on demand
             if self.world_size > 1:
                 squares = squares.reshape(1)
                 self.comm.all_reduce(squares)
             self._grad_norm_value = squares.reshape(()).sqrt()
-            return
-        if self.world_size > 1:
-            assert squares is not None, "with several ranks a step's updates end inside it"
-            squares = self.comm.sum_float(squares)
-        self._grad_norm_value = None if squares is None else math.sqrt(squares)
+        else:
+            if self.world_size > 1:
+                assert squares is not None, "with several ranks a step's updates end inside it"
+                squares = self.comm.sum_float(squares)
+            self._grad_norm_value = None if squares is None else math.sqrt(squares)
+        self._norm_step = None  # last: a read cut short (an interrupt in the all-reduce) takes it again
 
     def _grad_norm(self) -> float:
         """The global norm: of this rank's share here, summed in squares over ranks (the same on every rank, so
@@ -785,13 +785,15 @@ class Engine:
             raise ValueError(f"engine.gathered: entry {strays[0]} of params is not a parameter of the engine's model")
         self._parameters_current()  # the values the block reads are the newest
         block = Gathered(self, list({id(p): p for p in given}.values()))
-        block.enter()
-        self._held += 1
+        with self._holding("engine.gathered"):  # the block's own code is the user's: Ctrl-C lands there at once
+            block.enter()
+        self._gathered_open += 1
         try:
             yield
         finally:
-            self._held -= 1
-            block.exit()
+            self._gathered_open -= 1
+            with self._holding("engine.gathered"):
+                block.exit()
 
     @_held("engine.read_parameter")
     def read_parameter(self, p: torch.nn.Parameter) -> torch.Tensor:
@@ -1020,6 +1022,10 @@ class Engine:
         if self.phase is Phase.CLOSED:
             raise RuntimeError("the engine is closed")
 
+    def _holding(self, call: str) -> HeldInterrupts:
+        """Ctrl-C held off for ``call`` (see ``_held``), for code that runs an engine call's work itself."""
+        return HeldInterrupts(lambda: self._interrupted(call))
+
     def _interrupted(self, call: str) -> None:
         """A second Ctrl-C cut ``call`` short (see ``_held``): what it changed may be half changed."""
         if self.phase is not Phase.CLOSED:
@@ -1053,7 +1059,7 @@ class Engine:
         The model keeps working with its current parameters. A close cut short (a second Ctrl-C) is finished by
         the next call, or at exit."""
         if self.phase is Phase.CLOSED:
-            if self._teardown_left:
+            if self._teardown_left is None or self._teardown_left:  # cut short before its steps, or in them
                 self._teardown()
             return
         try:

@@ -5,8 +5,11 @@ Python raises KeyboardInterrupt in the main thread between any two bytecodes, an
 an interrupt in between leaves it half changed, and a notebook user who interrupts a cell and runs it again
 would train on from there. :class:`HeldInterrupts` swaps the SIGINT handler for one that records the signal for
 the length of a call, then restores the handler and delivers the signal to it, so the KeyboardInterrupt
-surfaces when the call has finished and the engine is consistent. A second Ctrl-C during the call is delivered
-at once (a call that hangs stays interruptible); ``on_forced`` runs first, and the engine marks itself failed.
+surfaces when the call has finished and the engine is consistent (if the call raised an error of its own, the
+KeyboardInterrupt replaces it, the error as its context). A second Ctrl-C during the call is delivered at once (a
+call that hangs stays interruptible), and SIGINT is no longer held; when the handler's exception leaves the call,
+``on_forced`` runs and the engine marks itself failed. A handler of the user's that only sets a flag gets both
+signals, and the call goes on.
 
 Left alone: calls from threads other than the main one (SIGINT interrupts only the main thread), calls nested in
 a held one, and a SIGINT disposition that is not a Python callable (SIG_IGN, SIG_DFL).
@@ -24,23 +27,31 @@ FORCED = "a second Ctrl-C cut it short"
 
 
 class _Recorder:
-    """The SIGINT handler while a call runs: records the first signal, passes the second on."""
+    """The SIGINT handler while a call runs: records the first signal, passes the second on (and, from then on,
+    SIGINT goes to the original handler again)."""
 
     def __init__(self, original: Callable[[int, FrameType | None], Any], on_forced: Callable[[], None]) -> None:
         self.original = original
         self.on_forced = on_forced
         self.pending: tuple[int, FrameType | None] | None = None
         self.forced = False
+        self.closing = False  # the call has returned: a signal now is only recorded, for __exit__ to deliver
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
-        if self.pending is None:
-            self.pending = (signum, frame)
+        if self.pending is None or self.closing:
+            self.pending = self.pending or (signum, frame)
             return
         self.forced = True
-        self.on_forced()
-        if self.original is signal.default_int_handler:
-            raise KeyboardInterrupt(FORCED)
-        self.original(signum, frame)
+        signal.signal(signal.SIGINT, self.original)
+        pending, self.pending = self.pending, None
+        try:
+            if self.original is signal.default_int_handler:
+                raise KeyboardInterrupt(FORCED)
+            self.original(*pending)  # a handler of the user's: both signals, in order
+            self.original(signum, frame)
+        except BaseException:
+            self.on_forced()  # only a call the interrupt leaves is cut short (a handler may just set a flag)
+            raise
 
 
 class HeldInterrupts:
@@ -65,6 +76,8 @@ class HeldInterrupts:
         recorder, self._recorder = self._recorder, None
         if recorder is None:
             return
+        recorder.closing = True
         signal.signal(signal.SIGINT, recorder.original)
-        if recorder.pending is not None and not recorder.forced:
-            recorder.original(*recorder.pending)  # the default handler raises KeyboardInterrupt here
+        if recorder.pending is not None:
+            pending, recorder.pending = recorder.pending, None
+            recorder.original(*pending)  # the default handler raises KeyboardInterrupt here

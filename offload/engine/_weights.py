@@ -24,7 +24,7 @@ import torch
 
 from nvme_swapper import aligned_tensor
 
-from .._cleanup import close_after_failure
+from .._cleanup import close_after_failure, run_all
 from .._convert import buffers_from_pretrained_keeps
 from ..dist import Comm, GradPartition, ParamShards
 from ..memory import AllOf, Copy, CopyStreams, Tier, TieredStore, fmt_bytes
@@ -332,18 +332,22 @@ class Weights:
 
     def close(self) -> None:
         """Hands the model back (parameter offload: plain device tensors with the current values) and frees the
-        host buffers and the device reservation."""
-        try:
-            if self.params is not None:
-                self.params.close()
-                self.params = None
-        finally:
-            if self.shards is not None:
-                self.shards.close()
-                self.shards = None
-            for t in self._host:
-                self.store.free(Tier.HOST, t)
-            self._host = []
-            if self._reserved:
-                self.store.accounts[Tier.DEVICE].release(self._reserved)
-                self._reserved = 0
+        host buffers and the device reservation. The hand-back cut short (an interrupt) frees nothing it reads: the
+        next call hands back again."""
+        run_all([self._close_params, self._free])
+
+    def _close_params(self) -> None:
+        if self.params is not None:
+            self.params.close()
+            self.params = None
+
+    def _free(self) -> None:
+        if self.shards is not None:
+            self.shards.close()
+            self.shards = None
+        for t in self._host:
+            self.store.free(Tier.HOST, t)
+        self._host = []
+        if self._reserved:
+            self.store.accounts[Tier.DEVICE].release(self._reserved)
+            self._reserved = 0
