@@ -99,7 +99,9 @@ class SwapEngine:
             else:
                 self._workers = ThreadWorkers(self._file, self._io, self.config, self._resolve,
                                               self.backend == "aio", self._count)
-        except BaseException:
+        except BaseException:  # (a KeyboardInterrupt too, which may land after the threads started)
+            if hasattr(self, "_workers"):
+                self._workers.close()
             if hasattr(self, "_file"):
                 self._file.close(remove=True)
             shutil.rmtree(self.directory, ignore_errors=True)

@@ -154,6 +154,7 @@ class Engine:
         self._call = model  # what a forward runs: torch.compile(model) stays compiled
         self.phase = Phase.IDLE
         self._failure = ""  # what put the engine in Phase.FAILED
+        self._cut_short: str | None = None  # the call a second Ctrl-C cut short: from then on only close() works
         self.global_steps = 0
         self.micro_steps = 0
         self._grad_norm_value: float | torch.Tensor | None = None  # last_grad_norm once known (a tensor: on the GPU)
@@ -294,6 +295,8 @@ class Engine:
 
     @_held("the forward")
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._cut_short is not None:
+            raise self._cut_short_error("the forward")
         return self._call(*args, **kwargs)
 
     forward = __call__
@@ -388,7 +391,8 @@ class Engine:
             self.optimizer.end_backward()
             if self.weights.params is not None:
                 self.weights.params.end_backward(step_follows=self._last_micro)
-            if self.phase is Phase.FAILED and first and self.optimizer.sub_groups_overlapped == queued:
+            if self.phase is Phase.FAILED and first and self.optimizer.sub_groups_overlapped == queued and \
+                    self._cut_short is None:
                 self._discard_window()  # nothing was updated and no earlier micro-batch is lost: start afresh
                 self.phase = Phase.IDLE
         self.phase = Phase.ACCUMULATING
@@ -1027,13 +1031,23 @@ class Engine:
         return HeldInterrupts(lambda: self._interrupted(call))
 
     def _interrupted(self, call: str) -> None:
-        """A second Ctrl-C cut ``call`` short (see ``_held``): what it changed may be half changed."""
+        """A second Ctrl-C cut ``call`` short (see ``_held``). Not only the training state may be half changed but
+        the engine's own records (which buffer holds which parameter, which transfer is in flight), which a load
+        does not rebuild: only ``close()`` is allowed from here, and a new engine loads the checkpoint."""
         if self.phase is not Phase.CLOSED:
             self._fail(call, KeyboardInterrupt(FORCED))
+            self._cut_short = call
+
+    def _cut_short_error(self, call: str) -> RuntimeError:
+        return RuntimeError(f"{call}: a second Ctrl-C cut {self._cut_short} short, which may have left the engine's "
+                            "own records (which buffer holds which parameter, which transfers are in flight) half "
+                            "changed, so it cannot go on: close() it (again, if that close is cut short too) and "
+                            "build a new engine, whose load_checkpoint restores a saved state")
 
     def _fail(self, call: str, exc: BaseException) -> None:
         self.phase = Phase.FAILED  # the last step's norm stays readable where its updates all ran (last_grad_norm)
-        self._failure = f"{call} raised {type(exc).__name__}: {exc}"
+        if self._cut_short is None:  # (what follows a cut-short call, e.g. a hook that finds the phase changed)
+            self._failure = f"{call} raised {type(exc).__name__}: {exc}"
 
     def _expect_trainable(self, call: str) -> None:
         if not self.layout.params:
@@ -1045,6 +1059,8 @@ class Engine:
 
     def _expect(self, call: str, *allowed: Phase) -> None:
         self._check_open()
+        if self._cut_short is not None:
+            raise self._cut_short_error(call)
         if self.phase is Phase.FAILED and Phase.FAILED not in allowed:
             raise RuntimeError(f"{call}: {self._failure}, which may have left gradients, parameters or optimizer "
                                "state half updated; load a checkpoint (engine.load_checkpoint) or close the engine")
@@ -1063,20 +1079,27 @@ class Engine:
                 self._teardown()
             return
         try:
-            failed = self.phase is Phase.FAILED
-            try:
-                self._settle()
-                self.optimizer.finish()
-                if self._norm_step is not None:  # readable after close
-                    self._take_norm()
-            except Exception:  # noqa: BLE001 - a failed step's error, raised already
-                if not failed:
-                    raise
-            for copy in self.weights.apply_update(self._zero):  # the model keeps every update it was given
-                copy.wait()
+            if self._cut_short is None:  # (else the records the updates would go by may be half changed)
+                failed = self.phase is Phase.FAILED
+                try:
+                    self._settle()
+                    self.optimizer.finish()
+                    if self._norm_step is not None:  # readable after close
+                        self._take_norm()
+                except Exception:  # noqa: BLE001 - a failed step's error, raised already
+                    if not failed:
+                        raise
+                for copy in self.weights.apply_update(self._zero):  # the model keeps every update it was given
+                    copy.wait()
         finally:
             self.phase = Phase.CLOSED
-            self._teardown()
+            try:
+                self._teardown()
+            except Exception as exc:
+                if self._cut_short is not None:
+                    note_on(exc, f"(a second Ctrl-C had cut {self._cut_short} short, so the model's parameters may "
+                                 "not all be handed back: load them from a checkpoint)")
+                raise
 
     def _teardown(self) -> None:
         """Stops and frees whatever was built, in reverse order; safe on a half-built engine. Steps an interrupt
