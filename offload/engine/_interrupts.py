@@ -8,8 +8,8 @@ the length of a call, then restores the handler and delivers the signal to it, s
 surfaces when the call has finished and the engine is consistent (if the call raised an error of its own, the
 KeyboardInterrupt replaces it, the error as its context). A second Ctrl-C during the call is delivered at once (a
 call that hangs stays interruptible), and SIGINT is no longer held; when the handler's exception leaves the call,
-``on_forced`` runs and the engine allows only ``close()`` from then on. A handler of the user's that only sets a flag gets both
-signals, and the call goes on.
+``on_forced`` runs and the engine allows only ``close()`` from then on. A handler of the user's that only sets a
+flag gets both signals, and the call goes on.
 
 Left alone: calls from threads other than the main one (SIGINT interrupts only the main thread), calls nested in
 a held one, and a SIGINT disposition that is not a Python callable (SIG_IGN, SIG_DFL).
