@@ -85,6 +85,20 @@ def check_aio(ap: argparse.ArgumentParser, flags: str, **fields: Any) -> None:
         ap.error(f"{flags}: {exc}")
 
 
+def add_gpt_flags(ap: argparse.ArgumentParser, *, params: int, vocab: int, tokens: int, batch: int, steps: int,
+                  warmup: int) -> None:
+    """The flags of a bench GPT's size and of the steps measured on it, with these defaults."""
+    ap.add_argument("--params", type=count(1), default=params,
+                    help=f"model size (parameters; default {params:.0e}); ignored with --layers")
+    ap.add_argument("--layers", type=count(1), default=None)
+    ap.add_argument("--width", type=count(1), default=None, help="with --layers (default 768)")
+    ap.add_argument("--vocab", type=count(1), default=vocab)
+    ap.add_argument("--tokens", type=count(1), default=tokens, help="sequence length")
+    ap.add_argument("--batch", type=count(1), default=batch)
+    ap.add_argument("--steps", type=count(1), default=steps, help="measured steps")
+    ap.add_argument("--warmup", type=count(0), default=warmup, help="steps before the measured ones")
+
+
 def gpt_heads(ap: argparse.ArgumentParser, width: int) -> int:
     """The attention heads of a bench GPT ``width`` wide, one per 64 of width; ``ap.error`` where they do not divide
     the width."""

@@ -79,7 +79,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
-from _common import count, gpt_heads, number, out_help, peak_rss, proc_bytes, shape_for  # noqa: E402
+from _common import add_gpt_flags, count, gpt_heads, number, out_help, peak_rss, proc_bytes, shape_for  # noqa: E402
 
 import offload  # noqa: E402
 from nvme_swapper import aligned_tensor, pinned_bytes  # noqa: E402
@@ -463,14 +463,7 @@ def _result_in(stdout: str) -> dict[str, Any] | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--params", type=count(1), default=10**9, help="model size (default 1e9); ignored with --layers")
-    ap.add_argument("--layers", type=count(1), default=None)
-    ap.add_argument("--width", type=count(1), default=None, help="with --layers (default 768)")
-    ap.add_argument("--vocab", type=count(1), default=32000)
-    ap.add_argument("--tokens", type=count(1), default=512, help="sequence length")
-    ap.add_argument("--batch", type=count(1), default=4)
-    ap.add_argument("--steps", type=count(1), default=5, help="measured steps")
-    ap.add_argument("--warmup", type=count(0), default=2)
+    add_gpt_flags(ap, params=10**9, vocab=32000, tokens=512, batch=4, steps=5, warmup=2)
     ap.add_argument("--placements", default=",".join(PLACEMENTS))
     ap.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
                     help="training dtype (plain torch: autocast to it); auto: bf16 where the device runs it at full "

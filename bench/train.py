@@ -49,7 +49,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
-from _common import (byte_count, check_live, count, exit_on_sigterm, gpt_heads, huge_pages,  # noqa: E402
+from _common import (add_gpt_flags, byte_count, check_live, count, exit_on_sigterm, gpt_heads, huge_pages,  # noqa: E402
                      largest_fetched, mem_available, out_help, peak_rss, proc_bytes, reset_peak_rss, shape_for)
 
 import offload  # noqa: E402
@@ -77,15 +77,7 @@ def swap_bytes(engine: offload.Engine) -> tuple[int, int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--params", type=count(1), default=10**8,
-                    help="model size (parameters; default 1e8); ignored with --layers")
-    ap.add_argument("--layers", type=count(1), default=None)
-    ap.add_argument("--width", type=count(1), default=None, help="with --layers (default 768)")
-    ap.add_argument("--vocab", type=count(1), default=8192)
-    ap.add_argument("--tokens", type=count(1), default=64, help="sequence length")
-    ap.add_argument("--batch", type=count(1), default=1)
-    ap.add_argument("--steps", type=count(1), default=4, help="measured steps")
-    ap.add_argument("--warmup", type=count(0), default=1, help="steps before the measured ones (traces recorded)")
+    add_gpt_flags(ap, params=10**8, vocab=8192, tokens=64, batch=1, steps=4, warmup=1)
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--nvme-dir", default=None, help="where the swap files go (default: a temp dir in cwd)")
     ap.add_argument("--aio", default=None, help="a JSON file with an aio section (python -m offload tune --out)")
