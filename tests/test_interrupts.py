@@ -120,6 +120,8 @@ def test_a_second_ctrl_c_cuts_the_step_short_and_a_new_engine_loads_the_checkpoi
         engine(data[3][0])
     with pytest.raises(RuntimeError, match=refused):
         engine.load_checkpoint(tmp_path / "ckpt")
+    with pytest.raises(RuntimeError, match=refused):  # it would read the records the interrupt left
+        engine.consolidated_state_dict()
     engine.close()
     assert not os.listdir(tmp_path / "offload_param") and not os.listdir(tmp_path / "offload_optimizer")
     with offload.initialize(make(seed=5), placement_config(tmp_path, "all-nvme")) as engine:

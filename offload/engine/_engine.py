@@ -116,17 +116,19 @@ def _squares(g: torch.Tensor) -> float:
     return n * n
 
 
-
 def _held(call: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Runs an engine method with Ctrl-C held off until it returns (see ``_interrupts``); a second Ctrl-C cuts it
-    short and leaves the engine FAILED, naming ``call``."""
+    short, and from then on every such method but ``close`` is refused, naming the call cut short."""
     def wrap(method: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(method)
         def held(self: "Engine", *args: Any, **kwargs: Any) -> Any:
+            if self._cut_short is not None and call != "engine.close":
+                raise self._cut_short_error(call)
             with self._holding(call):
                 return method(self, *args, **kwargs)
         return held
     return wrap
+
 
 class Engine:
     """Returned by :func:`offload.initialize`. See the module docstring."""
@@ -295,8 +297,6 @@ class Engine:
 
     @_held("the forward")
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self._cut_short is not None:
-            raise self._cut_short_error("the forward")
         return self._call(*args, **kwargs)
 
     forward = __call__
