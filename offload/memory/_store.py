@@ -299,10 +299,13 @@ class TieredStore:
             self._retry_unwritten()
             error = None
             while self._evicting:
+                head = self._evicting[0]
                 try:
                     self._reclaim(block=True)
                 except Exception as exc:
                     error = error or exc
+                    if self._evicting and self._evicting[0] is head and head.io is None:  # no wait can settle it
+                        self._evicting.popleft()  # (a record a second Ctrl-C left half changed): never spin on it
             if error is None:
                 break
         for m in self._managed.values():

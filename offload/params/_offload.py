@@ -952,8 +952,8 @@ class ParameterOffload:
             h.remove()
         self._hooks.clear()
         if getattr(self, "_original_forward", None) is not None:
-            del self.module.forward  # the instance attribute; the class's forward shows through again
-            self._original_forward = None
+            self.module.__dict__.pop("forward", None)  # the instance attribute; the class's forward shows through
+            self._original_forward = None  # (popped again, harmlessly, by a close an interrupt cut short here)
         self._copier.shutdown(wait=True)  # fetches in flight land first
         run_all([self._hand_back, self._free])  # the swap file goes even if the GPU failed the hand-back
 
