@@ -13,7 +13,8 @@ Semantics callers rely on:
   completed. A failed write (ENOSPC, EIO, short transfer) leaves the previous content readable.
 * Tensors: contiguous CPU tensors of any dtype and size. Page-aligned ones (see :func:`aligned_tensor`) move by
   O_DIRECT straight from/to their memory; others go through a block-size bounce buffer (correct, one extra copy,
-  counted in ``stats()["bytes_bounced"]``). A non-contiguous or non-CPU tensor is refused with ValueError.
+  counted in ``stats()["bytes_bounced"]``). A non-contiguous or non-CPU tensor is refused with ValueError, as is a
+  read-only destination (a read-only memory map) of a read that goes through the bounce buffer.
 * With ``AioConfig(checksum=True)`` (the default) every block written gets a checksum kept in memory with the key's
   extent, and every read verifies it: bytes changed or truncated in the file by anyone else fail the read's
   ``wait()`` with OSError(EBADMSG) naming the key and the file, rather than reaching the caller.
@@ -33,10 +34,10 @@ from typing import Any
 
 import torch
 
-from ._buffers import round_up
+from ._buffers import PAGE, round_up
 from ._config import AioConfig
 from ._handle import Op, Part, SwapHandle
-from ._native import FileIO, checksum_kind, kernel_aio, kernel_aio_error
+from ._native import FileIO, checksum_kind, kernel_aio, kernel_aio_error, writable
 from ._owner import remove_left_behind, write_owner
 from ._swapfile import Extent, SwapFile
 from ._workers import AiofilesWorkers, ThreadWorkers, _settle
@@ -149,6 +150,10 @@ class SwapEngine:
             if stored != nbytes:
                 raise ValueError(f"read of key {key!r}: {stored} bytes were written, the output tensor has {nbytes} "
                                  f"({out.dtype}, shape {tuple(out.shape)})")
+            bounced = self.backend != "aiofiles" and self._file.direct and (out.data_ptr() % PAGE or nbytes % PAGE)
+            if bounced and not writable(out.data_ptr(), nbytes):  # the bounce copy into it would crash the process
+                raise ValueError(f"read of key {key!r}: the output tensor's memory is read-only (a read-only memory "
+                                 "map?); read into a writable tensor, such as torch.empty_like(out)")
             handle = SwapHandle(key, Op.READ, out, self._last.get(key), self._complete)
             self._want_sums(handle)
             self._launch(handle)
@@ -181,11 +186,13 @@ class SwapEngine:
 
     def keys(self) -> list[str]:
         """Keys stored or being written."""
+        self._check_open()
         with self._lock:
             return sorted(set(self._index) | set(self._issued))
 
     def nbytes(self, key: str) -> int:
         """Byte size stored under ``key`` (the newest write issued, if one is in flight)."""
+        self._check_open()
         with self._lock:
             if key in self._issued:
                 return self._issued[key]
@@ -206,6 +213,8 @@ class SwapEngine:
                 self._idle.wait()
 
     def stats(self) -> dict[str, Any]:
+        """Counters and settings; after ``close()`` the final counters (keys and bytes then describe the file as it
+        was at close)."""
         with self._lock:
             live = sum(e.extent.length for e in self._index.values())
             return {
@@ -258,7 +267,8 @@ class SwapEngine:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError("SwapEngine is closed")
+            raise RuntimeError(f"SwapEngine({self.directory}) is closed: its keys went with its swap file; open a "
+                               "new SwapEngine and write them again")
 
     def _check(self, key: str, tensor: torch.Tensor, what: str) -> None:
         self._check_open()

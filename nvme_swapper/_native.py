@@ -19,6 +19,7 @@ process uses one of the two for its whole life, and checksums live only in memor
 from __future__ import annotations
 
 import ctypes
+import errno
 import hashlib
 import logging
 import os
@@ -228,6 +229,26 @@ class FileIO:
         rc = lib.swp_run(ctx, depth, fd, int(is_write), n, bufs, lens, offs, int(single_submit), int(overlap),
                          ctypes.byref(bad_index), ctypes.byref(bad_result), sums)
         return None if rc == 0 else (bad_index.value, bad_result.value)
+
+
+def writable(address: int, nbytes: int) -> bool:
+    """Whether the first and last byte of host memory can be written, as the kernel sees it: a read(2) into
+    read-only memory (a read-only memory map) fails with EFAULT where a copy from Python would crash the process.
+    The bytes keep their values."""
+    fd = os.open("/dev/zero", os.O_RDONLY)
+    try:
+        for a in sorted({address, address + nbytes - 1}) if nbytes else ():
+            value = ctypes.string_at(a, 1)
+            try:
+                os.readv(fd, [memory_at(a, 1)])
+            except OSError as exc:
+                if exc.errno == errno.EFAULT:
+                    return False
+                raise
+            ctypes.memmove(a, value, 1)
+    finally:
+        os.close(fd)
+    return True
 
 
 def memory_at(address: int, nbytes: int) -> memoryview:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import mmap
 import os
 import stat
 import threading
+import warnings
 from pathlib import Path
 
 import pytest
@@ -310,8 +312,10 @@ def test_unknown_key_and_size_mismatch(tmp_path):
             eng.write("nc", torch.zeros(4, 4).t())
         with pytest.raises(ValueError, match="key must be a str"):
             eng.write(3, torch.zeros(1))  # type: ignore[arg-type]
-    with pytest.raises(RuntimeError, match="closed"):
-        eng.write("k", torch.zeros(1))
+    for call in (lambda: eng.write("k", torch.zeros(1)), eng.keys, lambda: eng.nbytes("k"), lambda: eng.delete("k")):
+        with pytest.raises(RuntimeError, match="is closed: its keys went with its swap file"):
+            call()
+    assert eng.stats()["writes"] == 1  # the final counters
 
 
 @pytest.mark.parametrize(
@@ -541,6 +545,34 @@ def test_unaligned_tensor_is_counted_as_bounced(tmp_path):
         aligned = random_tensor(100_000, torch.uint8, aligned=True)
         eng.write("k", aligned).wait()
         assert eng.stats()["bytes_bounced"] == (100_000 + 100_000 % PAGE if direct else 0)
+
+
+@pytest.mark.parametrize("backend", ["aio", "threads", "aiofiles"])
+@pytest.mark.parametrize("start", [0, 1], ids=["aligned-with-tail", "unaligned"])
+def test_a_read_into_read_only_memory_is_refused_or_fails_naming_the_key(tmp_path, backend, start):
+    """A read-only memory map as a read's destination: where the engine would copy into it from the bounce buffer
+    (which would crash the process) the read is refused at once; elsewhere the kernel's EFAULT fails the wait.
+    Either way the process lives, the map keeps its bytes and the engine serves the next read."""
+    n = 3 * PAGE + 100
+    src = random_tensor(n, torch.uint8, aligned=True, seed=9)
+    backing = tmp_path / "map.bin"
+    backing.write_bytes(bytes(range(256)) * (4 * PAGE // 256 + 1))
+    with open(backing, "rb") as f, SwapEngine(tmp_path / "swap", AioConfig(backend=backend)) as eng:
+        m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # torch: "the given buffer is not writable"
+            mapped = torch.frombuffer(m, dtype=torch.uint8)
+        out = mapped[start : start + n]
+        before = out.clone()
+        eng.write("k", src).wait()
+        with pytest.raises((ValueError, OSError), match="'k'"):
+            eng.read("k", out).wait(30)
+        assert torch.equal(out, before)
+        good = torch.empty(n, dtype=torch.uint8)
+        eng.read("k", good).wait(30)
+        assert torch.equal(good, src)
+        del mapped, out
+        m.close()
 
 
 @pytest.mark.asyncio
