@@ -17,6 +17,13 @@ import pytest
 # cuBLAS's deterministic workspace on CUDA; child processes inherit it.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
+# Under pytest-xdist each worker is a process with torch's default of one compute thread per core: 12 workers on a
+# lent 16-core machine ran about 200 threads, and tests that take 13 s ran past a 150 s limit. Each worker, and the
+# processes its tests start, gets its share of the cores instead, unless OMP_NUM_THREADS says otherwise.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ and "OMP_NUM_THREADS" not in os.environ:
+    _cores = len(os.sched_getaffinity(0))
+    os.environ["OMP_NUM_THREADS"] = str(max(1, _cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Builds the C++ Adam kernel before the first test, so that a cold build (a minute on a fresh machine) is not
