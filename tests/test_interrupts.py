@@ -97,6 +97,39 @@ def test_one_ctrl_c_lands_after_the_call_and_training_goes_on_exactly(tmp_path, 
         close_enough(state[name], r.detach(), 1e-5)
 
 
+@pytest.mark.parametrize("placement", ["opt-host", "all-nvme"])
+def test_one_ctrl_c_in_a_plain_model_forward_lands_after_it(tmp_path, placement):
+    """A loop that calls the model itself, not engine(x): a Ctrl-C in the middle of its forward (between the
+    engine's fetches of the blocks' parameters) lands when the whole forward has run, and the loop, running that
+    forward again, ends where torch's AdamW ends. Then a forward that raises an error of its own gives SIGINT back."""
+    data = batches(STEPS)
+    model = make()
+    reached_the_head = []
+    model.head.register_forward_hook(lambda *_: reached_the_head.append(True))
+    with offload.initialize(model, placement_config(tmp_path, placement)) as engine:
+        for i, (x, y) in enumerate(data):
+            if i == 2:
+                press = model.blocks[0].register_forward_pre_hook(lambda *_: ctrl_c())
+                reached_the_head.clear()
+                with pytest.raises(KeyboardInterrupt):
+                    model(on_device(x))
+                press.remove()
+                assert reached_the_head  # the forward ran to its end before the interrupt surfaced
+            engine.backward(lm_loss(model(on_device(x)), y))
+            engine.step()
+        def fails(*_):
+            raise ValueError("a forward of the user's that fails")
+
+        failing = model.blocks[1].register_forward_pre_hook(fails)
+        with pytest.raises(ValueError, match="that fails"):
+            model(on_device(x))
+        failing.remove()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        state = engine.consolidated_state_dict()
+    for name, r in reference(data).named_parameters():
+        close_enough(state[name], r.detach(), 1e-5)
+
+
 def test_a_second_ctrl_c_cuts_the_step_short_and_a_new_engine_loads_the_checkpoint(tmp_path):
     """Two presses inside a step: the second raises at once. The engine's own records may be half changed, which
     no load rebuilds, so every call but close() is refused naming the interrupt; close() frees everything, and a

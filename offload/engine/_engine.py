@@ -164,6 +164,7 @@ class Engine:
         self._applied = False  # the last step() updated the parameters (was_step_applied)
         self.scaler = LossScaler(cfg.fp16)
         self._hooks: list[Any] = []
+        self._forward_holds: list[HeldInterrupts] = []  # Ctrl-C held over the root forwards running (see _hold_forward)
         self._teardown_left: list[Callable[[], object]] | None = None  # close's steps an interrupt cut short
         self._rank_dirs: list[Path] = []
         self._seen_micro: set[int] = set()  # parameters with a gradient in this micro-batch
@@ -262,6 +263,10 @@ class Engine:
         # trace of what each module reads (the check touches every parameter, as a read the trace would record)
         self._hooks.append(self.module.register_forward_pre_hook(Hook(lambda *_: self.weights.check_held()),
                                                                  prepend=True))
+        # Ctrl-C held over every forward, a plain model(x) too (engine(x) holds it already): first of the root's
+        # pre-hooks to last of its hooks, which runs when the forward raises too
+        self._hooks.append(self.module.register_forward_pre_hook(Hook(self._hold_forward), prepend=True))
+        self._hooks.append(self.module.register_forward_hook(Hook(self._release_forward), always_call=True))
 
     def _prepare_nvme(self, name: str) -> str | None:
         """The checked swap directory of ``zero_optimization.<name>``: with several ranks, a ``rank<r>`` folder of
@@ -1029,6 +1034,21 @@ class Engine:
     def _holding(self, call: str) -> HeldInterrupts:
         """Ctrl-C held off for ``call`` (see ``_held``), for code that runs an engine call's work itself."""
         return HeldInterrupts(lambda: self._interrupted(call))
+
+    def _hold_forward(self, *_: Any) -> None:
+        """The root's first forward pre-hook: Ctrl-C held until its last forward hook (``_release_forward``), so that
+        a plain ``model(x)`` fetches and places parameters as whole as ``engine(x)`` does."""
+        if self._cut_short is not None:
+            raise self._cut_short_error("the forward")
+        hold = self._holding("the forward")
+        hold.__enter__()
+        self._forward_holds.append(hold)
+
+    def _release_forward(self, *_: Any) -> None:
+        """The root's last forward hook, run when the forward raised too: a Ctrl-C held over it lands now. (A second
+        Ctrl-C leaves the forward without it: that hold's recorder has already given SIGINT back.)"""
+        if self._forward_holds:
+            self._forward_holds.pop().__exit__(None, None, None)
 
     def _interrupted(self, call: str) -> None:
         """A second Ctrl-C cut ``call`` short (see ``_held``). Not only the training state may be half changed but

@@ -425,8 +425,7 @@ class OffloadTrainer(Trainer):
         engine = self._ensure_engine()
         model.train()
         inputs = self._prepare_inputs(inputs)
-        # the Trainer calls model(...), not engine(...): its forward holds Ctrl-C here, as engine(...) does
-        with self.compute_loss_context_manager(), engine._holding("the forward"):
+        with self.compute_loss_context_manager():  # (model(...) holds Ctrl-C over its forward, as engine(...) does)
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
         del inputs
         scaled = getattr(self, "loss_is_scaled_for_ga", None)  # transformers 5.19 on; derived below before
