@@ -353,13 +353,24 @@ def client_bytes(client_state: Any) -> bytes:
     a checkpoint is never unpickled). Checked here, before the save writes anything."""
     if not isinstance(client_state, dict):
         raise ValueError(f"save_checkpoint: client_state must be a dict, got {type(client_state).__name__}")
-    buf = io.BytesIO()
-    torch.save(client_state, buf)
     try:
-        torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - pickle's errors name the type that is not allowed
-        raise ValueError(f"save_checkpoint: client_state holds something a safe load cannot read back (tensors, "
-                         f"numbers, strings, and dicts, lists and tuples of them are fine): {exc}") from None
+        return _safely_readable(client_state)
+    except Exception:  # noqa: BLE001 - pickle's errors (PicklingError, AttributeError, ...) say too little
+        for key, value in client_state.items():  # the first value at fault, named by its key and type
+            try:
+                _safely_readable(value)
+            except Exception as exc:  # noqa: BLE001
+                raise ValueError(f"save_checkpoint: client_state[{key!r}] holds a {type(value).__name__} that a "
+                                 "safe load cannot read back (tensors, numbers, strings, None, and dicts, lists and "
+                                 f"tuples of them are fine; {type(exc).__name__}: {str(exc)[:200]})") from None
+        raise
+
+
+def _safely_readable(obj: Any) -> bytes:
+    """``obj`` saved by torch, once ``torch.load(weights_only=True)`` has read it back (else its error)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
     return buf.getvalue()
 
 
@@ -380,6 +391,8 @@ def _commit(engine: "Engine", index: dict[str, dict[str, Any]], frozen: bool, tm
         "optimizer_steps": state.optimizer_steps,
         "loss_scaler": state.loss_scaler,
         "param_groups": state.param_groups,
+        "param_group_names": _group_names(engine, names),
+        "global_samples": state.global_samples,
         "dtype": state.dtype,
         "pending_update": state.pending_update,
         "lr_scheduler": state.lr_scheduler,
@@ -624,6 +637,7 @@ def load(engine: "Engine", root: Path, tag: str | None, before_write: Any = None
         frozen = not meta.get("frozen_excluded", False)
         source = _sources(engine, names, ck.shapes, frozen, optimizer)
         _check_matches(engine, names, ck, source, optimizer)
+        groups = _match_groups(engine, names, meta, ck.folder) if optimizer else None
         client = _client_state(ck.folder, meta.get("client_state"))  # read before the engine is touched
         if before_write is not None:
             before_write()
@@ -648,11 +662,13 @@ def load(engine: "Engine", root: Path, tag: str | None, before_write: Any = None
             same = meta.get("gradient_accumulation_steps", gas if micro % gas == 0 else None) == gas
             state.global_steps = meta["global_steps"]
             state.micro_steps = micro if same else meta["global_steps"] * gas
+            state.global_samples = meta.get("global_samples")  # (None: counted from the steps at today's batch)
             if not optimizer:  # the overflow skips are counted with the steps (DeepSpeed's skipped_steps)
                 state.loss_scaler = {**state.loss_scaler, "skipped": meta["loss_scaler"]["skipped"]}
         if optimizer:
-            state.optimizer_steps, state.loss_scaler = meta["optimizer_steps"], meta["loss_scaler"]
-            state.param_groups, state.pending_update = meta["param_groups"], bool(meta.get("pending_update"))
+            state.optimizer_steps = meta["optimizer_steps"]
+            state.loss_scaler = _scaler_state(engine, meta, counters)
+            state.param_groups, state.pending_update = groups, bool(meta.get("pending_update"))
         else:
             state.pending_update = False  # the device copies come from the masters just loaded
         if scheduler:
@@ -679,6 +695,51 @@ def load(engine: "Engine", root: Path, tag: str | None, before_write: Any = None
     finally:
         ck.close()
     return ck.folder, client
+
+
+def _group_names(engine: "Engine", names: list[str]) -> list[list[str]]:
+    """The names of the parameters in each of the optimizer's param groups."""
+    groups: list[list[str]] = [[] for _ in engine.optimizer.param_groups]
+    for name, g in zip(names, engine.layout.param_group):
+        groups[g].append(name)
+    return groups
+
+
+def _match_groups(engine: "Engine", names: list[str], meta: Mapping[str, Any], folder: Path) -> list[dict[str, Any]]:
+    """The checkpoint's param-group hyperparameters in this engine's order of groups, matched by the parameters
+    each holds: groups listed in another order keep their own decay and lr. Groups that differ are refused before
+    anything is written (torch's Optimizer.load_state_dict refuses groups of other sizes)."""
+    saved, ours = meta["param_groups"], _group_names(engine, names)
+    members = meta.get("param_group_names")
+    if members is None:  # written before the groups' members were saved: by order, as torch matches them
+        if len(saved) == len(ours):
+            return saved
+        theirs = f"{len(saved)} group(s)"
+    else:
+        index = {frozenset(m): i for i, m in enumerate(members)}
+        order = [index.get(frozenset(g)) for g in ours]
+        if len(members) == len(ours) and None not in order:
+            return [saved[i] for i in order if i is not None]
+        theirs = f"{len(members)} group(s) ({_described(members)})"
+    raise ValueError(f"checkpoint {folder} does not match the optimizer's param groups: it has {theirs}, this "
+                     f"engine {len(ours)} ({_described(ours)}). A whole load restores each group's lr, betas, eps "
+                     "and weight_decay with Adam's state, so it needs the same groups, in any order: build the "
+                     "engine with the checkpoint's groups, or load the weights alone (load_optimizer_states=False) "
+                     "and go on with this engine's groups and fresh Adam state")
+
+
+def _described(groups: list[list[str]]) -> str:
+    return "; ".join(f"{len(g)} parameter(s) {g[:3]}{' ...' if len(g) > 3 else ''}" for g in groups)
+
+
+def _scaler_state(engine: "Engine", meta: Mapping[str, Any], counters: bool) -> dict[str, Any]:
+    """The loss scaler's state a whole load restores: the checkpoint's where both it and this engine scale fp16
+    losses dynamically; otherwise this engine's own (a bf16 engine stays unscaled, an fp16 one starts at its
+    configured scale). The count of skipped steps is a counter: the checkpoint's where counters are loaded."""
+    theirs, own = meta["loss_scaler"], engine.scaler.state_dict()
+    dynamic = theirs.get("dynamic", meta.get("dtype") == "torch.float16")  # (older checkpoints: from the dtype)
+    state = dict(theirs) if dynamic and engine.scaler.dynamic else own
+    return {**state, "skipped": theirs["skipped"] if counters else own["skipped"]}
 
 
 def _client_state(folder: Path, name: str | None) -> Any:
@@ -728,15 +789,26 @@ def _check_matches(engine: "Engine", names: list[str], ck: Checkpoint, source: M
              and (optimizer or not n.startswith(tuple(f"{k}/" for k in _KINDS[1:])))}
     missing = sorted(theirs for theirs in source.values() if theirs not in found)
     unexpected = sorted(set(found) - set(source.values()))
-    wrong = sorted(theirs for mine, theirs in source.items() if theirs in found and found[theirs] != expected[mine])
+    wrong = [theirs for mine, theirs in source.items() if theirs in found and found[theirs] != expected[mine]]
     if not (missing or unexpected or wrong):
         return
     flipped = sorted({n.split("/", 1)[1] for n in missing} & {n.split("/", 1)[1] for n in unexpected})
     hint = (f"; {flipped[:5]} are trainable in one and frozen in the other: a whole load needs the same trainable "
             "parameters (Adam's state is theirs), load_optimizer_states=False or load_module_only=True loads the "
             "weights alone, by name") if flipped else ""
-    raise ValueError(f"checkpoint {ck.folder} does not match the model: missing {missing[:5]}, unexpected "
-                     f"{unexpected[:5]}, shape differs for {wrong[:5]}{hint}")
+    shapes = {}  # by the model's name (an entry per Adam moment says no more)
+    for mine, theirs in source.items():
+        if theirs in found and found[theirs] != expected[mine]:
+            shapes.setdefault(mine.split("/", 1)[1], f"checkpoint {list(found[theirs])}, model {list(expected[mine])}")
+    differ = "; ".join(f"{n}: {d}" for n, d in list(shapes.items())[:5]) + (" ..." if len(shapes) > 5 else "")
+    raise ValueError(f"checkpoint {ck.folder} does not match the model: missing {_few(missing)}, unexpected "
+                     f"{_few(unexpected)}, shapes differ for {len(shapes)} ({differ or 'none'}){hint}. To load the "
+                     "tensors that match into this engine: python -m offload export the checkpoint, then "
+                     "engine.load_state_dict(that folder, strict=False)")
+
+
+def _few(names: list[str]) -> str:
+    return f"{names[:5]}{f' and {len(names) - 5} more' if len(names) > 5 else ''}"
 
 
 def consolidated_state_dict(engine: "Engine") -> dict[str, torch.Tensor]:

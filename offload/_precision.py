@@ -59,8 +59,11 @@ class LossScaler:
                 "small for them: check the loss, use bf16 (no loss scaling), or lower min_loss_scale")
 
     def state_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in ("scale", "hysteresis_left", "iteration", "last_overflow", "skipped")}
+        """The scale and its counters; ``dynamic`` says how the scale came about (a load keeps its own mode)."""
+        keys = ("scale", "hysteresis_left", "iteration", "last_overflow", "skipped", "dynamic")
+        return {k: getattr(self, k) for k in keys}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for k, v in state.items():
-            setattr(self, k, v)
+            if k != "dynamic":  # the config's
+                setattr(self, k, v)

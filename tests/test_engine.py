@@ -19,6 +19,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -272,6 +273,36 @@ def test_mixed_precision_matches_reference_loop(tmp_path, dtype, device, gradien
         close_enough(state[name], m.detach(), 1e-4 if DEVICE.type == "cpu" else 3e-4)
     for name, p in model.named_parameters():  # the weights trained with are the masters rounded, bit for bit
         assert torch.equal(p.detach().cpu(), state[name].to(dtype)), name
+
+
+def test_a_load_keeps_the_loss_scale_of_this_engines_precision(tmp_path):
+    """The loss scale a checkpoint holds comes back only where both runs scale fp16 losses dynamically: a bf16
+    engine loading an fp16 checkpoint stays unscaled, an fp16 engine loading a bf16 (or a fixed-scale) one starts at
+    its own configured scale; the count of skipped steps is a counter and comes back either way."""
+    data = batches(4)
+    dynamic = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2, "hysteresis": 1}
+    runs = {"fp16": {"fp16": dynamic}, "fixed": {"fp16": {"enabled": True, "loss_scale": 128.0}},
+            "bf16": {"bf16": {"enabled": True}}}
+    states = {}
+    for name, extra in runs.items():
+        with offload.initialize(make(), config(tmp_path, "cpu", **extra)) as engine:
+            train(engine, data[:3])
+            if name != "bf16":  # an overflow: the step is skipped (bf16 refuses a non-finite loss instead)
+                x, y = data[3]
+                engine.backward(lm_loss(engine(x), y) * float("inf"))
+                engine.step()
+            states[name] = engine.scaler.state_dict()
+            engine.save_checkpoint(tmp_path / name)
+    assert states["fp16"]["scale"] == 256.0 and states["fp16"]["iteration"] == 4
+    for saved, loaded, scale in (("fp16", "bf16", 1.0), ("bf16", "fp16", 256.0), ("fixed", "fp16", 256.0),
+                                 ("fp16", "fixed", 128.0)):
+        with offload.initialize(make(), config(tmp_path, "cpu", **runs[loaded])) as engine:
+            engine.load_checkpoint(tmp_path / saved)
+            assert engine.scaler.scale == scale and engine.scaler.iteration == 0, (saved, loaded)
+            assert engine.skipped_steps == (1 if saved != "bf16" else 0), (saved, loaded)
+    with offload.initialize(make(), config(tmp_path, "cpu", **runs["fp16"])) as engine:
+        engine.load_checkpoint(tmp_path / "fp16")
+        assert engine.scaler.state_dict() == states["fp16"]
 
 
 def test_fp16_dynamic_loss_scale_skips_overflow(tmp_path):
@@ -1539,14 +1570,16 @@ def test_checkpoint_errors(tmp_path):
         engine.save_checkpoint(engine_dir, tag="c", client_state=state)
         folder, got = engine.load_checkpoint(engine_dir, "c")
         assert folder == engine_dir / "c" and got.keys() == state.keys() and torch.equal(got["rng"], state["rng"])
-        with pytest.raises(ValueError, match="client_state holds something a safe load cannot read back"):
-            engine.save_checkpoint(engine_dir, tag="d", client_state={"obj": object()})
-        assert not (engine_dir / "d").exists()
+        for bad, kind in ((object(), "object"), (lambda: 0, "function"), ([1, np.float64(2)], "list")):
+            with pytest.raises(ValueError, match=f"client_state\\['obj'\\] holds a {kind} that a safe load cannot"):
+                engine.save_checkpoint(engine_dir, tag="d", client_state={"epoch": 3, "obj": bad})
+            assert not (engine_dir / "d").exists()
         assert engine.load_checkpoint(engine_dir / "t")[0].name == "t"
         with pytest.raises(NotADirectoryError, match=f"{engine_dir / 't' / 'meta.json'} is a file, not a checkpoint"):
             engine.load_checkpoint(engine_dir / "t" / "meta.json")
     with offload.initialize(make(d=48), config(tmp_path, "cpu")) as other:
-        with pytest.raises(ValueError, match="does not match the model"):
+        with pytest.raises(ValueError, match=r"does not match the model: .*shapes differ for \d+ \(pos: checkpoint "
+                                             r"\[\d+, \d+\], model \[\d+, 48\];.*offload export"):
             other.load_checkpoint(engine_dir)
 
 
@@ -1795,6 +1828,57 @@ def test_param_groups_and_lr_scheduler(tmp_path):
         offload.initialize(fresh, config(tmp_path, "cpu"), param_groups=[{"params": partial}])
     with pytest.raises(ValueError, match="not a trainable parameter"):
         offload.initialize(fresh, config(tmp_path, "cpu"), param_groups=[{"params": decay}])
+
+
+def test_a_checkpoint_gives_each_param_group_its_settings_by_the_parameters_it_holds(tmp_path):
+    """Saved with the decayed weights in the first group, loaded into an engine that lists the groups the other
+    way round: each group keeps its own weight decay and lr, and training on ends where torch's AdamW with those
+    groups ends. Groups that hold other parameters are refused before anything is written, naming both sides; the
+    weights alone still load. The count of samples seen goes on from the checkpoint's under another batch size."""
+    data = batches(6)
+
+    def groups(model, flipped=False):
+        decay = {"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1}
+        rest = {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0, "lr": 1e-3}
+        return [rest, decay] if flipped else [decay, rest]
+
+    model = make()
+    with offload.initialize(model, config(tmp_path, "nvme", train_micro_batch_size_per_gpu=4),
+                            param_groups=groups(model)) as engine:
+        for x, y in data[:3]:
+            engine.backward(lm_loss(engine(x), y))
+            engine.step()
+        engine.save_checkpoint(tmp_path / "ckpt")
+        assert engine.global_samples == 12
+    model = make(seed=7)
+    with offload.initialize(model, config(tmp_path, "nvme", train_micro_batch_size_per_gpu=2,
+                                          gradient_accumulation_steps=2),
+                            param_groups=groups(model, flipped=True)) as engine:
+        engine.load_checkpoint(tmp_path / "ckpt")
+        assert [(g["weight_decay"], g["lr"]) for g in engine.optimizer.param_groups] == [(0.0, 1e-3), (0.1, LR)]
+        assert engine.global_samples == 12
+        for x, y in data[3:]:
+            for half in (slice(0, 2), slice(2, 4)):
+                engine.backward(lm_loss(engine(x[half]), y[half]) * 2 * (x[half].shape[0] / x.shape[0]))
+                engine.step()
+        assert engine.global_samples == 12 + 3 * 4
+    ref = reference_model()
+    opt = torch.optim.AdamW(groups(ref), lr=LR, betas=(0.9, 0.99), eps=1e-8)
+    for x, y in data:
+        opt.zero_grad()
+        lm_loss(ref(on_device(x)), on_device(y)).backward()
+        opt.step()
+    for p, r in zip(model.parameters(), ref.parameters()):
+        close_enough(p.detach(), r.detach(), 1e-5)
+    model = make()
+    with offload.initialize(model, config(tmp_path, "cpu")) as engine:
+        before = [p.detach().clone() for p in model.parameters()]
+        with pytest.raises(ValueError, match=r"does not match the optimizer's param groups: it has 2 group\(s\) "
+                                             r"\(\d+ parameter\(s\) \['.*this engine 1 .*load_optimizer_states=False"):
+            engine.load_checkpoint(tmp_path / "ckpt")
+        assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+        engine.load_checkpoint(tmp_path / "ckpt", load_optimizer_states=False)
+        assert engine.global_steps == 3
 
 
 def warmup_lr(t: int, lo: float, hi: float, warm: int, total: int | None) -> float:

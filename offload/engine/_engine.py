@@ -102,6 +102,7 @@ class TrainingState:
     pending_update: bool  # delayed update: the device holds the previous parameters, the newest wait on the host
     dtype: str = ""
     lr_scheduler: dict[str, Any] | None = None  # the config's scheduler (its state_dict: plain numbers)
+    global_samples: int | None = None  # None: global_steps x this engine's train_batch_size()
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -159,6 +160,7 @@ class Engine:
         self._cut_short: str | None = None  # the call a second Ctrl-C cut short: from then on only close() works
         self.global_steps = 0
         self.micro_steps = 0
+        self._samples_at = (0, 0)  # (global_steps, global_samples) where a load set them: see global_samples
         self._grad_norm_value: float | torch.Tensor | None = None  # last_grad_norm once known (a tensor: on the GPU)
         self._norm_step: int | None = None  # a step whose norm its updates (still running) are summing
         self._applied = False  # the last step() updated the parameters (was_step_applied)
@@ -647,7 +649,10 @@ class Engine:
 
     @property
     def global_samples(self) -> int:
-        return self.global_steps * self.train_batch_size()
+        """Samples trained on over all ranks: train_batch_size() a step, from the count a checkpoint restored (a run
+        resumed under another batch size counts on from where it was, as DeepSpeed's does)."""
+        steps, samples = self._samples_at
+        return samples + (self.global_steps - steps) * self.train_batch_size()
 
     def fp16_enabled(self) -> bool:
         return self.config.fp16.enabled
@@ -870,11 +875,14 @@ class Engine:
         return TrainingState(self.global_steps, self.micro_steps, opt.step_count, self.scaler.state_dict(),
                              [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
                              self.weights.pending, str(self.dtype),
-                             self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None)
+                             self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+                             self.global_samples)
 
     @_held("engine.load_training_state")
     def load_training_state(self, state: TrainingState) -> None:
         self.global_steps, self.micro_steps = state.global_steps, state.micro_steps
+        samples = self.global_steps * self.train_batch_size() if state.global_samples is None else state.global_samples
+        self._samples_at = (self.global_steps, samples)
         self._backward_done = self._refused = False
         self.optimizer.restart_at(state.optimizer_steps)
         self._norm_step = self._grad_norm_value = None  # the norm of a step the checkpoint does not hold
