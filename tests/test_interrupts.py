@@ -16,7 +16,8 @@ import offload
 from offload import _checkpoint
 from offload.engine import _engine
 from offload.engine._interrupts import FORCED, HeldInterrupts
-from models import batches, close_enough, lm_loss, make, on_device, placement_config, reference_model
+from models import (batches, close_enough, lm_loss, make, on_device, placement_config, reference_model,
+                    train_steps)
 
 STEPS = 6
 
@@ -186,6 +187,76 @@ def test_a_second_ctrl_c_inside_a_parameters_release_leaves_close_to_free_everyt
         assert "a second Ctrl-C had cut the forward short" in str(exc) + "".join(getattr(exc, "__notes__", []))
     assert engine not in _engine._unclosed
     assert not os.listdir(tmp_path / "offload_param") and not os.listdir(tmp_path / "offload_optimizer")
+
+
+def engine_threads() -> list[str]:
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith(("offload", "nvme_swapper")))
+
+
+def pressing_while_built(monkeypatch, name: str, times: int) -> None:
+    """The next ``name`` the engine's build makes (a class in _engine's namespace) presses Ctrl-C once it is
+    made (its threads started), before the engine keeps it."""
+    original = getattr(_engine, name)
+
+    def pressed(*args, **kwargs):
+        monkeypatch.setattr(_engine, name, original)
+        made = original(*args, **kwargs)
+        ctrl_c(times)
+        return made
+
+    monkeypatch.setattr(_engine, name, pressed)
+
+
+@pytest.mark.parametrize("placement", ["opt-host", "all-nvme"])
+def test_one_ctrl_c_during_initialize_stops_the_build_and_frees_everything(tmp_path, monkeypatch, placement):
+    """A press as initialize's optimizer is made (its thread started), before the engine keeps it: the build
+    goes on to its next part, stops, and its cleanup runs whole: no thread, swap file or hook is left, the model has its own values,
+    and a new engine on it trains as torch's AdamW does. (Before, the press landed inside a part: in one soak a
+    third of the builds left the optimizer's thread running, some left swap files, fds and I/O threads.)"""
+    model = make()
+    original = {n: p.detach().clone() for n, p in model.named_parameters()}
+    threads = engine_threads()
+    pressing_while_built(monkeypatch, "OffloadedAdam", 1)
+    with pytest.raises(KeyboardInterrupt):
+        offload.initialize(model, placement_config(tmp_path, placement))
+    assert engine_threads() == threads and _engine.holding(model) is None
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+    assert all(torch.equal(p, original[n]) for n, p in model.named_parameters())
+    data = batches(3)
+    with offload.initialize(model, placement_config(tmp_path, placement)) as engine:
+        train_steps(engine, data)
+        state = engine.consolidated_state_dict()
+    for name, r in reference(data).named_parameters():
+        close_enough(state[name], r.detach(), 1e-5)
+
+
+def test_a_cleanup_of_initialize_cut_short_is_finished_by_the_next_initialize(tmp_path, monkeypatch):
+    """Two presses in the build cut it short, two more cut its cleanup short while the parameters are handed
+    back: the model is left holding placeholders, and the cleanup is kept. The next initialize on that model
+    finishes it first, so the model trains from its own values (before, it trained on NaN placeholders)."""
+    model = make()
+    threads = engine_threads()
+    weights, original_close = _engine.Weights, _engine.Weights.close
+    pressed = []
+
+    def close_pressed(self):  # (the cleanup kept is this bound method: it presses once)
+        if not pressed:
+            pressed.append(True)
+            ctrl_c(2)
+        return original_close(self)
+
+    monkeypatch.setattr(weights, "close", close_pressed)
+    pressing_while_built(monkeypatch, "GradientStream", 2)  # the parameters are in their homes by then
+    with pytest.raises(KeyboardInterrupt):
+        offload.initialize(model, placement_config(tmp_path, "all-nvme"))
+    assert _engine.holding(model) is not None  # its cleanup is kept, to be finished
+    data = batches(3)
+    with offload.initialize(model, placement_config(tmp_path, "all-nvme")) as engine:
+        train_steps(engine, data)
+        state = engine.consolidated_state_dict()
+    for name, r in reference(data).named_parameters():
+        close_enough(state[name], r.detach(), 1e-5)
+    assert engine_threads() == threads and [p for p in tmp_path.rglob("*") if p.is_file()] == []
 
 
 def test_a_close_cut_short_is_finished_by_the_next_close(tmp_path):

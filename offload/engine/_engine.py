@@ -149,6 +149,9 @@ class Engine:
             raise ValueError(f"initialize: model must be a torch.nn.Module, got {type(model).__name__}")
         self.module = unwrap_compiled(model)  # what hooks, names and checkpoints see
         _check_tensors(self.module)
+        left = holding(self.module)
+        if left is not None and left.phase is Phase.CLOSED:  # a close, or a failed initialize's cleanup, that a
+            left.close()  # second Ctrl-C cut short: its model's parameters are handed back now
         if holding(self.module) is not None:
             raise ValueError("initialize: this model is held by an engine that is still open (its hooks and "
                              "parameters are that engine's); close it first (engine.close(), or `with "
@@ -194,12 +197,19 @@ class Engine:
         except BaseException:
             group.close()
             raise
+        self.world_size = group.world_size
         given = {id(p): (p.dtype, p.device) for p in self.module.parameters()}
+        # Ctrl-C held, as over every engine call: a press stops the build between its parts (never inside one,
+        # where threads, files or parameters would be half set up), and the cleanup runs whole
         try:
-            self._build(param_groups, _file_io)
+            with self._holding("offload.initialize") as hold:
+                self._build(param_groups, _file_io, hold.raise_if_pressed)
+                hold.raise_if_pressed()
         except BaseException as exc:
-            close_after_failure(self._teardown, exc)
-            _note_moved(self.module, given, exc)
+            self.phase = Phase.CLOSED  # (a cleanup cut short is finished at exit, or by the next initialize)
+            with self._holding("offload.initialize (its cleanup)"):
+                close_after_failure(self._teardown, exc)
+                _note_moved(self.module, given, exc)
             raise
         self._comm_mark = self._comm_totals()
         _unclosed.add(self)
@@ -207,7 +217,8 @@ class Engine:
 
     # construction -----------------------------------------------------------------------------------------------
 
-    def _build(self, param_groups: Iterable[dict[str, Any]] | None, file_io: FileIO | None) -> None:
+    def _build(self, param_groups: Iterable[dict[str, Any]] | None, file_io: FileIO | None,
+               stop_if_pressed: Callable[[], None]) -> None:
         cfg, pg = self.config, self.comm.pg
         groups, options = _param_groups(self.module, param_groups)
         self.start_sync = agree_with_rank0(self.module, self.comm)  # before any rank reads its copy of the model
@@ -229,6 +240,7 @@ class Engine:
             if dev is not None:
                 self.store.reclaimable[dev] += p.numel() * p.element_size()
         self.copies = CopyStreams(plan.device, self.store.count)
+        stop_if_pressed()
         self.layout = FlatLayout(groups, plan.sub_group_size, world_size=plan.world_size, rank=plan.rank,
                                  per_param=plan.partition is Partition.PER_PARAM, align=plan.align)
         embeddings = {id(m.weight): m.weight.shape[-1] for m in self.module.modules()
@@ -242,13 +254,16 @@ class Engine:
                                        lazy_rows=sparse if cfg.sparse_gradients == "lazy" else None,
                                        cuda_path=plan.cuda_path, overlap_forward=plan.overlap_forward)
         self.lr_scheduler = build_scheduler(cfg.scheduler, self.optimizer)
+        stop_if_pressed()
         if plan.trim_heap:
             self._heap = HeapTrim(sizes.numel * plan.dtype_bytes)
         self._zero = GradPartition(self.comm, self.layout)
         # reads each parameter into the optimizer's masters just before it moves it to its home
         self.weights = Weights(plan, self.module, self.layout, self.store, self.copies, self.comm, self.optimizer,
                                aio=cfg.aio, nvme_path=nvme["offload_param"])
+        stop_if_pressed()
         self.optimizer.fill_masters()
+        stop_if_pressed()
         self.grads = GradientStream(plan, self.layout, self.store, self.copies, dest=self.optimizer.grads.of,
                                     on_ready=self._sub_group_ready)
         self.optimizer.grad_handles = self.grads.handles
@@ -1154,6 +1169,10 @@ class Engine:
         finally:
             if not self._teardown_left:
                 _unclosed.discard(self)
+                _unfinished.discard(self)
+            else:  # kept alive (a failed initialize returned no engine) to be finished at exit
+                _unclosed.add(self)
+                _unfinished.add(self)
 
     def _close_comm(self) -> None:
         """Stops the heartbeat, destroys the process group if the engine created it, and removes the per-rank
@@ -1176,6 +1195,7 @@ class Engine:
 
 
 _unclosed: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+_unfinished: set[Engine] = set()  # engines whose teardown a second Ctrl-C cut short, held until it is finished
 
 
 def holding(module: torch.nn.Module) -> Engine | None:

@@ -63,14 +63,23 @@ class HeldInterrupts:
         self._on_forced = on_forced
         self._recorder: _Recorder | None = None
 
-    def __enter__(self) -> None:
+    def __enter__(self) -> "HeldInterrupts":
         if threading.current_thread() is not threading.main_thread():
-            return
+            return self
         original = signal.getsignal(signal.SIGINT)
         if isinstance(original, _Recorder) or not callable(original):
-            return
+            return self
         self._recorder = _Recorder(original, self._on_forced)
         signal.signal(signal.SIGINT, self._recorder)
+        return self
+
+    def raise_if_pressed(self) -> None:
+        """Raises the KeyboardInterrupt of a Ctrl-C held so far here, where the caller can stop cleanly (a long
+        build between its parts), instead of when the call returns; a press after it is held again."""
+        recorder = self._recorder
+        if recorder is not None and recorder.pending is not None and not recorder.forced:
+            recorder.pending = None
+            raise KeyboardInterrupt
 
     def __exit__(self, *exc: object) -> None:
         recorder, self._recorder = self._recorder, None
