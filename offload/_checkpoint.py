@@ -7,8 +7,9 @@ Layout of ``save(engine, root, tag)`` (with N ranks; N = 1 is the same)::
     root/<tag>/meta.json        format, world size, counters, loss scaler, hyperparameters, full shapes, the model's
                                 state_dict keys, and the list of shards
     root/<tag>/tensors.bin      rank 0's shard (``tensors.<r>.bin`` for rank r): tensors at page-aligned offsets
-    root/<tag>/index.<r>.json   rank r's index: entry name -> dtype, shape, offset, and ``start``, the element
-                                offset of this piece in the flattened full tensor
+    root/<tag>/index.<r>.json   rank r's index: entry name -> dtype, shape, offset, ``start``, the element
+                                offset of this piece in the flattened full tensor, and ``sums``, the checksum of
+                                each write (reads check them)
     root/<tag>/client_state.pt  save_checkpoint's client_state, if given (rank 0's)
 
 Trainable parameters are stored per parameter name (``param/``, ``exp_avg/``, ``exp_avg_sq/``, fp32) as pieces:
@@ -54,7 +55,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from nvme_swapper import aligned_tensor
-from nvme_swapper._native import memory_at
+from nvme_swapper._native import checksum, checksum_kind, memory_at
 from nvme_swapper._owner import remove_of_dead
 
 from .dist import CommError
@@ -113,13 +114,18 @@ def _fsync_dir(path: Path) -> None:
 
 
 class _TensorFile:
-    """Writes or reads named tensors at fixed page-aligned offsets of one file, with pwrite/pread."""
+    """Writes or reads named tensors at fixed page-aligned offsets of one file, with pwrite/pread. Each write's
+    checksum goes into its entry's index (``sums``: the kind, and [element offset, count, checksum] per write);
+    reads check the pieces they cover, so bytes changed on disk after the save fail the read, naming the entry,
+    instead of being trained on (a piece a read covers in part, as a load on another number of ranks cuts them, is
+    read whole once to be checked)."""
 
     def __init__(self, path: Path, index: dict[str, dict[str, Any]], write: bool) -> None:
         self.index = index
         flags = (os.O_RDWR | os.O_CREAT | os.O_EXCL) if write else os.O_RDONLY
         self.fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0), 0o600)
         self.path = path
+        self._checked: set[tuple[str, int]] = set()  # (entry, element offset) of the pieces a read has checked
 
     @staticmethod
     def plan(entries: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> dict[str, dict[str, Any]]:
@@ -131,7 +137,8 @@ class _TensorFile:
             offset += -(-nbytes // 4096) * 4096
         return index
 
-    def _io(self, name: str, t: torch.Tensor, elem_offset: int, write: bool) -> None:
+    def _io(self, name: str, t: torch.Tensor, elem_offset: int, write: bool) -> torch.Tensor:
+        """Moves ``t``'s bytes; returns the contiguous tensor they moved from or to."""
         entry = self.index[name]
         if t.device.type != "cpu":
             raise ValueError(f"checkpoint entry {name}: a {t.device} tensor; bring it to the host first")
@@ -154,14 +161,40 @@ class _TensorFile:
             if n <= 0:
                 raise OSError(5, f"short {'write' if write else 'read'} of {name} in {self.path}")
             done += n
+        return t
 
     def write(self, name: str, t: torch.Tensor, elem_offset: int = 0) -> None:
-        self._io(name, t, elem_offset, True)
+        t = self._io(name, t, elem_offset, True)
+        sums = self.index[name].setdefault("sums", {"kind": checksum_kind(), "pieces": []})
+        sums["pieces"].append([elem_offset, t.numel(), checksum(t.data_ptr(), t.numel() * t.element_size())])
 
     def read_into(self, name: str, t: torch.Tensor, elem_offset: int = 0) -> None:
         if not t.is_contiguous() or t.device.type != "cpu":
             raise ValueError(f"read_into({name}): needs a contiguous CPU tensor")
         self._io(name, t, elem_offset, False)
+        self._check(name, t, elem_offset)
+
+    def _check(self, name: str, t: torch.Tensor, elem_offset: int) -> None:
+        """Checks the written pieces that elements [elem_offset, + t.numel()) of ``name``, just read into ``t``,
+        overlap. Checkpoints from before checksums, or with another kind of them (a process without the C
+        library: crc32), are read unchecked."""
+        sums = self.index[name].get("sums")
+        if sums is None or sums["kind"] != checksum_kind():
+            return
+        lo, hi, size = elem_offset, elem_offset + t.numel(), t.element_size()
+        for start, count, expected in sums["pieces"]:
+            if (name, start) in self._checked or not (start < hi and lo < start + count):
+                continue
+            if lo <= start and start + count <= hi:
+                got = checksum(t.data_ptr() + (start - lo) * size, count * size)
+            else:
+                whole = self._io(name, torch.empty(count, dtype=t.dtype), start, False)
+                got = checksum(whole.data_ptr(), count * size)
+            if got != expected:
+                raise ValueError(f"checkpoint {self.path}: {name}, elements [{start}, {start + count}), does not "
+                                 "match the checksum written with it: the file was changed or damaged after the "
+                                 "save. Load another checkpoint (an earlier tag)")
+            self._checked.add((name, start))
 
     def read(self, name: str) -> torch.Tensor:
         entry = self.index[name]

@@ -10,6 +10,7 @@ import errno
 import json
 import math
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -1711,6 +1712,45 @@ def test_a_load_that_fails_after_it_began_writing_leaves_the_engine_failed(tmp_p
         monkeypatch.undo()
         failed_until_loaded(engine, tmp_path / "ckpt", "engine.load_checkpoint raised ", data[2], data[2:])
         assert engine.global_steps == 4
+
+
+@pytest.mark.parametrize("entry", ["param/blocks.0.qkv.weight", "exp_avg_sq/tok.weight", "buffer"])
+def test_a_checkpoint_changed_on_disk_after_the_save_fails_its_load_naming_the_entry(tmp_path, entry):
+    """One byte of a master weight, of an Adam moment or of a buffer flipped in tensors.bin after the save: the
+    load (and an export) fails naming the file and the entry, where it used to load the wrong value silently; the
+    engine then refuses to train until a good checkpoint is loaded, and the untouched one loads exactly."""
+    from offload import _checkpoint
+
+    data = batches(4)
+    model = make()
+    model.register_buffer("scale", torch.arange(6.0))
+    with offload.initialize(model, config(tmp_path, "nvme")) as engine:
+        train(engine, data[:2])
+        good = engine.save_checkpoint(tmp_path / "ckpt", tag="good")
+        bad = engine.save_checkpoint(tmp_path / "ckpt", tag="bad")
+        index = json.loads((bad / "index.0.json").read_text())
+        name = "buffer/scale" if entry == "buffer" else entry
+        where = index[name]["offset"] + 4 * 3 + 1  # the second byte of the fourth element
+        with open(bad / "tensors.bin", "r+b") as f:
+            f.seek(where)
+            byte = f.read(1)
+            f.seek(where)
+            f.write(bytes([byte[0] ^ 0x40]))
+        with pytest.raises(ValueError, match=rf"checkpoint {bad / 'tensors.bin'}: {re.escape(name)}, elements "
+                                             r"\[0, \d+\), does not match the checksum written with it"):
+            engine.load_checkpoint(tmp_path / "ckpt", tag="bad")
+        if not name.startswith("exp_avg"):  # (an export reads the weights and buffers)
+            with pytest.raises(ValueError, match="does not match the checksum"):
+                _checkpoint.export(tmp_path / "ckpt", tmp_path / "out.pt", tag="bad")
+        engine.load_checkpoint(tmp_path / "ckpt", tag="good")
+        train(engine, data[2:])
+        state = engine.consolidated_state_dict()
+    with offload.initialize(make(), config(tmp_path / "again", "nvme")) as engine:
+        engine.module.register_buffer("scale", torch.zeros(6))
+        engine.load_checkpoint(good.parent, tag="good")
+        train(engine, data[2:])
+        again = engine.consolidated_state_dict()
+    assert all(torch.equal(state[k], again[k]) for k in state)
 
 
 KILLED_SAVE = textwrap.dedent("""
