@@ -668,7 +668,7 @@ def load(engine: "Engine", root: Path, tag: str | None, before_write: Any = None
         names = _names(engine)
         layout, opt = engine.layout, engine.optimizer
         frozen = not meta.get("frozen_excluded", False)
-        source = _sources(engine, names, ck.shapes, frozen, optimizer)
+        source = _sources(engine, names, ck.shapes, frozen, optimizer, meta.get("state_dict", {}))
         _check_matches(engine, names, ck, source, optimizer)
         groups = _match_groups(engine, names, meta, ck.folder) if optimizer else None
         client = _client_state(ck.folder, meta.get("client_state"))  # read before the engine is touched
@@ -790,17 +790,22 @@ def _client_state(folder: Path, name: str | None) -> Any:
 
 
 def _sources(engine: "Engine", names: list[str], held: Mapping[str, Any], frozen: bool,
-             optimizer: bool) -> dict[str, str]:
+             optimizer: bool, saved_keys: Mapping[str, str]) -> dict[str, str]:
     """The entry this engine would save -> the checkpoint's entry it loads from. A whole load needs the same
     trainable set (Adam's state is per trainable parameter): each entry its own. The weights alone (DeepSpeed's
     load_module_only, load_optimizer_states=False) go by name, as DeepSpeed's ``module.load_state_dict`` does: a
     parameter trainable here and frozen in the checkpoint, or the reverse, takes the checkpoint's tensor. A frozen
-    parameter the checkpoint left out (``exclude_frozen_parameters``) keeps its value."""
+    parameter the checkpoint left out (``exclude_frozen_parameters``) keeps its value. A name the checkpoint kept
+    as a tie (``saved_keys``: the state_dict key -> its entry) loads from the tensor it was tied to, so a model
+    untied since (a head of its own) gets the saved head."""
     if optimizer:
         ours = [f"{k}/{n}" for n in names for k in _KINDS] + list(_frozen_and_buffers(engine, frozen))
         return {n: n for n in ours}
     trainable = {id(p) for p in engine.layout.params}
     by_name = {n.split("/", 1)[1]: n for n in held if n.startswith(("param/", "frozen/"))}
+    for key, entry in saved_keys.items():
+        if entry in held and entry.startswith(("param/", "frozen/")):
+            by_name.setdefault(key, entry)
     source = {}
     for n, p in engine.module.named_parameters():
         mine = f"param/{n}" if id(p) in trainable else f"frozen/{n}"

@@ -1753,6 +1753,25 @@ def test_a_checkpoint_changed_on_disk_after_the_save_fails_its_load_naming_the_e
     assert all(torch.equal(state[k], again[k]) for k in state)
 
 
+def test_the_weights_of_a_tied_checkpoint_load_into_a_model_untied_since(tmp_path):
+    """Saved with the output head tied to the token embedding, loaded (the weights alone) into the same model with
+    a head of its own: the head gets the saved embedding, as the checkpoint's state_dict keys say (before, the load
+    refused it as missing)."""
+    with offload.initialize(make(), config(tmp_path, "cpu")) as engine:
+        train(engine, batches(2))
+        engine.save_checkpoint(tmp_path / "ckpt")
+        saved = engine.consolidated_state_dict()
+    untied = make(seed=4)
+    untied.head.weight = torch.nn.Parameter(torch.zeros_like(untied.head.weight))
+    with offload.initialize(untied, config(tmp_path, "cpu")) as engine:
+        with pytest.raises(ValueError, match="does not match the model"):  # Adam's state has no separate head
+            engine.load_checkpoint(tmp_path / "ckpt")
+        engine.load_checkpoint(tmp_path / "ckpt", load_module_only=True)
+        state = engine.consolidated_state_dict()
+    assert torch.equal(state["head.weight"], saved["tok.weight"])
+    assert torch.equal(state["tok.weight"], saved["tok.weight"])
+
+
 KILLED_SAVE = textwrap.dedent("""
     import sys, torch
     sys.path.insert(0, {tests!r})
