@@ -85,8 +85,8 @@ class SwapEngine:
             raise ValueError(f"swap directory {parent} exists and is not a directory")
         parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         remove_left_behind(parent)  # a killed run's swap files: their space is this run's
-        self.directory = Path(tempfile.mkdtemp(prefix="swap-", dir=parent))  # 0700, ours alone
         try:
+            self.directory = Path(tempfile.mkdtemp(prefix="swap-", dir=parent))  # 0700, ours alone
             if not keep:  # (a folder asked to outlive its engine is never taken for one left behind)
                 write_owner(self.directory)
             self._file = SwapFile(self.directory / "swap.0", self._io, o_direct=self.config.o_direct)
@@ -105,7 +105,8 @@ class SwapEngine:
                 self._workers.close()
             if hasattr(self, "_file"):
                 self._file.close(remove=True)
-            shutil.rmtree(self.directory, ignore_errors=True)
+            if hasattr(self, "directory"):
+                shutil.rmtree(self.directory, ignore_errors=True)
             raise
         self._closed = self._released = False
 

@@ -82,22 +82,26 @@ class SwapFile:
         self.fallback_reason: str | None = None
         base = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
         self.fd = -1
-        if o_direct:
-            try:
-                self.fd = io.open(str(path), base | os.O_DIRECT, 0o600)
-                self._write_header()
-                self.direct = True
-            except OSError as exc:
-                if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+        try:
+            if o_direct:
+                try:
+                    self.fd = io.open(str(path), base | os.O_DIRECT, 0o600)
+                    self._write_header()
+                    self.direct = True
+                except OSError as exc:
+                    if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                        raise
+                    self.fallback_reason = (f"{path.parent} refuses O_DIRECT ({os.strerror(exc.errno)}); using "
+                                            "buffered I/O")
                     self._discard()
-                    raise
-                self.fallback_reason = f"{path.parent} refuses O_DIRECT ({os.strerror(exc.errno)}); using buffered I/O"
-                self._discard()
-        else:
-            self.fallback_reason = "O_DIRECT disabled by AioConfig(o_direct=False)"
-        if not self.direct:
-            self.fd = io.open(str(path), base, 0o600)
-            self._write_header()
+            else:
+                self.fallback_reason = "O_DIRECT disabled by AioConfig(o_direct=False)"
+            if not self.direct:
+                self.fd = io.open(str(path), base, 0o600)
+                self._write_header()
+        except BaseException:  # (an interrupt too): no file or fd is left
+            self._discard()
+            raise
         self.size = PAGE
 
     def _write_header(self) -> None:

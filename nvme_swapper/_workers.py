@@ -84,15 +84,21 @@ class ThreadWorkers:
         self._queue: queue.SimpleQueue[Part | None] = queue.SimpleQueue()
         bs = config.block_size
         self._bounce = aligned_tensor(bs * config.thread_count, pin_memory=False)  # one pool, carved per thread
-        self._threads = []
+        self._threads: list[threading.Thread] = []
         started = threading.Barrier(config.thread_count + 1)
         self._start_errors: list[BaseException] = []
-        for i in range(config.thread_count):
-            t = threading.Thread(target=self._run, args=(self._bounce.data_ptr() + i * bs, started),
-                                 name=f"nvme_swapper-io-{i}", daemon=True)
-            t.start()
-            self._threads.append(t)
-        started.wait()
+        try:
+            for i in range(config.thread_count):
+                self._threads.append(threading.Thread(target=self._run, name=f"nvme_swapper-io-{i}", daemon=True,
+                                                      args=(self._bounce.data_ptr() + i * bs, started)))
+                self._threads[-1].start()
+            started.wait()
+        except BaseException:  # (an interrupt): the threads started leave the barrier, and are joined
+            started.abort()
+            for t in self._threads:
+                if t.ident is not None:
+                    t.join()
+            raise
         if self._start_errors:
             self.close()
             raise self._start_errors[0]
@@ -118,10 +124,13 @@ class ThreadWorkers:
                 ctx = self._io.aio_setup(self._config.depth_per_thread)
         except BaseException as exc:
             self._start_errors.append(exc)
-        started.wait()
-        if self._start_errors:
-            return
         try:
+            started.wait()
+        except threading.BrokenBarrierError:  # the constructor was interrupted: no engine will use this thread
+            pass
+        try:
+            if self._start_errors or started.broken:
+                return
             while (part := self._queue.get()) is not None:
                 handle = part.handle
                 _settle(handle.after)

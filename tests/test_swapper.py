@@ -301,6 +301,35 @@ def test_tmpfs(tmpfs_dir, backend):
 # errors -----------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("where", ["thread", "header"])
+def test_an_interrupt_while_the_engine_is_built_leaves_no_thread_file_or_fd(tmp_path, monkeypatch, where):
+    """A KeyboardInterrupt (a second Ctrl-C) right after the second I/O thread started, or while the swap file's
+    header is written: the threads started leave, the swap file, its fd and the engine's folder go (before, the
+    threads waited at their start barrier forever and the fd stayed open on a deleted file)."""
+    from nvme_swapper import _swapfile
+
+    fds = set(os.listdir("/proc/self/fd"))
+    if where == "thread":
+        start = threading.Thread.start
+
+        def start_then_interrupted(self):
+            start(self)
+            if self.name == "nvme_swapper-io-1":
+                raise KeyboardInterrupt
+
+        monkeypatch.setattr(threading.Thread, "start", start_then_interrupted)
+    else:
+        def interrupted(self):
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(_swapfile.SwapFile, "_write_header", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        SwapEngine(tmp_path, AioConfig(thread_count=4, o_direct=False))
+    monkeypatch.undo()
+    assert not [t for t in threading.enumerate() if t.name.startswith("nvme_swapper")]
+    assert set(os.listdir("/proc/self/fd")) <= fds and list(tmp_path.iterdir()) == []
+
+
 def test_unknown_key_and_size_mismatch(tmp_path):
     with SwapEngine(tmp_path) as eng:
         with pytest.raises(KeyError, match="'missing'"):

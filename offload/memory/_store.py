@@ -96,8 +96,10 @@ def prepare_nvme_path(path: str | os.PathLike[str], key: str) -> Path:
     except OSError as exc:
         raise OSError(exc.errno, f"{key}: cannot write in {root}: {os.strerror(exc.errno or errno.EIO)}; give a "
                       "writable directory", str(root)) from None
-    os.close(fd)
-    os.unlink(probe)
+    try:
+        os.close(fd)
+    finally:  # (an interrupt too: no probe is left in the user's folder)
+        os.unlink(probe)
     remove_left_behind(root)  # a killed run's swap folders: their space is counted free for this run
     return root
 
