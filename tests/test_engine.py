@@ -306,6 +306,21 @@ def test_a_load_keeps_the_loss_scale_of_this_engines_precision(tmp_path):
         assert engine.scaler.state_dict() == states["fp16"]
 
 
+def test_a_bf16_model_widened_by_an_fp32_config_is_said(tmp_path, caplog):
+    """A model given in bf16 to a config that trains in fp32 (neither bf16 nor fp16 enabled) is widened to fp32,
+    twice its bytes: a warning names both dtypes and the setting; with bf16 enabled nothing is said."""
+    with caplog.at_level("WARNING", logger="offload"):
+        with offload.initialize(make().bfloat16(), config(tmp_path, "cpu")) as engine:
+            assert engine.dtype is torch.float32
+    assert "parameters are bfloat16 and the config trains in float32" in caplog.text
+    assert "2x their bytes" in caplog.text and "bf16.enabled true" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="offload"):
+        with offload.initialize(make().bfloat16(), config(tmp_path, "cpu", bf16={"enabled": True})):
+            pass
+    assert "widens" not in caplog.text
+
+
 def test_fp16_dynamic_loss_scale_skips_overflow(tmp_path):
     data = batches(6)
     model = make()

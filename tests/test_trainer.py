@@ -191,6 +191,8 @@ def test_config_values_that_disagree_with_training_arguments_are_errors(tmp_path
         trainer_config({"gradient_accumulation_steps": 4}, args)
     with pytest.raises(ValueError, match=r"optimizer.params.lr = 0.1 but TrainingArguments.learning_rate"):
         trainer_config({"optimizer": {"type": "AdamW", "params": {"lr": 0.1}}}, args)
+    with pytest.raises(ValueError, match=r"lr = '0.002' \(a str, where a float is meant\) but TrainingArguments"):
+        trainer_config({"optimizer": {"type": "AdamW", "params": {"lr": "0.002"}}}, args)
     with pytest.raises(ValueError, match=r"optim='sgd'.*adamw_torch"):
         trainer_config({}, arguments(tmp_path, optim="sgd"))
     with pytest.raises(ValueError, match=r"scheduler.type"):
@@ -458,8 +460,9 @@ def test_save_pretrained_of_the_wrapped_model_round_trips(tmp_path, placement):
 def test_a_subclass_create_optimizer_and_arguments_set_after_construction_are_used(tmp_path):
     """Trainer's documented customisation, a subclass's ``create_optimizer`` (here a 10x lr for the last block, as
     LoRA+ raises the lr of some weights), gives the engine its groups; and TrainingArguments changed after
-    construction (as a hyperparameter search's trial sets them) reach the engine built at train(). Before, the
-    override was never called and the engine kept the arguments of construction, both without a word."""
+    construction (as a hyperparameter search's trial sets them) reach the engine built at train(), even after an
+    evaluate() built one before them. Before, the override was never called and the engine kept the arguments of
+    construction (or of that evaluate), both without a word."""
     def custom(base):
         class Custom(base):
             def create_optimizer(self, model=None):
@@ -481,6 +484,7 @@ def test_a_subclass_create_optimizer_and_arguments_set_after_construction_are_us
         model.transformer.wpe.weight.requires_grad_(False)
         trainer = custom(cls)(model=model, args=arguments(tmp_path / cls.__name__, max_steps=3), train_dataset=data,
                               **extra)
+        trainer.evaluate(dataset(4, seed=5))  # a baseline first, as in a notebook: it builds the engine
         trainer.args.learning_rate, trainer.args.weight_decay, trainer.args.max_grad_norm = 5e-3, 0.5, 0.1
         trainer.train()
         runs.append(trainer)
@@ -489,6 +493,8 @@ def test_a_subclass_create_optimizer_and_arguments_set_after_construction_are_us
         assert [g["lr"] for g in ours.optimizer.param_groups] == [g["lr"] for g in plain.optimizer.param_groups]
         assert ours.engine.config.gradient_clipping == 0.1
         matches(plain, ours)
+        with pytest.raises(RuntimeError, match="Adam's state lives in its tiers.*trainer.engine.save_checkpoint"):
+            ours.optimizer.state_dict()  # (an empty one would read as no state at all)
     finally:
         ours.close()
 

@@ -232,6 +232,7 @@ class Engine:
                                     local_world_size=pg.local_world_size, model_in_ram=in_ram)
         self.device, self.dtype, self.stage = plan.device, plan.dtype, plan.stage
         _warn_slow_bf16(plan.device, plan.dtype)
+        _warn_widened([p for g in groups for p in g], plan.dtype)
         self.world_size, self.rank = plan.world_size, plan.rank
         nvme = {name: self._prepare_nvme(name) for name in ("offload_optimizer", "offload_param")}
         self.store = TieredStore(plan.device, dict(plan.budgets), pin_memory=plan.pin_memory, file_io=file_io)
@@ -1227,6 +1228,20 @@ def _warn_slow_bf16(device: torch.device, dtype: torch.dtype) -> None:
         log.warning("offload: bf16 on %s, which has no native bf16 (AVX-512 BF16 or AMX): torch's bf16 matmuls run "
                     "about 100x slower than fp32 here. The CPU device tier is for testing; train on a GPU, or set "
                     "bf16.enabled false", device)
+
+
+def _warn_widened(params: list[torch.Tensor], dtype: torch.dtype) -> None:
+    """A model given in bf16 or fp16 to a config that trains in fp32 (neither bf16 nor fp16 enabled) is widened
+    to fp32 on every tier: said, since a model loaded in bf16 to fit in memory would then need twice as much."""
+    size = torch.empty((), dtype=dtype).element_size()
+    narrow_params = [p for p in params if p.is_floating_point() and p.element_size() < size]
+    narrow = sorted({str(p.dtype).removeprefix("torch.") for p in narrow_params})
+    if narrow:
+        log.warning("offload: the model's trainable parameters are %s and the config trains in %s (bf16.enabled and "
+                    "fp16.enabled are false): initialize widens them, %dx their bytes; to train in bfloat16 with "
+                    "fp32 master weights set bf16.enabled true (transformers: TrainingArguments(bf16=True))",
+                    " and ".join(narrow), str(dtype).removeprefix("torch."),
+                    size // min(p.element_size() for p in narrow_params))
 
 
 def _to_device(value: Any, device: torch.device, cast: torch.dtype | None = None) -> Any:

@@ -17,9 +17,11 @@ logging, callbacks, checkpoint rotation, RNG state. What changes is who holds th
   ``ddp_timeout``) may be absent or ``"auto"`` and are
   then taken from the TrainingArguments; a value given in both that differs is an error naming both. The engine is
   built (``offload.initialize``) when training or evaluation starts, from the TrainingArguments as they are then
-  (a hyperparameter search's trial sets them), with the Trainer's two parameter groups (no weight decay for biases
-  and norms), or the groups of the torch Adam/AdamW a subclass's ``create_optimizer`` makes (their lr, betas, eps
-  and weight decay; the engine's AdamW does the steps).
+  (a hyperparameter search's trial sets them; one an evaluate() built before any training is built again at
+  train() if they changed since), with the Trainer's two parameter groups (no weight decay for biases and norms),
+  or the groups of the torch Adam/AdamW a subclass's ``create_optimizer`` makes (their lr, betas, eps and weight
+  decay; the engine's AdamW does the steps). ``trainer.optimizer`` steps the engine; Adam's state is in the
+  engine's tiers, so its ``state_dict()`` refuses and points to the engine's checkpoints.
 * The learning-rate schedule is the TrainingArguments' (``lr_scheduler_type``, warm-up), or the config's
   ``scheduler`` (WarmupLR / WarmupDecayLR / WarmupCosineLR; ``"auto"`` values from the TrainingArguments and the
   step count), stepped by the Trainer. The optimizer must be AdamW (``optim`` one of :data:`ADAMW`) or the
@@ -58,6 +60,7 @@ take it from the engine): evaluation computes in the engine's dtype (the config'
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import math
 import os
@@ -170,8 +173,10 @@ def trainer_config(config: OffloadConfig | Mapping[str, Any] | str | os.PathLike
             section[path[-1]] = want
         elif not (_same_device(have, want) if path == ("offload", "device") else _same(have, want)):
             name = _ARG_NAMES.get(path, path[-1])
-            raise ValueError(f"offload config {'.'.join(path)} = {have!r} but TrainingArguments.{name} = {want!r}; "
-                             "set one of them to match, or the config's to \"auto\"")
+            kind = f" (a {type(have).__name__}, where a {type(want).__name__} is meant)" \
+                if isinstance(have, str) and not isinstance(want, str) else ""
+            raise ValueError(f"offload config {'.'.join(path)} = {have!r}{kind} but TrainingArguments.{name} = "
+                             f"{want!r}; set one of them to match, or the config's to \"auto\"")
     scheduler = raw.pop("scheduler", None)
     if scheduler is not None:
         SchedulerConfig.from_dict(_fill_scheduler(scheduler, args, 1))  # its errors now, not when training starts
@@ -184,6 +189,16 @@ def _get(d: Any, path: tuple[str, ...]) -> Any:
             return None
         d = d.get(key)
     return d
+
+
+def _differences(old: Any, new: Any, prefix: str = "") -> list[str]:
+    """The dotted names of the fields two configs (frozen dataclasses) differ in."""
+    if not dataclasses.is_dataclass(old) or type(old) is not type(new):
+        return [prefix.rstrip(".")] if old != new else []
+    out = []
+    for f in dataclasses.fields(old):
+        out += _differences(getattr(old, f.name), getattr(new, f.name), f"{prefix}{f.name}.")
+    return out
 
 
 def _fill_scheduler(section: Any, args: Any, max_steps: int) -> Any:
@@ -213,6 +228,16 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self.param_groups = inner.param_groups
         self.state = inner.state
         self.step_was_skipped = False  # read by accelerate: an fp16 overflow skips the update and the LR step
+
+    def state_dict(self) -> dict[str, Any]:
+        raise RuntimeError("trainer.optimizer is the offload engine's: Adam's state lives in its tiers (host memory "
+                           "or NVMe), not in a state_dict. The Trainer's checkpoints hold it (offload_state/); to "
+                           "save and load it yourself: trainer.engine.save_checkpoint(folder) and "
+                           "trainer.engine.load_checkpoint(folder)")
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        raise RuntimeError("trainer.optimizer is the offload engine's, whose state no torch state_dict holds: resume "
+                           "with trainer.train(resume_from_checkpoint=...) or trainer.engine.load_checkpoint(folder)")
 
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         if closure is not None:
@@ -340,6 +365,24 @@ class OffloadTrainer(Trainer):
             self.optimizer = _EngineOptimizer(self.engine)
         return self.engine
 
+    def _follow_arguments(self) -> None:
+        """At train(): an engine built by an evaluate() before any training, from TrainingArguments changed since
+        (a notebook's baseline evaluation, then args.learning_rate set), is built again from them, as the plain
+        Trainer makes its optimizer only now. One that has trained keeps its settings, which is said."""
+        if self.engine is None or self.engine.module is not self.model:
+            return
+        config, scheduler = trainer_config(self._offload_source, self.args)
+        if (config, scheduler) == (self.offload_config, self._scheduler_section):
+            return
+        if self.engine.global_steps == 0 and self.engine.micro_steps == 0:
+            self._finalizer()
+            self.engine = None
+            return
+        log.warning("OffloadTrainer: the TrainingArguments changed since its engine was built (%s), and that engine "
+                    "has trained, so it keeps the settings it was built with; build a new OffloadTrainer (resuming "
+                    "from a checkpoint) to train with the new ones", ", ".join(_differences(self.offload_config,
+                                                                                             config)) or "scheduler")
+
     def _groups(self) -> list[dict[str, Any]]:
         """The engine's parameter groups: those of the optimizer a subclass's ``create_optimizer`` makes (Trainer's
         documented hook: their lr, betas, eps and weight decay per group; it must be torch's Adam or AdamW, and
@@ -381,6 +424,7 @@ class OffloadTrainer(Trainer):
         if self._created_lr_scheduler:
             self.lr_scheduler = None
             self._created_lr_scheduler = False
+        self._follow_arguments()
         engine = self._ensure_engine()
         if resume_from_checkpoint is None:  # (a resume's load drops the window, and takes a FAILED engine too)
             self._drop_window(engine)
