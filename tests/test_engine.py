@@ -15,6 +15,7 @@ import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -1785,6 +1786,50 @@ def test_the_weights_of_a_tied_checkpoint_load_into_a_model_untied_since(tmp_pat
         state = engine.consolidated_state_dict()
     assert torch.equal(state["head.weight"], saved["tok.weight"])
     assert torch.equal(state["tok.weight"], saved["tok.weight"])
+
+
+@settings(max_examples=60, deadline=None)
+@given(numel=st.integers(1, 3000), cuts=st.lists(st.integers(0, 3000), max_size=5),
+       reads=st.lists(st.tuples(st.integers(0, 3000), st.integers(1, 3000)), min_size=1, max_size=6),
+       flip=st.one_of(st.none(), st.integers(0, 3000)))
+def test_checkpoint_tensor_files_check_every_piece_a_read_touches(numel, cuts, reads, flip):
+    """An entry written in pieces (as sub-groups and ranks write a parameter), read back in other ranges (as
+    another layout or number of ranks cuts them): every read returns the written values, and with one byte flipped
+    in one piece, exactly the reads that touch that piece fail (one covering it in part reads it whole to check)."""
+    from offload._checkpoint import _TensorFile
+
+    values = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
+    index = _TensorFile.plan([("e", torch.float32, (numel,))])
+    bounds = sorted({0, numel, *(c % numel for c in cuts)})
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "tensors.bin"
+        f = _TensorFile(path, index, write=True)
+        for a, b in zip(bounds, bounds[1:]):
+            f.write("e", values[a:b], a)
+        f.close()
+        bad = None
+        if flip is not None:
+            flip %= numel
+            bad = next((a, b) for a, b in zip(bounds, bounds[1:]) if a <= flip < b)
+            with open(path, "r+b") as raw:
+                raw.seek(index["e"]["offset"] + 4 * flip + 2)
+                byte = raw.read(1)
+                raw.seek(-1, os.SEEK_CUR)
+                raw.write(bytes([byte[0] ^ 0x10]))
+        r = _TensorFile(path, index, write=False)
+        try:
+            for start, n in reads:
+                start %= numel
+                n = min(n, numel - start)
+                out = torch.empty(n)
+                if bad is not None and start < bad[1] and bad[0] < start + n:
+                    with pytest.raises(ValueError, match=rf"e, elements \[{bad[0]}, {bad[1]}\), does not match"):
+                        r.read_into("e", out, start)
+                else:
+                    r.read_into("e", out, start)
+                    assert torch.equal(out, values[start : start + n])
+        finally:
+            r.close()
 
 
 KILLED_SAVE = textwrap.dedent("""
