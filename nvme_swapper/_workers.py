@@ -93,11 +93,13 @@ class ThreadWorkers:
                                                       args=(self._bounce.data_ptr() + i * bs, started)))
                 self._threads[-1].start()
             started.wait()
-        except BaseException:  # (an interrupt): the threads started leave the barrier, and are joined
+        except BaseException:  # (an interrupt): the threads started leave the barrier, or their queue, and are joined
             started.abort()
-            for t in self._threads:
-                if t.ident is not None:
-                    t.join()
+            running = [t for t in self._threads if t.ident is not None]
+            for _ in running:  # (those past a barrier that had tripped wait on the queue)
+                self._queue.put(None)
+            for t in running:
+                t.join()
             raise
         if self._start_errors:
             self.close()

@@ -396,7 +396,9 @@ def client_bytes(client_state: Any) -> bytes:
                 raise ValueError(f"save_checkpoint: client_state[{key!r}] holds a {type(value).__name__} that a "
                                  "safe load cannot read back (tensors, numbers, strings, None, and dicts, lists and "
                                  f"tuples of them are fine; {type(exc).__name__}: {str(exc)[:200]})") from None
-        raise
+        raise ValueError(f"save_checkpoint: client_state, a {type(client_state).__name__} with keys of types "
+                         f"{sorted({type(k).__name__ for k in client_state})}, is something a safe load cannot read "
+                         "back: pass a plain dict with str or int keys") from None
 
 
 def _safely_readable(obj: Any) -> bytes:

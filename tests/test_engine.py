@@ -4,6 +4,7 @@ machine's device (CUDA when present), and the references run there too (tests/mo
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import errno
@@ -1591,6 +1592,8 @@ def test_checkpoint_errors(tmp_path):
             with pytest.raises(ValueError, match=f"client_state\\['obj'\\] holds a {kind} that a safe load cannot"):
                 engine.save_checkpoint(engine_dir, tag="d", client_state={"epoch": 3, "obj": bad})
             assert not (engine_dir / "d").exists()
+        with pytest.raises(ValueError, match=r"client_state, a defaultdict with keys of types \['str'\], is something"):
+            engine.save_checkpoint(engine_dir, tag="d", client_state=collections.defaultdict(list, epoch=[3]))
         assert engine.load_checkpoint(engine_dir / "t")[0].name == "t"
         with pytest.raises(NotADirectoryError, match=f"{engine_dir / 't' / 'meta.json'} is a file, not a checkpoint"):
             engine.load_checkpoint(engine_dir / "t" / "meta.json")

@@ -230,6 +230,17 @@ def test_one_ctrl_c_during_initialize_stops_the_build_and_frees_everything(tmp_p
         close_enough(state[name], r.detach(), 1e-5)
 
 
+def test_a_flag_setting_handler_of_the_users_lets_initialize_finish(tmp_path, monkeypatch):
+    """A SIGINT handler of the user's that only sets a flag (a graceful stop at the next step): a press during
+    initialize reaches it once the build is done, and the build is not stopped."""
+    pressed = []
+    signal.signal(signal.SIGINT, lambda *_: pressed.append(True))
+    pressing_while_built(monkeypatch, "OffloadedAdam", 1)
+    with offload.initialize(make(), placement_config(tmp_path, "opt-nvme")) as engine:
+        assert pressed == [True]
+        train_steps(engine, batches(1))
+
+
 def test_a_cleanup_of_initialize_cut_short_is_finished_by_the_next_initialize(tmp_path, monkeypatch):
     """Two presses in the build cut it short, two more cut its cleanup short while the parameters are handed
     back: the model is left holding placeholders, and the cleanup is kept. The next initialize on that model

@@ -9,6 +9,7 @@ import mmap
 import os
 import stat
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -301,11 +302,12 @@ def test_tmpfs(tmpfs_dir, backend):
 # errors -----------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("where", ["thread", "header"])
+@pytest.mark.parametrize("where", ["thread", "barrier", "header"])
 def test_an_interrupt_while_the_engine_is_built_leaves_no_thread_file_or_fd(tmp_path, monkeypatch, where):
-    """A KeyboardInterrupt (a second Ctrl-C) right after the second I/O thread started, or while the swap file's
-    header is written: the threads started leave, the swap file, its fd and the engine's folder go (before, the
-    threads waited at their start barrier forever and the fd stayed open on a deleted file)."""
+    """A KeyboardInterrupt (a second Ctrl-C) right after the second I/O thread started, after all of them passed
+    their start, or while the swap file's header is written: the threads started leave, the swap file, its fd and
+    the engine's folder go (before, the threads waited at their start barrier, or on their queue, forever and the
+    fd stayed open on a deleted file)."""
     from nvme_swapper import _swapfile
 
     fds = set(os.listdir("/proc/self/fd"))
@@ -318,6 +320,17 @@ def test_an_interrupt_while_the_engine_is_built_leaves_no_thread_file_or_fd(tmp_
                 raise KeyboardInterrupt
 
         monkeypatch.setattr(threading.Thread, "start", start_then_interrupted)
+    elif where == "barrier":  # once every thread has passed its start: they wait for work
+        wait = threading.Barrier.wait
+
+        def wait_then_interrupted(self, *args):
+            index = wait(self, *args)
+            if threading.current_thread() is threading.main_thread():
+                time.sleep(0.2)  # (the threads are past their start, waiting on the queue)
+                raise KeyboardInterrupt
+            return index
+
+        monkeypatch.setattr(threading.Barrier, "wait", wait_then_interrupted)
     else:
         def interrupted(self):
             raise KeyboardInterrupt

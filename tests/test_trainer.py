@@ -304,8 +304,9 @@ def test_two_ranks_under_torchrun_match_the_plain_trainer_with_ddp(tmp_path):
 def test_half_precision_evaluation_before_training_and_the_best_checkpoint(tmp_path, precision, caplog):
     """bf16 or fp16 through TrainingArguments (the engine's half-precision parameters with fp32 masters and, for
     fp16, its loss scaling; no autocast, no GradScaler), evaluate() before train() (builds the engine), and
-    load_best_model_at_end (the best checkpoint's weights into the engine). save_model after close writes the
-    training dtype's weights, and says so (the masters closed with the engine)."""
+    load_best_model_at_end (the best checkpoint's weights into the engine). Arguments changed after that
+    evaluate() are refused at train(), naming them: an engine built again would start from rounded weights.
+    save_model after close writes the training dtype's weights, and says so (the masters closed with the engine)."""
     val = dataset(8, seed=5)
     args = arguments(tmp_path / "run", max_steps=4, eval_strategy="steps", eval_steps=2, **{precision: True},
                      save_strategy="steps", save_steps=2, load_best_model_at_end=True, metric_for_best_model="loss",
@@ -318,6 +319,11 @@ def test_half_precision_evaluation_before_training_and_the_best_checkpoint(tmp_p
         dtype = torch.bfloat16 if precision == "bf16" else torch.float16
         assert trainer.engine is not None and trainer.engine.dtype == dtype
         assert getattr(trainer.offload_config, precision).enabled
+        trainer.args.learning_rate = 1e-3  # built again, the engine would start from the weights it rounded
+        with pytest.raises(ValueError, match=rf"changed after evaluate\(\) built the engine \(optimizer.lr\), and that "
+                                             rf"engine trains in {dtype}"):
+            trainer.train()
+        trainer.args.learning_rate = 2e-3
         trainer.train()
         evals = [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
         assert len(evals) == 2 and all(math.isfinite(v) for v in [before, *evals])  # steps 2 and 4

@@ -75,9 +75,11 @@ class HeldInterrupts:
 
     def raise_if_pressed(self) -> None:
         """Raises the KeyboardInterrupt of a Ctrl-C held so far here, where the caller can stop cleanly (a long
-        build between its parts), instead of when the call returns; a press after it is held again."""
+        build between its parts), instead of when the call returns; a press after it is held again. A handler of
+        the user's gets its signal when the call returns, as it would without this (it may only set a flag)."""
         recorder = self._recorder
-        if recorder is not None and recorder.pending is not None and not recorder.forced:
+        if recorder is not None and recorder.pending is not None and not recorder.forced \
+                and recorder.original is signal.default_int_handler:
             recorder.pending = None
             raise KeyboardInterrupt
 

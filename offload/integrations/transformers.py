@@ -18,7 +18,7 @@ logging, callbacks, checkpoint rotation, RNG state. What changes is who holds th
   then taken from the TrainingArguments; a value given in both that differs is an error naming both. The engine is
   built (``offload.initialize``) when training or evaluation starts, from the TrainingArguments as they are then
   (a hyperparameter search's trial sets them; one an evaluate() built before any training is built again at
-  train() if they changed since), with the Trainer's two parameter groups (no weight decay for biases and norms),
+  train() if they changed since, and refused under bf16/fp16, whose engine handed back rounded weights), with the Trainer's two parameter groups (no weight decay for biases and norms),
   or the groups of the torch Adam/AdamW a subclass's ``create_optimizer`` makes (their lr, betas, eps and weight
   decay; the engine's AdamW does the steps). ``trainer.optimizer`` steps the engine; Adam's state is in the
   engine's tiers, so its ``state_dict()`` refuses and points to the engine's checkpoints.
@@ -374,14 +374,20 @@ class OffloadTrainer(Trainer):
         config, scheduler = trainer_config(self._offload_source, self.args)
         if (config, scheduler) == (self.offload_config, self._scheduler_section):
             return
+        changed = ", ".join(_differences(self.offload_config, config)) or "scheduler"
         if self.engine.global_steps == 0 and self.engine.micro_steps == 0:
-            self._finalizer()
+            if self.engine.dtype is not torch.float32:
+                raise ValueError(f"OffloadTrainer: the TrainingArguments changed after evaluate() built the engine "
+                                 f"({changed}), and that engine trains in {self.engine.dtype}: built again, it would "
+                                 f"start from the {self.engine.dtype} weights the first handed back, not the model's "
+                                 "own. Set the arguments before the first evaluate(), or build a new OffloadTrainer "
+                                 "over the model loaded again")
+            self._finalizer()  # (the model is handed back in fp32, as it was given: the new engine starts from it)
             self.engine = None
             return
         log.warning("OffloadTrainer: the TrainingArguments changed since its engine was built (%s), and that engine "
                     "has trained, so it keeps the settings it was built with; build a new OffloadTrainer (resuming "
-                    "from a checkpoint) to train with the new ones", ", ".join(_differences(self.offload_config,
-                                                                                             config)) or "scheduler")
+                    "from a checkpoint) to train with the new ones", changed)
 
     def _groups(self) -> list[dict[str, Any]]:
         """The engine's parameter groups: those of the optimizer a subclass's ``create_optimizer`` makes (Trainer's
@@ -586,6 +592,16 @@ class OffloadTrainer(Trainer):
                 shutil.rmtree(p, ignore_errors=True)
         if self.args.should_save and self.lr_scheduler is not None:
             torch.save(self.lr_scheduler.state_dict(), Path(output_dir) / _SCHEDULER_FILE)
+
+    def _tune_save_checkpoint(self, checkpoint_dir: str) -> None:
+        """A Ray Tune trial's checkpoint: the Trainer's, with the engine's state where it writes the optimizer's
+        (``trainer.optimizer`` has no state_dict), as the save_steps checkpoints hold it."""
+        output_dir = os.path.join(checkpoint_dir, f"checkpoint-{self.state.global_step}")
+        self.save_model(output_dir, _internal_call=True)
+        if self.args.should_save:
+            self.state.stateful_callbacks["TrainerControl"] = self.control.state()
+            self.state.save_to_json(os.path.join(output_dir, "trainer_state.json"))
+        self._save_optimizer_and_scheduler(output_dir)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
         """Nothing before the engine exists: :meth:`_load_optimizer_and_scheduler` restores the weights too."""
