@@ -501,6 +501,10 @@ def test_a_subclass_create_optimizer_and_arguments_set_after_construction_are_us
         matches(plain, ours)
         with pytest.raises(RuntimeError, match="Adam's state lives in its tiers.*trainer.engine.save_checkpoint"):
             ours.optimizer.state_dict()  # (an empty one would read as no state at all)
+        ours._tune_save_checkpoint(str(tmp_path / "tune"))  # a Ray Tune trial's save: the engine's state instead
+        trial = tmp_path / "tune" / "checkpoint-3"
+        assert (trial / "offload_state" / "latest").exists() and (trial / "trainer_state.json").exists()
+        assert (trial / "model.safetensors").exists()
     finally:
         ours.close()
 
