@@ -69,6 +69,7 @@ log = logging.getLogger("offload")
 FORMAT = "offload-checkpoint-v2"
 _FORMAT_V1 = "offload-checkpoint-v1"
 _KINDS = ("param", "exp_avg", "exp_avg_sq")
+_SUM_BYTES = 64 << 20  # a checksum per this much of each write at most (the index grows by 1/2M of the tensors)
 _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
                                torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}
 
@@ -118,7 +119,7 @@ class _TensorFile:
     checksum goes into its entry's index (``sums``: the kind, and [element offset, count, checksum] per write);
     reads check the pieces they cover, so bytes changed on disk after the save fail the read, naming the entry,
     instead of being trained on (a piece a read covers in part, as a load on another number of ranks cuts them, is
-    read whole once to be checked)."""
+    read whole once to be checked: pieces are at most ``_SUM_BYTES``)."""
 
     def __init__(self, path: Path, index: dict[str, dict[str, Any]], write: bool) -> None:
         self.index = index
@@ -166,7 +167,11 @@ class _TensorFile:
     def write(self, name: str, t: torch.Tensor, elem_offset: int = 0) -> None:
         t = self._io(name, t, elem_offset, True)
         sums = self.index[name].setdefault("sums", {"kind": checksum_kind(), "pieces": []})
-        sums["pieces"].append([elem_offset, t.numel(), checksum(t.data_ptr(), t.numel() * t.element_size())])
+        size = t.element_size()
+        step = max(1, _SUM_BYTES // size)  # a read covering a piece in part reads at most this much more to check
+        for i in range(0, t.numel(), step):
+            n = min(step, t.numel() - i)
+            sums["pieces"].append([elem_offset + i, n, checksum(t.data_ptr() + i * size, n * size)])
 
     def read_into(self, name: str, t: torch.Tensor, elem_offset: int = 0) -> None:
         if not t.is_contiguous() or t.device.type != "cpu":

@@ -20,6 +20,7 @@ import tempfile
 import textwrap
 import threading
 import time
+import unittest.mock
 from pathlib import Path
 
 import numpy as np
@@ -1794,26 +1795,32 @@ def test_the_weights_of_a_tied_checkpoint_load_into_a_model_untied_since(tmp_pat
 @settings(max_examples=60, deadline=None)
 @given(numel=st.integers(1, 3000), cuts=st.lists(st.integers(0, 3000), max_size=5),
        reads=st.lists(st.tuples(st.integers(0, 3000), st.integers(1, 3000)), min_size=1, max_size=6),
-       flip=st.one_of(st.none(), st.integers(0, 3000)))
-def test_checkpoint_tensor_files_check_every_piece_a_read_touches(numel, cuts, reads, flip):
+       flip=st.one_of(st.none(), st.integers(0, 3000)), chunk=st.sampled_from([None, 37]))
+def test_checkpoint_tensor_files_check_every_piece_a_read_touches(numel, cuts, reads, flip, chunk):
     """An entry written in pieces (as sub-groups and ranks write a parameter), read back in other ranges (as
     another layout or number of ranks cuts them): every read returns the written values, and with one byte flipped
-    in one piece, exactly the reads that touch that piece fail (one covering it in part reads it whole to check)."""
+    in one piece, exactly the reads that touch that piece fail (one covering it in part reads it whole to check).
+    ``chunk``: elements per checksum within a write (the files' 64 MiB, made small)."""
+    from offload import _checkpoint
     from offload._checkpoint import _TensorFile
 
     values = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
     index = _TensorFile.plan([("e", torch.float32, (numel,))])
     bounds = sorted({0, numel, *(c % numel for c in cuts)})
-    with tempfile.TemporaryDirectory() as tmp:
+    step = chunk or numel
+    pieces = [(i, min(i + step, b)) for a, b in zip(bounds, bounds[1:]) for i in range(a, b, step)]
+    with tempfile.TemporaryDirectory() as tmp, \
+            unittest.mock.patch.object(_checkpoint, "_SUM_BYTES", 4 * chunk if chunk else _checkpoint._SUM_BYTES):
         path = Path(tmp) / "tensors.bin"
         f = _TensorFile(path, index, write=True)
         for a, b in zip(bounds, bounds[1:]):
             f.write("e", values[a:b], a)
         f.close()
+        assert [(s, s + n) for s, n, _ in index["e"]["sums"]["pieces"]] == pieces
         bad = None
         if flip is not None:
             flip %= numel
-            bad = next((a, b) for a, b in zip(bounds, bounds[1:]) if a <= flip < b)
+            bad = next((a, b) for a, b in pieces if a <= flip < b)
             with open(path, "r+b") as raw:
                 raw.seek(index["e"]["offset"] + 4 * flip + 2)
                 byte = raw.read(1)
