@@ -1145,6 +1145,40 @@ def test_ranks_saving_under_different_tags_are_told(tmp_path):
     assert sorted(p.name for p in root.iterdir()) == ["latest", "same"]
 
 
+SETTINGS_SCRIPT = """
+import os, sys, torch
+import offload
+rank = int(os.environ.get("RANK", "0"))
+cfg = {cfg!r}
+if rank == 1:
+    cfg["optimizer"]["params"]["lr"] = 0.1  # a typo on one node: it would train its shard with this lr
+    cfg["zero_optimization"]["sub_group_size"] = 3072  # gloo aborted on the buffer size, naming no setting
+try:
+    offload.initialize(torch.nn.Linear(64, 64), cfg).close()
+    said = "built"
+except ValueError as exc:
+    said = str(exc)
+with open(f"{{sys.argv[1]}}.{{rank}}", "w") as f:
+    f.write(said)
+"""
+
+
+def test_ranks_with_different_settings_are_refused_naming_them(tmp_path):
+    """One rank with another lr (it trained its shard with it, silently) and another sub_group_size (gloo aborted
+    the process on a buffer size): initialize raises on every rank, naming the settings, the rank that differs
+    and each rank's own values, before anything trains."""
+    cfg = config(2, "cpu", tmp_path / "nvme")
+    script = tmp_path / "settings.py"
+    script.write_text(SETTINGS_SCRIPT.format(cfg=cfg))
+    said = tmp_path / "said"
+    run_script(script, 2, str(said), cwd=tmp_path)
+    for r in range(2):
+        text = Path(f"{said}.{r}").read_text()
+        assert "the ranks do not train with the same settings: rank(s) [1] differ from rank 0 in" in text, text
+        assert all(k in text for k in ("optimizer.lr", "zero_optimization.sub_group_size", "plan.sub_group_size"))
+    assert "optimizer.lr = 0.1" in Path(f"{said}.1").read_text()
+
+
 def test_delayed_update_without_clipping_trains_on_a_nonfinite_norm_on_several_ranks(tmp_path):
     """Without clipping a non-finite gradient norm is reported (nan), not raised, on one rank and on two alike:
     the delayed update on several ranks takes the norm before its update only to know it, as the updates would."""

@@ -13,8 +13,8 @@ The engine uses them on every run: with world size 1 the collectives are copies 
 from ._buckets import BucketState, ReduceBuckets
 from ._comm import Comm, CommError, CommState, OutOfStep
 from ._group import Origin, ProcessGroup, join
-from ._sync import StartSync, agree_with_rank0
+from ._sync import StartSync, agree_on_settings, agree_with_rank0
 from ._zero import GatherRefused, GradPartition, ParamShards
 
 __all__ = ["BucketState", "Comm", "CommError", "CommState", "GatherRefused", "GradPartition", "Origin", "OutOfStep",
-           "ParamShards", "ProcessGroup", "ReduceBuckets", "StartSync", "agree_with_rank0", "join"]
+           "ParamShards", "ProcessGroup", "ReduceBuckets", "StartSync", "agree_on_settings", "agree_with_rank0", "join"]

@@ -14,6 +14,10 @@ in ``offload.init``'s arena is read from its file and leaves RAM again), the has
 tensors whose hash differs from rank 0's are broadcast, in 64 MiB chunks, staged through the group's device where
 a tensor lives elsewhere. A model whose structure differs across ranks (names, shapes, dtypes) is an error naming
 the first difference, rather than a collective that hangs later.
+
+The ranks must also train with the same settings (:func:`agree_on_settings`): a rank with another lr or clipping
+would update its own shard with them and the run would go on, silently wrong; another stage, sub-group size or
+accumulation would abort inside gloo on a buffer size, without a word about the config.
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -91,6 +97,25 @@ def _signature(name: str, t: torch.Tensor) -> str:
 def _signed(value: int) -> int:
     """An unsigned 64-bit value as the int64 with the same bits."""
     return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def agree_on_settings(settings: Mapping[str, Any], comm: Comm) -> None:
+    """Refuses, on every rank at once, ``settings`` (name -> value, the same names on every rank) whose values
+    differ from rank 0's (a collective): the error names them, the ranks that differ and this rank's values."""
+    if comm.world_size == 1:
+        return
+    names = sorted(settings)
+    digests = _gather(comm, [_digest(repr(settings[n])) for n in names], comm.pg.device)
+    differ = [i for i in range(len(names)) if bool((digests[:, i] != digests[0, i]).any())]
+    if not differ:
+        return
+    ranks = sorted({r for i in differ for r in range(comm.world_size) if digests[r, i] != digests[0, i]})
+    mine = ", ".join(f"{names[i]} = {settings[names[i]]!r}" for i in differ[:6])
+    raise ValueError(f"initialize: the ranks do not train with the same settings: rank(s) {ranks} differ from rank 0 "
+                     f"in {[names[i] for i in differ]} (this rank, {comm.rank}, has {mine}). Give every rank the "
+                     "same config; where a value is derived from this machine's memory or disk (plan.*), set it in "
+                     "the config (zero_optimization.sub_group_size, stage3_max_live_parameters, "
+                     "stage3_prefetch_bucket_size, stage3_param_persistence_threshold, reduce_bucket_size)")
 
 
 def _digest(text: str) -> int:

@@ -46,7 +46,7 @@ import logging
 import math
 import os
 import weakref
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping
@@ -62,7 +62,7 @@ from .._hooks import Hook, unwrap_compiled
 from .._load import WriteRefused
 from .._precision import LossScaler
 from ..config import OffloadConfig
-from ..dist import Comm, GradPartition, ReduceBuckets, StartSync, agree_with_rank0, join
+from ..dist import Comm, GradPartition, ReduceBuckets, StartSync, agree_on_settings, agree_with_rank0, join
 from ..memory import CopyStreams, HeapTrim, TieredStore, prepare_nvme_path
 from ..ops import squared_norm
 from ..optim._layout import FlatLayout
@@ -231,6 +231,7 @@ class Engine:
         self._plan = plan = resolve(cfg, sizes, device=pg.device, world_size=pg.world_size, rank=pg.rank,
                                     local_world_size=pg.local_world_size, model_in_ram=in_ram)
         self.device, self.dtype, self.stage = plan.device, plan.dtype, plan.stage
+        agree_on_settings(_shared_settings(cfg, plan), self.comm)
         _warn_slow_bf16(plan.device, plan.dtype)
         _warn_widened([p for g in groups for p in g], plan.dtype)
         self.world_size, self.rank = plan.world_size, plan.rank
@@ -1228,6 +1229,33 @@ def _warn_slow_bf16(device: torch.device, dtype: torch.dtype) -> None:
         log.warning("offload: bf16 on %s, which has no native bf16 (AVX-512 BF16 or AMX): torch's bf16 matmuls run "
                     "about 100x slower than fp32 here. The CPU device tier is for testing; train on a GPU, or set "
                     "bf16.enabled false", device)
+
+
+# config keys each rank may set for itself: where its files, memory and disk are, and how it waits
+_PER_RANK = ("nvme_path", "pin_memory", "buffer_count", "fast_init", "aio.", "offload.device",
+             "offload.device_memory_budget", "offload.host_memory_budget", "offload.nvme_memory_budget",
+             "offload.comm_timeout", "offload.trim_host_heap", "seed", "ignored", "batch_keys", "optimizer_given")
+# what the plan derives that the ranks' collectives depend on (the layout of the flat buffers, the buckets, the
+# stage-3 window that decides when each parameter is gathered)
+_PLAN_SHARED = ("stage", "partition", "dtype", "gradient_accumulation_steps", "sub_group_size", "grad_bucket",
+                "max_live", "prefetch_bucket", "persistence_threshold", "overlap", "overlap_forward", "delayed")
+
+
+def _shared_settings(cfg: OffloadConfig, plan: Plan) -> dict[str, Any]:
+    """The settings every rank must share (see :func:`offload.dist.agree_on_settings`), by dotted name."""
+    out: dict[str, Any] = {}
+
+    def walk(obj: Any, prefix: str) -> None:
+        for f in fields(obj):
+            value, name = getattr(obj, f.name), prefix + f.name
+            if is_dataclass(value):
+                walk(value, name + ".")
+            elif not any(name.startswith(key) or name.endswith("." + key) for key in _PER_RANK):
+                out[name] = value
+
+    walk(cfg, "")
+    out.update({f"plan.{name}": getattr(plan, name) for name in _PLAN_SHARED})
+    return out
 
 
 def _warn_widened(params: list[torch.Tensor], dtype: torch.dtype) -> None:
