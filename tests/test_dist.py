@@ -1179,6 +1179,39 @@ def test_ranks_with_different_settings_are_refused_naming_them(tmp_path):
     assert "optimizer.lr = 0.1" in Path(f"{said}.1").read_text()
 
 
+EXIT_SCRIPT = """
+import atexit, os, sys
+import torch.distributed as dist
+
+
+def after_offloads_own():  # registered first, so it runs after the library's handler
+    with open(f"{{sys.argv[1]}}.{{os.environ['RANK']}}", "w") as f:
+        f.write(f"initialized {{dist.is_initialized()}}")
+
+
+atexit.register(after_offloads_own)
+sys.path.insert(0, {tests!r})
+import offload
+from models import make, batches, lm_loss
+engine = offload.initialize(make(), {cfg!r})
+for x, y in batches(2):
+    engine.backward(lm_loss(engine(x), y))
+    engine.step()
+"""
+
+
+def test_a_script_that_does_not_close_its_engine_exits_with_its_group_destroyed(tmp_path):
+    """Two ranks whose script ends without engine.close(): at exit the process group the engine made is destroyed
+    (locally: a close's collectives could wait on ranks already gone), before the interpreter's shutdown, where
+    its gloo threads aborted the process in 3 of 12 runs (SIGABRT, "terminate called without an active
+    exception", and torchrun reported a finished run as failed)."""
+    script = tmp_path / "exit.py"
+    script.write_text(EXIT_SCRIPT.format(tests=str(TESTS), cfg=config(2, "cpu", tmp_path / "nvme")))
+    said = tmp_path / "said"
+    run_script(script, 2, str(said), cwd=tmp_path)
+    assert [Path(f"{said}.{r}").read_text() for r in range(2)] == ["initialized False"] * 2
+
+
 def test_delayed_update_without_clipping_trains_on_a_nonfinite_norm_on_several_ranks(tmp_path):
     """Without clipping a non-finite gradient norm is reported (nan), not raised, on one rank and on two alike:
     the delayed update on several ranks takes the norm before its update only to know it, as the updates would."""

@@ -90,6 +90,12 @@ class ProcessGroup:
             self.world = None
 
 
+def release_store() -> None:
+    """Drops the rendezvous store (at exit): its threads end while the interpreter can still join them."""
+    global _store
+    _store = None
+
+
 def _missing(name: str) -> ValueError:
     return ValueError(f"environment variable {name} is not set, but WORLD_SIZE={os.environ['WORLD_SIZE']} says this "
                       "is one of several ranks; launch with torchrun (which sets RANK, LOCAL_RANK, MASTER_ADDR, "
