@@ -39,6 +39,9 @@ from ._group import ProcessGroup
 
 _generation = itertools.count()  # engines made in this process, in the same order on every rank
 _TRACE_MOD = (1 << 61) - 1  # a prime: the trace stays an int64 for the all-reduce that compares it
+# torch 2.13 renamed these two (the old names warn at each call); torch 2.8, the minimum, has only the old names
+_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
 def _fold(trace: int, what: str, key: int) -> int:
@@ -96,7 +99,7 @@ class Comm:
                 out.copy_(inp)
             return
         self._run("reduce_scatter", inp, 1.0,
-                  lambda: dist.reduce_scatter_tensor(out, inp, group=self.pg.group), key=key)
+                  lambda: _reduce_scatter(out, inp, group=self.pg.group), key=key)
 
     def reduce(self, t: torch.Tensor, dst: int) -> Any:
         """Starts summing every rank's ``t`` into rank ``dst``'s ``t`` (the others' are left undefined); returns a
@@ -130,9 +133,9 @@ class Comm:
         if async_op:
             seq, t = self._enter("all_gather", out, 1.0, key=key)
             work = self._call("all_gather", seq, t,
-                              lambda: dist.all_gather_into_tensor(out, inp, group=self.pg.group, async_op=True))
+                              lambda: _all_gather(out, inp, group=self.pg.group, async_op=True))
             return _Pending(self, work, "all_gather", seq, t)
-        self._run("all_gather", out, 1.0, lambda: dist.all_gather_into_tensor(out, inp, group=self.pg.group),
+        self._run("all_gather", out, 1.0, lambda: _all_gather(out, inp, group=self.pg.group),
                   key=key)
         return None
 
