@@ -374,8 +374,8 @@ class _Heartbeat:
                                   "on some ranks only (a save, load or evaluation behind a rank check, a branch); "
                                   "every rank must make the same calls")
             elif before[r] is None or before[r] == after[r]:
-                dead.append(f"rank {r} stopped responding (no heartbeat for {3 * self.interval:.1f} s: its process "
-                            "died or is frozen)")
+                dead.append(f"rank {r} stopped responding (its heartbeat did not move in the {3 * self.interval:.1f} "
+                            "s this rank watched it after the failure: its process died or is frozen)")
             elif after[r] is not None and int(after[r].split()[1]) < seq:
                 behind.append(f"rank {r} is alive but has not reached collective #{seq} (it is at "
                               f"#{after[r].split()[1]}: stuck in its own code, or running a different number of "
