@@ -210,9 +210,10 @@ def pressing_while_built(monkeypatch, name: str, times: int) -> None:
 @pytest.mark.parametrize("placement", ["opt-host", "all-nvme"])
 def test_one_ctrl_c_during_initialize_stops_the_build_and_frees_everything(tmp_path, monkeypatch, placement):
     """A press as initialize's optimizer is made (its thread started), before the engine keeps it: the build
-    goes on to its next part, stops, and its cleanup runs whole: no thread, swap file or hook is left, the model has its own values,
-    and a new engine on it trains as torch's AdamW does. (Before, the press landed inside a part: in one soak a
-    third of the builds left the optimizer's thread running, some left swap files, fds and I/O threads.)"""
+    goes on to its next part, stops, and its cleanup runs whole: no thread, swap file or hook is left, the model
+    has its own values, and a new engine on it trains as torch's AdamW does. (Before, the press landed inside a
+    part: in one soak a third of the builds left the optimizer's thread running, some left swap files, fds and
+    I/O threads.)"""
     model = make()
     original = {n: p.detach().clone() for n, p in model.named_parameters()}
     threads = engine_threads()

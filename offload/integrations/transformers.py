@@ -18,9 +18,10 @@ logging, callbacks, checkpoint rotation, RNG state. What changes is who holds th
   then taken from the TrainingArguments; a value given in both that differs is an error naming both. The engine is
   built (``offload.initialize``) when training or evaluation starts, from the TrainingArguments as they are then
   (a hyperparameter search's trial sets them; one an evaluate() built before any training is built again at
-  train() if they changed since, and refused under bf16/fp16, whose engine handed back rounded weights), with the Trainer's two parameter groups (no weight decay for biases and norms),
-  or the groups of the torch Adam/AdamW a subclass's ``create_optimizer`` makes (their lr, betas, eps and weight
-  decay; the engine's AdamW does the steps). ``trainer.optimizer`` steps the engine; Adam's state is in the
+  train() if they changed since, and refused under bf16/fp16, whose engine handed back rounded weights), with
+  the Trainer's two parameter groups (no weight decay for biases and norms), or the groups of the torch
+  Adam/AdamW a subclass's ``create_optimizer`` makes (their lr, betas, eps and weight decay; the engine's AdamW
+  does the steps). ``trainer.optimizer`` steps the engine; Adam's state is in the
   engine's tiers, so its ``state_dict()`` refuses and points to the engine's checkpoints.
 * The learning-rate schedule is the TrainingArguments' (``lr_scheduler_type``, warm-up), or the config's
   ``scheduler`` (WarmupLR / WarmupDecayLR / WarmupCosineLR; ``"auto"`` values from the TrainingArguments and the
