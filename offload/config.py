@@ -706,6 +706,18 @@ def read_json(path: str | os.PathLike[str]) -> Any:
         raise ValueError(f"config file {path} is not valid JSON: {exc}") from None
 
 
+def flat_fields(section: Any, prefix: str = "") -> dict[str, Any]:
+    """Every leaf setting of a config (a frozen dataclass, sections included) by its dotted name."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if dataclasses.is_dataclass(value):
+            out.update(flat_fields(value, f"{prefix}{f.name}."))
+        else:
+            out[prefix + f.name] = value
+    return out
+
+
 def _plain(section: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for f in dataclasses.fields(section):

@@ -46,7 +46,7 @@ import logging
 import math
 import os
 import weakref
-from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping
@@ -61,7 +61,7 @@ from .._device import fast_bf16
 from .._hooks import Hook, unwrap_compiled
 from .._load import WriteRefused
 from .._precision import LossScaler
-from ..config import OffloadConfig
+from ..config import OffloadConfig, flat_fields
 from ..dist import Comm, GradPartition, ReduceBuckets, StartSync, agree_on_settings, agree_with_rank0, join
 from ..dist._group import release_store
 from ..memory import CopyStreams, HeapTrim, TieredStore, prepare_nvme_path
@@ -1250,17 +1250,8 @@ _PLAN_SHARED = ("stage", "partition", "dtype", "gradient_accumulation_steps", "s
 
 def _shared_settings(cfg: OffloadConfig, plan: Plan) -> dict[str, Any]:
     """The settings every rank must share (see :func:`offload.dist.agree_on_settings`), by dotted name."""
-    out: dict[str, Any] = {}
-
-    def walk(obj: Any, prefix: str) -> None:
-        for f in fields(obj):
-            value, name = getattr(obj, f.name), prefix + f.name
-            if is_dataclass(value):
-                walk(value, name + ".")
-            elif not any(name.startswith(key) or name.endswith("." + key) for key in _PER_RANK):
-                out[name] = value
-
-    walk(cfg, "")
+    out = {name: value for name, value in flat_fields(cfg).items()
+           if not any(name.startswith(key) or name.endswith("." + key) for key in _PER_RANK)}
     out.update({f"plan.{name}": getattr(plan, name) for name in _PLAN_SHARED})
     return out
 

@@ -61,7 +61,6 @@ take it from the engine): evaluation computes in the engine's dtype (the config'
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
 import math
 import os
@@ -75,7 +74,7 @@ import torch
 import transformers
 from transformers import Trainer
 
-from ..config import OffloadConfig, OptimizerConfig, SchedulerConfig, read_json
+from ..config import OffloadConfig, OptimizerConfig, SchedulerConfig, flat_fields, read_json
 from ..engine import Engine, Phase, initialize
 from ..optim._schedule import WarmupSchedule
 
@@ -192,14 +191,10 @@ def _get(d: Any, path: tuple[str, ...]) -> Any:
     return d
 
 
-def _differences(old: Any, new: Any, prefix: str = "") -> list[str]:
-    """The dotted names of the fields two configs (frozen dataclasses) differ in."""
-    if not dataclasses.is_dataclass(old) or type(old) is not type(new):
-        return [prefix.rstrip(".")] if old != new else []
-    out = []
-    for f in dataclasses.fields(old):
-        out += _differences(getattr(old, f.name), getattr(new, f.name), f"{prefix}{f.name}.")
-    return out
+def _differences(old: OffloadConfig, new: OffloadConfig) -> list[str]:
+    """The dotted names of the settings two configs differ in."""
+    a, b = flat_fields(old), flat_fields(new)
+    return [name for name in a if a[name] != b[name]]
 
 
 def _fill_scheduler(section: Any, args: Any, max_steps: int) -> Any:
