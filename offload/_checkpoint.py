@@ -834,17 +834,16 @@ def _check_matches(engine: "Engine", names: list[str], ck: Checkpoint, source: M
              and (optimizer or not n.startswith(tuple(f"{k}/" for k in _KINDS[1:])))}
     missing = sorted(theirs for theirs in source.values() if theirs not in found)
     unexpected = sorted(set(found) - set(source.values()))
-    wrong = [theirs for mine, theirs in source.items() if theirs in found and found[theirs] != expected[mine]]
-    if not (missing or unexpected or wrong):
+    shapes: dict[str, str] = {}  # by the model's name (an entry per Adam moment says no more)
+    for mine, theirs in source.items():
+        if theirs in found and found[theirs] != expected[mine]:
+            shapes.setdefault(mine.split("/", 1)[1], f"checkpoint {list(found[theirs])}, model {list(expected[mine])}")
+    if not (missing or unexpected or shapes):
         return
     flipped = sorted({n.split("/", 1)[1] for n in missing} & {n.split("/", 1)[1] for n in unexpected})
     hint = (f"; {flipped[:5]} are trainable in one and frozen in the other: a whole load needs the same trainable "
             "parameters (Adam's state is theirs), load_optimizer_states=False or load_module_only=True loads the "
             "weights alone, by name") if flipped else ""
-    shapes = {}  # by the model's name (an entry per Adam moment says no more)
-    for mine, theirs in source.items():
-        if theirs in found and found[theirs] != expected[mine]:
-            shapes.setdefault(mine.split("/", 1)[1], f"checkpoint {list(found[theirs])}, model {list(expected[mine])}")
     differ = "; ".join(f"{n}: {d}" for n, d in list(shapes.items())[:5]) + (" ..." if len(shapes) > 5 else "")
     raise ValueError(f"checkpoint {ck.folder} does not match the model: missing {_few(missing)}, unexpected "
                      f"{_few(unexpected)}, shapes differ for {len(shapes)} ({differ or 'none'}){hint}. To load the "
