@@ -95,11 +95,8 @@ class ThreadWorkers:
             started.wait()
         except BaseException:  # (an interrupt): the threads started leave the barrier, or their queue, and are joined
             started.abort()
-            running = [t for t in self._threads if t.ident is not None]
-            for _ in running:  # (those past a barrier that had tripped wait on the queue)
-                self._queue.put(None)
-            for t in running:
-                t.join()
+            self._threads = [t for t in self._threads if t.ident is not None]
+            self.close()  # (those past a barrier that had tripped wait on the queue)
             raise
         if self._start_errors:
             self.close()
