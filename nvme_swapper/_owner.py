@@ -64,7 +64,9 @@ def write_owner(folder: Path) -> None:
         f.write(json.dumps({**machine, "pid": pid, "start": _start_time(pid)}))
 
 
-def _left_behind(folder: Path) -> bool:
+def left_behind(folder: Path) -> bool:
+    """Whether ``folder``'s owner record says it ran on this host, since this boot, in this pid namespace, and has
+    ended (a folder without a full record: False)."""
     try:
         owner = json.loads((folder / OWNER).read_text())
         pid, start = int(owner["pid"]), owner["start"]
@@ -94,7 +96,7 @@ def remove_left_behind(parent: Path, pattern: str = "swap-*") -> list[Path]:
     them (logged: the space comes back before anything is measured or reserved there)."""
     removed = []
     for folder in sorted(parent.glob(pattern)):
-        if folder.is_dir() and not folder.is_symlink() and _left_behind(folder):
+        if folder.is_dir() and not folder.is_symlink() and left_behind(folder):
             shutil.rmtree(folder, ignore_errors=True)
             if not folder.exists():  # (another user's cannot be removed: not reported as removed)
                 removed.append(folder)

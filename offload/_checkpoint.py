@@ -31,7 +31,12 @@ its range.
 The tag directory is first written as ``root/.tmp-<tag>-<pid of rank 0>``, every shard fsynced, then (rank 0, once
 all ranks report success) meta.json written, the directory renamed into place and fsynced; only then is
 ``latest`` rewritten (temp file, fsync, rename). A save that fails on any rank removes the temporary directory;
-one killed midway leaves it until the next save of that tag, which removes those of processes no longer alive.
+one killed midway leaves it (a checkpoint's size) until the next save into ``root``, of any tag: rank 0 records
+itself as the folder's owner (nvme_swapper's owner record: host, boot, pid namespace, pid, start time) and a save
+removes the folders whose owner ran on its host and is gone; a folder of another host's process (a shared
+filesystem) is left, since a pid says nothing there.
+A tag, saved or loaded (passed, or held by ``latest``), is a plain name (:func:`_plain_tag`): a checkpoint never
+reaches outside its ``root``, nor into a save's temporary folder.
 Loading never unpickles: it parses JSON and copies bytes into tensors of the dtypes the index names (the client
 state is read with ``torch.load(weights_only=True)``, which builds tensors and plain containers only). Directories
 are 0700, files 0600. Format v1 (one ``tensors.bin`` indexed in meta.json) still loads.
@@ -56,7 +61,7 @@ import torch
 
 from nvme_swapper import aligned_tensor
 from nvme_swapper._native import checksum, checksum_kind, memory_at
-from nvme_swapper._owner import remove_of_dead
+from nvme_swapper._owner import OWNER, alive, left_behind, write_owner
 
 from .dist import CommError
 from .optim._schedule import WarmupSchedule
@@ -72,6 +77,17 @@ _KINDS = ("param", "exp_avg", "exp_avg_sq")
 _SUM_BYTES = 64 << 20  # a checksum per this much of each write at most (the index grows by 1/2M of the tensors)
 _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
                                torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}
+
+
+_TAG_RULE = "a plain name (not empty, no '/' or NUL, not starting with '.', not 'latest')"
+_TMP = re.compile(r"\.tmp-(.+)-(\d{1,9})")  # a save's temporary folder: tag, pid of its rank 0
+
+
+def _plain_tag(tag: str) -> bool:
+    """Whether ``tag`` names a folder inside its checkpoint root: the one rule for the tags saves write and loads
+    read (passed, or held by ``latest``), so neither reaches outside the root (``..``, an absolute path) nor into a
+    save's temporary folder (``.tmp-*``)."""
+    return bool(tag) and "/" not in tag and "\0" not in tag and not tag.startswith(".") and tag != "latest"
 
 
 def _names(engine: "Engine") -> list[str]:
@@ -250,8 +266,8 @@ def save(engine: "Engine", root: Path, tag: str, frozen: bool = True, client_sta
     whether the frozen parameters are written (else loads keep the model's own). ``client_state``: rank 0's,
     written beside them (see :func:`client_bytes`)."""
     comm, rank = engine.comm, engine.rank
-    bad = None if tag and "/" not in tag and "\0" not in tag and not tag.startswith(".") and tag != "latest" else \
-        ValueError(f"checkpoint tag {tag!r} must be a plain name (no '/' or NUL, not starting with '.', not 'latest')")
+    bad = None if _plain_tag(tag) else ValueError(f"save_checkpoint: tag {tag!r} must be {_TAG_RULE}: it names "
+                                                  f"the checkpoint's folder inside {root}")
     if comm.world_size > 1:  # DeepSpeed's tag validation: a rank with another tag would write another folder; every
         mine = [zlib.crc32(tag.encode())]  # rank takes part, so one refusing a tag leaves none in a collective
         if comm.rank0s(mine) != mine and bad is None:
@@ -330,8 +346,8 @@ def make_folder(path: Path, what: str, mode: int = 0o777) -> None:
 
 
 def _prepare(root: Path, tag: str, tmp: Path) -> float:
-    """Rank 0: the checkpoint folder made and the temporary directory ``tmp`` created empty (those of dead
-    processes that saved this tag removed); 1.0 when the tag exists already, else 0.0."""
+    """Rank 0: the checkpoint folder made and the temporary directory ``tmp`` created empty, owned by this process
+    (those of killed saves removed first); 1.0 when the tag exists already, else 0.0."""
     make_folder(root, "save_checkpoint", 0o700)
     if (root / tag).exists():
         if not _uncommitted(root, tag):
@@ -341,9 +357,35 @@ def _prepare(root: Path, tag: str, tmp: Path) -> float:
         shutil.rmtree(root / tag)
     _committing(root, tag).unlink(missing_ok=True)  # (one killed before its rename)
     shutil.rmtree(tmp, ignore_errors=True)
-    remove_of_dead(root, re.compile(rf"\.tmp-{re.escape(tag)}-(\d{{1,9}})"))
+    _remove_killed_saves(root, tag)
     tmp.mkdir(mode=0o700)
+    try:
+        write_owner(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return 0.0
+
+
+def _remove_killed_saves(root: Path, tag: str) -> None:
+    """Rank 0, before a save: removes the temporary folders that saves of any tag left when their process was
+    killed (each as large as a checkpoint): those whose owner record says the process ran on this host, since
+    this boot, in this pid namespace, and is gone. One without the record (a version that wrote none; one that
+    another save is making right now) only when it is this tag's and its pid has ended, as before records. A
+    folder of another host's process is left: its pid says nothing here (a save from another node of a shared
+    filesystem may be running)."""
+    for entry in root.iterdir():
+        found = _TMP.fullmatch(entry.name)
+        if found is None or not entry.is_dir() or entry.is_symlink():
+            continue
+        if (entry / OWNER).exists():
+            killed = left_behind(entry)
+        else:
+            killed = found.group(1) == tag and not alive(int(found.group(2)))
+        if killed:
+            shutil.rmtree(entry, ignore_errors=True)
+            log.warning("offload: removed %s, the temporary folder of a save whose process ended before it "
+                        "completed", entry)
 
 
 def _committing(root: Path, tag: str) -> Path:
@@ -455,6 +497,7 @@ def _commit(engine: "Engine", index: dict[str, dict[str, Any]], frozen: bool, tm
             marker.unlink(missing_ok=True)
         raise
     try:
+        (final / OWNER).unlink(missing_ok=True)  # no save's temporary folder any more: never removed as one
         _fsync_dir(root)
         _write_file(root / ".latest.tmp", final.name.encode())
         os.replace(root / ".latest.tmp", root / "latest")
@@ -557,21 +600,23 @@ class Checkpoint:
         if root.exists() and not root.is_dir():
             raise NotADirectoryError(f"{root} is a file, not a checkpoint folder: save_checkpoint writes a folder "
                                      "(a `latest` file and one folder per tag); pass that folder")
+        origin = "passed as tag"
         if tag is None and (root / "meta.json").exists() and not (root / "latest").exists():
             root, tag = root.parent, root.name  # the folder of one tag, given by its own path
+            origin = "the name of the folder given"
         if tag is None:
-            try:
-                tag = (root / "latest").read_text().strip()
-            except FileNotFoundError:
-                hint = f"; {root} is a Trainer checkpoint folder: pass {root / 'offload_state'}" \
-                    if (root / "offload_state" / "latest").exists() else ""
-                raise FileNotFoundError(f"no checkpoint in {root}: {root / 'latest'} does not exist{hint}") from None
+            tag, origin = _latest(root), f"named by {root / 'latest'}"
+        if not _plain_tag(tag):
+            raise ValueError(f"checkpoint tag {tag!r} ({origin}) must be {_TAG_RULE}: the name of a checkpoint's "
+                             f"folder inside {root} (a '.tmp-' folder is a save that did not complete); "
+                             f"{_checkpoints_in(root)}")
         self.tag, self.folder = tag, root / tag
         folder = self.folder
         try:
             meta = json.loads((folder / "meta.json").read_text())
         except FileNotFoundError:
-            raise FileNotFoundError(f"checkpoint {folder} is missing or incomplete (no meta.json)") from None
+            raise FileNotFoundError(f"checkpoint {folder} ({origin}) is missing or incomplete (no meta.json); pass "
+                                    f"tag= of one that is complete: {_checkpoints_in(root)}") from None
         except json.JSONDecodeError as exc:
             raise ValueError(f"checkpoint {folder}/meta.json is damaged: {exc}") from None
         self.meta = meta
@@ -660,6 +705,44 @@ class Checkpoint:
             if f is not None:
                 f.close()
         self._files = [None] * len(self._files)
+
+
+def _latest(root: Path) -> str:
+    """The tag ``root/latest`` names, refused unless it is a plain name: a ``latest`` written by hand or by
+    another tool (``../elsewhere``, an absolute path) would load a folder outside ``root``."""
+    latest = root / "latest"
+    try:
+        tag = os.fsdecode(latest.read_bytes()).strip()
+    except FileNotFoundError:
+        if not root.is_dir():
+            raise FileNotFoundError(f"no checkpoint in {root}: that folder does not exist") from None
+        hint = f"{root} is a Trainer checkpoint folder: pass {root / 'offload_state'}" \
+            if (root / "offload_state" / "latest").exists() else f"pass tag=: {_checkpoints_in(root)}"
+        raise FileNotFoundError(f"no checkpoint in {root}: {latest} does not exist; {hint}") from None
+    if not tag:
+        raise ValueError(f"{latest} is empty, so it names no checkpoint: the save that wrote it was cut short? (a "
+                         "save replaces it whole, after an fsync; a crash of a filesystem that did not keep that "
+                         f"order, or another tool, leaves it empty). Pass tag= of a checkpoint that exists: "
+                         f"{_checkpoints_in(root)}")
+    if not _plain_tag(tag):
+        raise ValueError(f"{latest} holds {tag[:200]!r}, which is not {_TAG_RULE}: latest names a checkpoint's "
+                         f"folder inside {root}, never a path elsewhere. Write the tag of one of them into it, or "
+                         f"pass tag=: {_checkpoints_in(root)}")
+    return tag
+
+
+def _checkpoints_in(root: Path) -> str:
+    """The complete checkpoints (folders with a meta.json) in ``root``, newest first, for a message asking for
+    one."""
+    found = []
+    with contextlib.suppress(OSError):
+        for entry in root.iterdir():
+            with contextlib.suppress(OSError):
+                if _plain_tag(entry.name) and (entry / "meta.json").is_file():
+                    found.append(((entry / "meta.json").stat().st_mtime, entry.name))
+    if not found:
+        return f"{root} holds no complete checkpoint (a folder with a meta.json)"
+    return f"the checkpoints in {root}, newest first: {_few([name for _, name in sorted(found, reverse=True)])}"
 
 
 def load(engine: "Engine", root: Path, tag: str | None, before_write: Any = None, *, optimizer: bool = True,
