@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -31,6 +32,18 @@ def unwrap_compiled(model: torch.nn.Module) -> torch.nn.Module:
     """The module ``torch.compile(model)`` wraps (its names carry no ``_orig_mod.`` prefix), else ``model``."""
     dynamo = sys.modules.get("torch._dynamo")  # not imported yet: nothing can have been compiled (no import here)
     return model._orig_mod if dynamo is not None and isinstance(model, dynamo.eval_frame.OptimizedModule) else model
+
+
+def weakly(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` (bound) called through a weak reference to its object, for hooks on tensors: torch keeps those
+    in C++, where the garbage collector cannot see a cycle through them, so a strong one would keep an engine
+    (dropped unclosed, with its model) alive to the end of the process. Once the object is gone, nothing."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        bound = ref()
+        return None if bound is None else bound(*args, **kwargs)
+    return call
 
 
 def _nothing(*_: Any, **__: Any) -> None:

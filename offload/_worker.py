@@ -114,6 +114,9 @@ class Worker:
                 self._error = job.error = exc
             finally:
                 job._done.set()
+                # the job's function and arguments go now, not when the next job comes: an idle thread must not
+                # keep the last step's optimizer, and through it an engine dropped unclosed, alive
+                item = fn = args = None
                 with self._idle:
                     self._pending -= 1
                     if not self._pending:

@@ -1223,3 +1223,117 @@ def test_delayed_update_without_clipping_trains_on_a_nonfinite_norm_on_several_r
         said = tmp_path / f"said{world}"
         run_script(script, world, str(said), cwd=tmp_path)
         assert [Path(f"{said}.{r}").read_text() for r in range(world)] == ["norm nan"] * world
+
+
+START_FAILURE_SCRIPT = """
+import json, os, sys, time
+sys.path.insert(0, {tests!r})
+import offload
+from models import make, batches, lm_loss
+rank, how, out = int(os.environ["RANK"]), sys.argv[1], sys.argv[2]
+cfg = {cfg!r}
+if rank == 1 and how == "config":  # a config only rank 1 rejects (offload_param wants stage 3)
+    cfg["zero_optimization"]["offload_param"] = {{"device": "cpu"}}
+if rank == 1 and how == "nvme_path":  # a path no one can create: its parent is a file
+    open(os.path.join(out, "a_file"), "w").close()
+    cfg["zero_optimization"]["offload_optimizer"]["nvme_path"] = os.path.join(out, "a_file", "nvme")
+try:
+    if rank == 1:
+        time.sleep(1)  # the others are at the start by now, waiting
+        with open(os.path.join(out, "failing"), "w") as f:
+            f.write(repr(time.time()))
+    engine = offload.initialize(make(), cfg)
+    for x, y in batches(2):
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+    engine.close()
+except Exception as exc:
+    with open(os.path.join(out, f"said.{{rank}}"), "w") as f:
+        json.dump([time.time(), f"{{type(exc).__name__}}: {{exc}}"], f)
+    raise
+"""
+
+
+@pytest.mark.parametrize("how", ["config", "nvme_path"])
+def test_a_rank_that_fails_in_initialize_stops_every_rank_at_once_with_its_error(tmp_path, how):
+    """Under torchrun, 3 ranks, comm_timeout at its default (1800 s): rank 1 fails in initialize, on a config only
+    it rejects (before any group exists: the others waited in the rendezvous for the whole timeout, then said only
+    that 2 of 3 had joined) or on an nvme_path it cannot create (after: the others read "rank 1 has closed its
+    engine"). Every rank now ends within 10 s of the failure, each quoting rank 1's own error."""
+    cfg = config(2, "nvme", tmp_path / "nvme")
+    del cfg["offload"]["comm_timeout"]
+    script = tmp_path / "fails.py"
+    script.write_text(START_FAILURE_SCRIPT.format(tests=str(TESTS), cfg=cfg))
+    launch = [shutil.which("torchrun") or "torchrun", "--nproc-per-node", "3", "--master-port", str(free_port())]
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([*launch, str(script), how, str(tmp_path)], capture_output=True, text=True, timeout=240,
+                          env=env, cwd=tmp_path)
+    assert done.returncode != 0
+    failed_at = float((tmp_path / "failing").read_text())
+    own = {"config": "ValueError: zero_optimization.offload_param needs zero_optimization.stage 3",
+           "nvme_path": "NotADirectoryError: [Errno 20] zero_optimization.offload_optimizer.nvme_path: cannot create"}
+    for r in range(3):
+        said = tmp_path / f"said.{r}"
+        assert said.exists(), f"rank {r} ended without its error: " + done.stdout[-2000:] + done.stderr[-3000:]
+        when, text = json.loads(said.read_text())
+        assert when - failed_at < 10, (r, when - failed_at, text)
+        assert own[how] in text, (r, text)
+        if r != 1:
+            assert "rank 1" in text, text
+    assert not [p for p in (tmp_path / "nvme").rglob("*") if p.is_file()]
+
+
+EXIT_CLEANUP_SCRIPT = """
+import os, sys
+sys.path.insert(0, {tests!r})
+import offload
+from models import make, batches, lm_loss
+rank, how, out = int(os.environ["RANK"]), sys.argv[1], sys.argv[2]
+engine = offload.initialize(make(), {cfg!r})
+step = 0
+while True:  # until rank 1 raises, or SIGTERM
+    for x, y in batches(2):
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+        step += 1
+        if step == 2:
+            open(os.path.join(out, f"training.{{rank}}"), "w").close()
+        if how == "raise" and rank == 1 and step == 3:
+            raise RuntimeError("the training script failed on rank 1")
+"""
+
+
+@pytest.mark.parametrize("how", ["raise", "sigterm"])
+def test_no_swap_file_is_left_on_any_rank_after_an_uncaught_exception_or_sigterm(tmp_path, how):
+    """Under torchrun, 3 ranks with parameters and optimizer state on NVMe: rank 1's script raises (its engine is
+    closed at exit, the others' collectives fail and torchrun sends them SIGTERM), or torchrun itself gets SIGTERM
+    and passes it on. Before, only one-rank engines were closed at exit and SIGTERM killed on the spot: every
+    rank's swap files stayed. Now every rank's are removed, and its rank folder with them."""
+    nvme = tmp_path / "nvme"
+    script = tmp_path / "exits.py"
+    script.write_text(EXIT_CLEANUP_SCRIPT.format(tests=str(TESTS), cfg=config(3, "nvme", nvme, param="nvme")))
+    launch = [shutil.which("torchrun") or "torchrun", "--nproc-per-node", "3", "--master-port", str(free_port())]
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    with open(tmp_path / "log", "w+") as log:
+        proc = subprocess.Popen([*launch, str(script), how, str(tmp_path)], stdout=log, stderr=subprocess.STDOUT,
+                                env=env, cwd=tmp_path)
+        try:
+            if how == "sigterm":
+                deadline = time.monotonic() + 180
+                while not all((tmp_path / f"training.{r}").exists() for r in range(3)):
+                    assert time.monotonic() < deadline and proc.poll() is None, log.read()
+                    time.sleep(0.05)
+                assert list(nvme.rglob("swap-*"))  # (what must go)
+                proc.terminate()
+            assert proc.wait(timeout=180) != 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        log.seek(0)
+        output = log.read()
+    assert not [p for p in nvme.rglob("*")], (sorted(nvme.rglob("*")), output[-3000:])
+    if how == "raise":
+        assert "the training script failed on rank 1" in output

@@ -280,19 +280,30 @@ class Comm:
             f"{str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}")
         return self._error
 
+    def raise_if_stopped(self) -> None:
+        """Raises :class:`CommError` when another rank has stopped on an error of its own (see ``close``), naming
+        it and quoting the error: a point where this rank may stop too, rather than go on to a collective."""
+        stopped = self._beat.stopped if self._beat is not None else None
+        if stopped is not None and stopped[0] != self.rank:
+            self.state = CommState.FAILED
+            self._error = CommError(f"rank {stopped[0]} failed: {stopped[1]} (so rank {self.rank} stops too)")
+            raise self._error
+
     def stats(self) -> dict[str, Any]:
         return {"rank": self.rank, "world_size": self.world_size, "state": self.state.value,
                 "calls": dict(self.calls), "payload_bytes": dict(self.payload_bytes),
                 "wire_bytes": dict(self.wire_bytes)}
 
-    def close(self) -> None:
+    def close(self, reason: str | None = None) -> None:
+        """``reason``: why this rank stops (its engine failed to build, say), which the other ranks read (see
+        :class:`_Heartbeat`)."""
         if self.state is CommState.CLOSED:
             return
         failed = self.state is CommState.FAILED
         self.state = CommState.CLOSED
         try:
             if self._beat is not None:
-                self._beat.close(failed)
+                self._beat.close(failed, reason)
         finally:
             self._beat = None
             self.pg.close()
@@ -321,13 +332,17 @@ class _Pending:
 
 class _Heartbeat:
     """A thread that publishes ``"<beat> <collective seq>"`` under key ``beat/<rank>`` every ``interval`` seconds;
-    ``status/<rank>`` says "failed ..." or "closed" once a rank is done. Clocks are never compared across hosts:
+    ``status/<rank>`` says "failed ..." (a collective failed) or "closed" once a rank is done. A rank that stops on
+    an error of its own (its engine failed to build) writes ``stopped`` = "<rank> <why>", which every beat reads
+    (one key, whatever the world size): the others' builds stop at their next stop point, and a collective that
+    fails because of it is explained at once, with no heartbeat watched. Clocks are never compared across hosts:
     a rank is alive when its beat counter moves."""
 
     def __init__(self, store: Any, comm: Comm, interval: float) -> None:
         self.store, self.comm, self.interval = store, comm, interval
         self._stop = threading.Event()
         self._beats = 0
+        self.stopped: tuple[int, str] | None = None  # (rank, why) of a rank that stopped on its own error
         self._publish()
         self._thread = threading.Thread(target=self._run, name="offload-heartbeat", daemon=True)
         self._thread.start()
@@ -340,8 +355,15 @@ class _Heartbeat:
         while not self._stop.wait(self.interval):
             try:
                 self._publish()
+                self._read_stopped()
             except Exception:  # the store is gone (its host died): diagnose() reports it
                 return
+
+    def _read_stopped(self) -> tuple[int, str] | None:
+        if self.stopped is None and (word := self._read("stopped")) is not None:
+            rank, _, why = word.partition(" ")
+            self.stopped = (int(rank), why)
+        return self.stopped
 
     def _read(self, key: str) -> str | None:
         return self.store.get(key).decode() if self.store.check([key]) else None
@@ -353,6 +375,8 @@ class _Heartbeat:
         others = [r for r in range(world) if r != me]
         try:
             self.store.set(f"status/{me}", f"failed {seq} {op}")
+            if (stopped := self._read_stopped()) is not None and stopped[0] != me:
+                return f"rank {stopped[0]} failed: {stopped[1]}"
             before = {r: self._read(f"beat/{r}") for r in others}
             time.sleep(3 * self.interval)
             after = {r: self._read(f"beat/{r}") for r in others}
@@ -385,11 +409,13 @@ class _Heartbeat:
             return f"rank(s) {', '.join(map(str, failed))} failed too; no rank was found dead or behind"
         return "; ".join(found) if found else "no other rank was found dead or behind"
 
-    def close(self, failed: bool) -> None:
+    def close(self, failed: bool, reason: str | None = None) -> None:
         self._stop.set()
         self._thread.join()
-        if not failed:
-            try:
+        try:
+            if reason is not None:
+                self.store.set("stopped", f"{self.comm.rank} {reason}")
+            if not failed:
                 self.store.set(f"status/{self.comm.rank}", "closed")
-            except Exception:  # noqa: BLE001 - closing after the store's host exited
-                pass
+        except Exception:  # noqa: BLE001 - closing after the store's host exited
+            pass

@@ -45,6 +45,9 @@ import functools
 import logging
 import math
 import os
+import signal
+import threading
+import warnings
 import weakref
 from dataclasses import asdict, dataclass, field
 from enum import Enum
@@ -58,12 +61,12 @@ from nvme_swapper import FileIO, arena_device, pinned_bytes
 from .. import _checkpoint
 from .._cleanup import close_after_failure, note_on, run_all
 from .._device import fast_bf16
-from .._hooks import Hook, unwrap_compiled
+from .._hooks import Hook, unwrap_compiled, weakly
 from .._load import WriteRefused
 from .._precision import LossScaler
 from ..config import OffloadConfig, flat_fields
-from ..dist import Comm, GradPartition, ReduceBuckets, StartSync, agree_on_settings, agree_with_rank0, join
-from ..dist._group import release_store
+from ..dist import Comm, CommError, GradPartition, ReduceBuckets, StartSync, agree_on_settings, agree_with_rank0, join
+from ..dist._group import release_store, report_failed_start
 from ..memory import CopyStreams, HeapTrim, TieredStore, prepare_nvme_path
 from ..ops import squared_norm
 from ..optim._layout import FlatLayout
@@ -87,7 +90,8 @@ class Phase(Enum):
     BACKWARD = "backward"  # engine.backward is running
     ACCUMULATING = "accumulating"  # gradients of this accumulation window are held; backward or step comes next
     STEP = "step"  # engine.step is running
-    FAILED = "failed"  # a backward or step raised: state may be half updated; load a checkpoint, or close
+    FAILED = "failed"  # a backward, step or load raised: state may be half updated; every call but a whole load
+    # and close is refused, forwards too (engine(x) and model(x)), until a load_checkpoint succeeds
     CLOSED = "closed"
 
 
@@ -138,26 +142,12 @@ class Engine:
     def __init__(self, model: torch.nn.Module, config: OffloadConfig | Mapping[str, Any] | str | Path | None = None,
                  *, param_groups: Iterable[dict[str, Any]] | None = None, _file_io: FileIO | None = None) -> None:
         """``_file_io`` (tests only): the OS-call boundary of the optimizer state's swap engine, to inject faults."""
-        self.config = cfg = OffloadConfig.load(config)
-        if not cfg.optimizer_given and isinstance(model, torch.nn.Module) and any(
-                p.requires_grad for p in model.parameters()):  # (a frozen model's engine has nothing to update)
-            log.warning("offload: the config has no optimizer section, so the defaults train: AdamW, lr %g, betas "
-                        "%s, eps %g, weight_decay %g (where a param group sets none of its own). An optimizer passed "
-                        "to deepspeed.initialize has no counterpart here: give its settings in the config's "
-                        "optimizer section (docs/configuration.md)",
-                        cfg.optimizer.lr, list(cfg.optimizer.betas), cfg.optimizer.eps, cfg.optimizer.weight_decay)
-        if not isinstance(model, torch.nn.Module):
-            raise ValueError(f"initialize: model must be a torch.nn.Module, got {type(model).__name__}")
-        self.module = unwrap_compiled(model)  # what hooks, names and checkpoints see
-        _check_tensors(self.module)
-        left = holding(self.module)
-        if left is not None and left.phase is Phase.CLOSED:  # a close, or a failed initialize's cleanup, that a
-            left.close()  # second Ctrl-C cut short: its model's parameters are handed back now
-        if holding(self.module) is not None:
-            raise ValueError("initialize: this model is held by an engine that is still open (its hooks and "
-                             "parameters are that engine's); close it first (engine.close(), or `with "
-                             "offload.initialize(...) as engine:`), which hands the model back with its current "
-                             "weights")
+        try:  # a failure before the ranks' group exists is this rank's word in their start vote (dist/_group.py)
+            self.config = cfg = OffloadConfig.load(config)
+            self.module = _accepted(model, cfg)  # what hooks, names and checkpoints see
+        except BaseException as exc:
+            report_failed_start(exc)
+            raise
         self._call = model  # what a forward runs: torch.compile(model) stays compiled
         self.phase = Phase.IDLE
         self._failure = ""  # what put the engine in Phase.FAILED
@@ -191,9 +181,9 @@ class Engine:
         self._heap: HeapTrim | None = None  # the CPU device's free heap pages returned during backward
         self._gate: UpdateGate | None = None  # plan.overlap_forward: the step's updates finish beside the forward
         self.start_sync: StartSync | None = None  # the parameters and buffers copied from rank 0 at start
+        self._stop_reason: str | None = None  # why initialize failed: the other ranks' errors quote it
         group = join(cfg.offload.comm_timeout, cfg.offload.device)
         try:
-            self.config = cfg = cfg.for_world(group.world_size)  # train_batch_size: the accumulation it implies
             self.comm = Comm(group)
         except BaseException:
             group.close()
@@ -204,23 +194,38 @@ class Engine:
         # where threads, files or parameters would be half set up), and the cleanup runs whole
         try:
             with self._holding("offload.initialize") as hold:
-                self._build(param_groups, _file_io, hold.raise_if_pressed)
-                hold.raise_if_pressed()
+                def stop_point() -> None:  # between the build's parts: Ctrl-C, or another rank failed to build
+                    hold.raise_if_pressed()
+                    self.comm.raise_if_stopped()
+
+                self.config = cfg.for_world(group.world_size)  # train_batch_size: the accumulation it implies
+                self._build(param_groups, _file_io, stop_point)
+                stop_point()
+                # no rank leaves before every rank has built: one that failed has closed its group, and the
+                # others' barrier fails at once, quoting its error (Comm's diagnosis), not at their first step
+                self.comm.barrier()
         except BaseException as exc:
             self.phase = Phase.CLOSED  # (a cleanup cut short is finished at exit, or by the next initialize)
+            if not isinstance(exc, CommError):  # (one caused by another rank's failure quotes that one already)
+                self._stop_reason = f"offload.initialize raised {type(exc).__name__}: {' '.join(str(exc).split())}"
             with self._holding("offload.initialize (its cleanup)"):
                 close_after_failure(self._teardown, exc)
                 _note_moved(self.module, given, exc)
             raise
         self._comm_mark = self._comm_totals()
         _unclosed.add(self)
+        _take_sigterm()
         self.last_step_comm = {"payload_bytes": 0, "wire_bytes": 0}
 
     # construction -----------------------------------------------------------------------------------------------
 
     def _build(self, param_groups: Iterable[dict[str, Any]] | None, file_io: FileIO | None,
-               stop_if_pressed: Callable[[], None]) -> None:
+               stop_point: Callable[[], None]) -> None:
         cfg, pg = self.config, self.comm.pg
+        self.world_size, self.rank = pg.world_size, pg.rank
+        # the swap folders first, before any collective: a rank whose nvme_path is unusable fails while the others
+        # wait in the first one, which fails at once, quoting its error (they would otherwise build on, for seconds)
+        nvme = {name: self._prepare_nvme(name) for name in ("offload_optimizer", "offload_param")}
         groups, options = _param_groups(self.module, param_groups)
         self.start_sync = agree_with_rank0(self.module, self.comm)  # before any rank reads its copy of the model
         trainable = {id(p) for g in groups for p in g}
@@ -235,15 +240,13 @@ class Engine:
         agree_on_settings(_shared_settings(cfg, plan), self.comm)
         _warn_slow_bf16(plan.device, plan.dtype)
         _warn_widened([p for g in groups for p in g], plan.dtype)
-        self.world_size, self.rank = plan.world_size, plan.rank
-        nvme = {name: self._prepare_nvme(name) for name in ("offload_optimizer", "offload_param")}
         self.store = TieredStore(plan.device, dict(plan.budgets), pin_memory=plan.pin_memory, file_io=file_io)
         for p in {id(p): p for p in self.module.parameters()}.values():  # built in offload.init's arena: its disk
             dev = arena_device(p)  # space comes back as the parameters move to their homes
             if dev is not None:
                 self.store.reclaimable[dev] += p.numel() * p.element_size()
         self.copies = CopyStreams(plan.device, self.store.count)
-        stop_if_pressed()
+        stop_point()
         self.layout = FlatLayout(groups, plan.sub_group_size, world_size=plan.world_size, rank=plan.rank,
                                  per_param=plan.partition is Partition.PER_PARAM, align=plan.align)
         embeddings = {id(m.weight): m.weight.shape[-1] for m in self.module.modules()
@@ -257,16 +260,16 @@ class Engine:
                                        lazy_rows=sparse if cfg.sparse_gradients == "lazy" else None,
                                        cuda_path=plan.cuda_path, overlap_forward=plan.overlap_forward)
         self.lr_scheduler = build_scheduler(cfg.scheduler, self.optimizer)
-        stop_if_pressed()
+        stop_point()
         if plan.trim_heap:
             self._heap = HeapTrim(sizes.numel * plan.dtype_bytes)
         self._zero = GradPartition(self.comm, self.layout)
         # reads each parameter into the optimizer's masters just before it moves it to its home
         self.weights = Weights(plan, self.module, self.layout, self.store, self.copies, self.comm, self.optimizer,
                                aio=cfg.aio, nvme_path=nvme["offload_param"])
-        stop_if_pressed()
+        stop_point()
         self.optimizer.fill_masters()
-        stop_if_pressed()
+        stop_point()
         self.grads = GradientStream(plan, self.layout, self.store, self.copies, dest=self.optimizer.grads.of,
                                     on_ready=self._sub_group_ready)
         self.optimizer.grad_handles = self.grads.handles
@@ -277,11 +280,10 @@ class Engine:
         self._install_hooks()
         if plan.overlap_forward:
             self._gate = UpdateGate(self.module, self.layout, self.optimizer, self.copies,
-                                    on_error=lambda exc: self._fail("engine.step (its updates, finishing beside "
-                                                                    "the next forward)", exc))
+                                    on_error=self._updates_failed)
         # the model still holds the engine's tensors: checked first of all the root's pre-hooks, outside the gate's
         # trace of what each module reads (the check touches every parameter, as a read the trace would record)
-        self._hooks.append(self.module.register_forward_pre_hook(Hook(lambda *_: self.weights.check_held()),
+        self._hooks.append(self.module.register_forward_pre_hook(Hook(self._check_held),
                                                                  prepend=True))
         # Ctrl-C held over every forward, a plain model(x) too (engine(x) holds it already): first of the root's
         # pre-hooks to last of its hooks, which runs when the forward raises too
@@ -310,9 +312,17 @@ class Engine:
         self._hooks.extend(ModelStateHooks(self).handles)  # model.state_dict() / load_state_dict() through here
 
     def _grad_hook(self, i: int) -> Any:
+        on_grad = weakly(self._on_grad)
+
         def hook(p: torch.Tensor) -> None:
-            self._on_grad(i, p)
+            on_grad(i, p)
         return hook
+
+    def _check_held(self, *_: Any) -> None:
+        self.weights.check_held()
+
+    def _updates_failed(self, exc: BaseException) -> None:
+        self._fail("engine.step (its updates, finishing beside the next forward)", exc)
 
     def plan(self) -> Plan:
         """What this engine runs with (device, placements, sizes) and why: ``print(engine.plan().describe())``."""
@@ -1069,6 +1079,8 @@ class Engine:
         hold = self._holding("the forward")
         hold.__enter__()
         self._forward_holds.append(hold)
+        if self.phase is Phase.FAILED:  # (after the hold: the always-called last hook releases it)
+            raise self._failed_error("the forward")
 
     def _release_forward(self, *_: Any) -> None:
         """The root's last forward hook, run when the forward raised too: a Ctrl-C held over it lands now. (A second
@@ -1108,12 +1120,16 @@ class Engine:
         if self._cut_short is not None:
             raise self._cut_short_error(call)
         if self.phase is Phase.FAILED and Phase.FAILED not in allowed:
-            raise RuntimeError(f"{call}: {self._failure}, which may have left gradients, parameters or optimizer "
-                               "state half updated; load a checkpoint (engine.load_checkpoint) or close the engine")
+            raise self._failed_error(call)
         if self.phase not in allowed:
             raise RuntimeError(f"{call} called while the engine is in phase {self.phase.value!r} (allowed: "
                                f"{', '.join(p.value for p in allowed)}); calls from hooks or other threads during "
                                "a step are not supported")
+
+    def _failed_error(self, call: str) -> RuntimeError:
+        return RuntimeError(f"{call}: {self._failure}, which may have left gradients, parameters or optimizer "
+                            "state half updated; load a checkpoint (engine.load_checkpoint: one that succeeds ends "
+                            "this) or close the engine")
 
     @_held("engine.close")
     def close(self) -> None:
@@ -1181,7 +1197,7 @@ class Engine:
         """Stops the heartbeat, destroys the process group if the engine created it, and removes the per-rank
         NVMe folders it made (when empty: the swap engines have removed their files)."""
         try:
-            self.comm.close()
+            self.comm.close(self._stop_reason)
         finally:
             for d in self._rank_dirs:
                 try:
@@ -1190,11 +1206,36 @@ class Engine:
                     pass
             self._rank_dirs = []
 
+    def _close_alone(self) -> None:
+        """Closes without the other ranks (at exit): the process group first, so that no collective of the close
+        waits on ranks that may be gone (they fail at once instead, and are passed over); the rest is local
+        (threads, buffers, swap files). The updates of a step still running are dropped: nothing trains on."""
+        with contextlib.suppress(Exception):
+            self.comm.close(self._stop_reason)
+        self.phase = Phase.CLOSED
+        try:
+            self._teardown()
+        except Exception as exc:  # noqa: BLE001 - a collective of the teardown, refused once the group is gone
+            log.debug("offload: closing an engine alone at exit: %s", exc)
+
     def __enter__(self) -> "Engine":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def __del__(self) -> None:
+        """An engine dropped without ``close()`` (its model dropped too, or handed to a new one) is closed when it
+        is collected, with a ResourceWarning: its threads, buffers and swap files would otherwise stay until exit."""
+        if getattr(self, "phase", Phase.CLOSED) is Phase.CLOSED:  # (closed, or its construction failed)
+            return
+        warnings.warn(f"offload: an engine (world rank {self.rank} of {self.world_size}) was garbage collected "
+                      "without close(): closing it now. Call engine.close(), or use `with offload.initialize(...) "
+                      "as engine:`", ResourceWarning, stacklevel=2)
+        try:
+            self.close() if self.world_size == 1 else self._close_alone()
+        except Exception as exc:  # noqa: BLE001 - nobody to raise to in a finalizer
+            log.warning("offload: closing a collected engine failed: %s", exc)
 
 
 _unclosed: "weakref.WeakSet[Engine]" = weakref.WeakSet()
@@ -1208,21 +1249,67 @@ def holding(module: torch.nn.Module) -> Engine | None:
 
 @atexit.register
 def _close_at_exit() -> None:
-    """Engines of one rank still open when the interpreter exits are closed while their threads still run, so
-    their swap files are removed and no thread is killed inside a torch op. With several ranks a close may call
-    collectives that ranks already gone would never join: only the process group the engine made goes (locally),
-    before the interpreter's shutdown, where its gloo threads could abort the process (SIGABRT, "terminate called
-    without an active exception": 3 of 12 runs of a 2-rank script that did not close its engine, 2 of 52 since);
-    the next start on its nvme_path removes the swap files."""
+    """Engines still open when the interpreter exits (a script that did not close its engine, an uncaught
+    exception, SIGTERM: see :func:`_on_sigterm`) are closed while their threads still run, so their swap files are
+    removed and no thread is killed inside a torch op. With several ranks each closes alone
+    (:meth:`Engine._close_alone`), its process group first, before the interpreter's shutdown, where its gloo
+    threads could abort the process (SIGABRT, "terminate called without an active exception": 3 of 12 runs of a
+    2-rank script that did not close its engine, 2 of 52 since)."""
     for engine in list(_unclosed):
         try:
             if engine.world_size == 1:
                 engine.close()
             else:
-                engine._close_comm()
+                engine._close_alone()
         except Exception as exc:  # noqa: BLE001 - exiting anyway: say so, close the others
             log.warning("offload: closing an engine at exit failed: %s", exc)
     release_store()  # (the rendezvous store's threads too)
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM (torchrun ending the other ranks when one failed, a scheduler preempting the job) ends the process
+    as an uncaught exception would: ``SystemExit`` unwinds the program and the exit hook closes the open engines,
+    removing their swap files, which the default action (killed on the spot) left on every rank. Installed by
+    the first engine when SIGTERM had its default action; with no engine open it takes that action itself. A
+    second SIGTERM during the unwinding kills at once."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if not _unclosed:
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+    log.warning("offload: SIGTERM: closing the open engines (their swap files are removed) and exiting")
+    raise SystemExit(128 + signum)
+
+
+def _take_sigterm() -> None:
+    """Installs :func:`_on_sigterm` where SIGTERM still has its default action (a handler of the program's own is
+    left alone) and this is the main thread (the only one that may)."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _accepted(model: Any, cfg: OffloadConfig) -> torch.nn.Module:
+    """The module an engine of ``model`` hooks and names (the one ``torch.compile`` wraps), once checked: a module,
+    with plain tensors, that no open engine holds."""
+    if not cfg.optimizer_given and isinstance(model, torch.nn.Module) and any(
+            p.requires_grad for p in model.parameters()):  # (a frozen model's engine has nothing to update)
+        log.warning("offload: the config has no optimizer section, so the defaults train: AdamW, lr %g, betas "
+                    "%s, eps %g, weight_decay %g (where a param group sets none of its own). An optimizer passed "
+                    "to deepspeed.initialize has no counterpart here: give its settings in the config's "
+                    "optimizer section (docs/configuration.md)",
+                    cfg.optimizer.lr, list(cfg.optimizer.betas), cfg.optimizer.eps, cfg.optimizer.weight_decay)
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"initialize: model must be a torch.nn.Module, got {type(model).__name__}")
+    module = unwrap_compiled(model)
+    _check_tensors(module)
+    left = holding(module)
+    if left is not None and left.phase is Phase.CLOSED:  # a close, or a failed initialize's cleanup, that a
+        left.close()  # second Ctrl-C cut short: its model's parameters are handed back now
+    if holding(module) is not None:
+        raise ValueError("initialize: this model is held by an engine that is still open (its hooks and "
+                         "parameters are that engine's); close it first (engine.close(), or `with "
+                         "offload.initialize(...) as engine:`), which hands the model back with its current "
+                         "weights")
+    return module
 
 
 _warned_bf16 = False
