@@ -731,6 +731,16 @@ def _latest(root: Path) -> str:
     return tag
 
 
+def committed(root: Path) -> bool:
+    """Whether ``root`` holds a committed checkpoint: ``latest`` names, as a plain name, a folder with its
+    meta.json (what a load of ``root`` reads; a save killed before its commit left none)."""
+    try:
+        return _plain_tag(tag := os.fsdecode((root / "latest").read_bytes()).strip()) and \
+            (root / tag / "meta.json").is_file()
+    except OSError:
+        return False
+
+
 def _checkpoints_in(root: Path) -> str:
     """The complete checkpoints (folders with a meta.json) in ``root``, newest first, for a message asking for
     one."""

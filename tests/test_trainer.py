@@ -573,6 +573,31 @@ def test_a_train_interrupted_after_its_updates_started_says_how_to_go_on(tmp_pat
         assert trainer.state.global_step == trainer.engine.global_steps == 3
 
 
+def test_an_incomplete_checkpoint_is_removed_before_rotation_counts_it(tmp_path, caplog):
+    """save_total_limit=1 over an output folder holding what a killed save left (checkpoint-100 of a run with other
+    save_steps: its weights, the engine's shard folder never committed, no trainer_state.json), newest by its time
+    as by its number (the Trainer's rotation sorts by mtime, or by number when the times are under a second
+    apart): rotation protected it as the newest and deleted the checkpoint just saved, leaving no complete one.
+    The save removes it first."""
+    out = tmp_path / "run"
+    cut = out / "checkpoint-100"
+    (cut / "offload_state" / ".tmp-v1-999999").mkdir(parents=True)
+    (cut / "model.safetensors").write_bytes(b"")
+    later = cut.stat().st_mtime + 3600
+    os.utime(cut, (later, later))
+    args = arguments(out, max_steps=2, save_strategy="steps", save_steps=2, save_total_limit=1)
+    with OffloadTrainer(model=gpt2(), args=args, train_dataset=dataset(16),
+                        offload_config={"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}) as trainer:
+        with caplog.at_level("WARNING", logger="offload"):
+            trainer.train()
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-2"]
+    assert f"removing {cut}, an incomplete checkpoint (a save killed midway): it lacks trainer_state.json" \
+        in caplog.text
+    state = out / "checkpoint-2" / "offload_state"
+    assert (out / "checkpoint-2" / "trainer_state.json").is_file()
+    assert (state / (state / "latest").read_text().strip() / "meta.json").is_file()
+
+
 REMOTE_MODEL = textwrap.dedent("""
     import torch
     from transformers import PretrainedConfig, PreTrainedModel
@@ -636,13 +661,14 @@ def test_save_model_of_a_remote_code_model_carries_its_code_and_full_eval_keeps_
 @pytest.mark.timeout(900)
 def test_two_ranks_resume_after_a_crash_and_the_best_checkpoint_under_torchrun(tmp_path):
     """torchrun, 2 ranks, ZeRO-3 on NVMe, eval and save every 2 steps, save_total_limit=2, load_best_model_at_end: a
-    run killed after its step-4 checkpoint and resumed (resume_from_checkpoint=True) logs steps 5-6 bit-identically
-    to an uninterrupted run; save_model on every rank writes the best checkpoint's weights."""
+    run killed inside its step-6 save (the engine's state committed, no trainer_state.json yet) and resumed
+    (resume_from_checkpoint=True: from checkpoint-4, the newest complete one, on both ranks) logs steps 5-6
+    bit-identically to an uninterrupted run; save_model on every rank writes the best checkpoint's weights."""
     script = tmp_path / "train_two.py"
     script.write_text(textwrap.dedent("""
         import json, os, sys
         import torch
-        from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments
+        from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
         from offload.integrations.transformers import OffloadTrainer
         out, die, result = sys.argv[1], sys.argv[2] == "die", sys.argv[3]
         torch.manual_seed(0)
@@ -659,12 +685,13 @@ def test_two_ranks_resume_after_a_crash_and_the_best_checkpoint_under_torchrun(t
                 "offload_param": {"device": "nvme", "nvme_path": out + "_par"}}
         trainer = OffloadTrainer(model=model, args=args, train_dataset=rows(64, 0), eval_dataset=rows(10, 1),
                                  offload_config={"zero_optimization": zero})
-        class Crash(TrainerCallback):  # both ranks die right after the step-4 checkpoint, as a preempted job
-            def on_save(self, args, state, control, **kw):
-                if die and state.global_step == 4:
-                    torch.distributed.barrier(); sys.stdout.flush(); os._exit(0)
-        trainer.add_callback(Crash())
-        trainer.train(resume_from_checkpoint=os.path.isdir(os.path.join(out, "checkpoint-4")))
+        save_rng_state = OffloadTrainer._save_rng_state
+        def crash(self, output_dir):  # both ranks die inside the step-6 save, before trainer_state.json
+            save_rng_state(self, output_dir)
+            if die and self.state.global_step == 6:
+                torch.distributed.barrier(); sys.stdout.flush(); os._exit(0)
+        OffloadTrainer._save_rng_state = crash
+        trainer.train(resume_from_checkpoint=os.path.isdir(os.path.join(out, "checkpoint-6")))
         trainer.save_model(out + "_model")  # every rank
         res = {"logs": list(trainer.state.log_history), "best": trainer.state.best_model_checkpoint,
                "eval": trainer.evaluate()["eval_loss"], "ckpts": sorted(os.listdir(out))}
@@ -680,6 +707,9 @@ def test_two_ranks_resume_after_a_crash_and_the_best_checkpoint_under_torchrun(t
                                str(free_port()), str(script), str(tmp_path / run), mode, str(tmp_path / f"{run}.json")],
                               capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+        if mode == "die":  # what transformers' get_last_checkpoint takes, and then fails on
+            cut6 = tmp_path / run / "checkpoint-6"
+            assert (cut6 / "offload_state" / "latest").exists() and not (cut6 / "trainer_state.json").exists()
     full, cut = (json.loads((tmp_path / f"{run}.json").read_text()) for run in ("full", "cut"))
     logs = lambda r: [{k: v for k, v in h.items() if "runtime" not in k and "per_second" not in k}
                       for h in r["logs"] if "train_runtime" not in h]  # 6 steps' and 3 evaluations' logs

@@ -37,8 +37,12 @@ logging, callbacks, checkpoint rotation, RNG state. What changes is who holds th
 * Checkpoints (``save_steps``): the Trainer's folder gets the model as safetensors, the engine's checkpoint
   (fp32 masters, Adam moments, counters) under ``offload_state/`` and the scheduler; ``resume_from_checkpoint``
   restores them and continues bit-identically. A checkpoint folder of a plain Trainer resumes too (its weights;
-  the Adam state starts fresh, with a warning). With several ranks, what the folder holds (the tag a save takes,
-  whether a resume finds the engine's state) is read by rank 0 for all: a shared filesystem may list it differently.
+  the Adam state starts fresh, with a warning). A save killed midway leaves its folder incomplete (no
+  trainer_state.json, which is written last, or no committed engine state): ``resume_from_checkpoint=True`` takes
+  the newest complete folder, not the highest-numbered one, and warns of those it skips; the next save removes
+  them (so rotation by ``save_total_limit`` never counts them); naming an incomplete folder is an error. With
+  several ranks, what the folder holds (the tag a save takes, whether a resume finds the engine's state, which
+  folder is complete) is read by rank 0 for all: a shared filesystem may list it differently.
 * ``save_model`` writes ``config.json`` and the fp32 weights as ``model.safetensors`` (sharded with an index above
   ``save_max_shard_size``), streamed from wherever they live, one shard in RAM at a time.
 * A peft model (LoRA and the like) is saved as the Trainer saves one: the adapter alone, through peft's
@@ -67,13 +71,17 @@ import os
 import shutil
 import sys
 import weakref
+from enum import Flag, auto
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 import transformers
 from transformers import Trainer
+from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from .._checkpoint import committed
 from ..config import OffloadConfig, OptimizerConfig, SchedulerConfig, flat_fields, read_json
 from ..engine import Engine, Phase, initialize
 from ..optim._schedule import WarmupSchedule
@@ -181,6 +189,47 @@ def trainer_config(config: OffloadConfig | Mapping[str, Any] | str | os.PathLike
     if scheduler is not None:
         SchedulerConfig.from_dict(_fill_scheduler(scheduler, args, 1))  # its errors now, not when training starts
     return OffloadConfig.load(raw), scheduler
+
+
+class _Lacks(Flag):
+    """What a Trainer checkpoint folder lacks to be resumed from: what a save killed midway had not written. The
+    Trainer writes trainer_state.json last (after the model, the engine's state, the schedule and RNG states), and
+    the engine's state counts once committed (``latest`` names a tag whose folder holds its meta.json; see
+    offload/_checkpoint.py). A folder without ``offload_state/`` (a plain Trainer's, save_only_model) needs only
+    trainer_state.json."""
+
+    NOTHING = 0
+    FOLDER = auto()
+    TRAINER_STATE = auto()
+    ENGINE_STATE = auto()
+
+    def describe(self) -> str:
+        what = {_Lacks.FOLDER: "the folder itself", _Lacks.TRAINER_STATE: TRAINER_STATE_NAME,
+                _Lacks.ENGINE_STATE: f"a committed engine state ({STATE_DIR}/latest naming a tag folder with its "
+                                    "meta.json)"}
+        return " and ".join(text for flag, text in what.items() if flag in self)
+
+
+def _lacks(folder: Path) -> _Lacks:
+    """What ``folder`` lacks to be resumed from (see :class:`_Lacks`)."""
+    if not folder.is_dir():
+        return _Lacks.FOLDER
+    out = _Lacks.NOTHING if (folder / TRAINER_STATE_NAME).is_file() else _Lacks.TRAINER_STATE
+    if (folder / STATE_DIR).exists() and not committed(folder / STATE_DIR):
+        out |= _Lacks.ENGINE_STATE
+    return out
+
+
+def _checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """The Trainer's ``checkpoint-N`` folders in ``run_dir``, newest step first (get_last_checkpoint's choice)."""
+    prefix = f"{PREFIX_CHECKPOINT_DIR}-"
+    try:
+        entries = list(run_dir.iterdir())
+    except OSError:
+        return []
+    found = [(int(p.name[len(prefix):]), p) for p in entries
+             if p.name.startswith(prefix) and p.name[len(prefix):].isdigit() and p.is_dir()]
+    return sorted(found, key=lambda item: item[0], reverse=True)
 
 
 def _get(d: Any, path: tuple[str, ...]) -> Any:
@@ -321,15 +370,55 @@ class OffloadTrainer(Trainer):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def train(self, *args: Any, **kwargs: Any) -> Any:
-        """transformers' ``train``; when it returns, the last step's updates are in the model (with
+    def train(self, resume_from_checkpoint: str | os.PathLike[str] | bool | None = None, *args: Any,
+              **kwargs: Any) -> Any:
+        """transformers' ``train``; ``resume_from_checkpoint=True`` takes the newest COMPLETE checkpoint of
+        output_dir (see :meth:`_resume_point`). When it returns, the last step's updates are in the model (with
         ``offload_optimizer.overlap_forward`` they could still be finishing; with ``delayed_update`` the last one
         waited on the host)."""
-        out = super().train(*args, **kwargs)
+        out = super().train(self._resume_point(resume_from_checkpoint), *args, **kwargs)
         if self.engine is not None:
             self.engine.finish_step()
             self.engine.apply_delayed_update()
         return out
+
+    def _resume_point(self, resume: str | os.PathLike[str] | bool | None) -> str | None:
+        """The folder train() resumes from. transformers takes the highest-numbered ``checkpoint-N`` for True,
+        complete or not, and a save killed midway leaves one incomplete (no trainer_state.json, or no committed
+        engine state): here the newest complete one is taken, each newer one skipped with a warning (the next save
+        removes them, see :meth:`_save_checkpoint`); an incomplete folder given is an error naming what it lacks
+        and the newest complete one beside it. Rank 0's reading of the folders is every rank's."""
+        if resume is None or resume is False:
+            return None
+        given = None if resume is True else Path(resume)
+        run_dir = Path(self.args.output_dir) if given is None else given.parent
+        found = _checkpoints(run_dir)
+        newest = next(((step, folder) for step, folder in found if not _lacks(folder)), None)
+        mine = _lacks(given) if given is not None else _Lacks.NOTHING
+        step, missing = self._rank0s([-1 if newest is None else newest[0], mine.value])
+        best = run_dir / f"{PREFIX_CHECKPOINT_DIR}-{step}" if step >= 0 else None
+        instead = f"resume from {best} instead, the newest complete checkpoint there" if best is not None else \
+            f"{run_dir} holds no complete checkpoint: train without resume_from_checkpoint to start afresh"
+        if given is not None:
+            if missing:
+                raise FileNotFoundError(f"resume_from_checkpoint={str(given)!r} is not a complete checkpoint (a save "
+                                        f"interrupted midway?): it lacks {_Lacks(missing).describe()}; {instead}")
+            return str(given)
+        if self.args.process_index == 0:
+            for skipped, folder in found:
+                if skipped > step:
+                    log.warning("offload: resume_from_checkpoint=True skips %s, an incomplete checkpoint (a save "
+                                "killed midway): it lacks %s", folder, _lacks(folder).describe())
+        if best is None:
+            raise ValueError(f"resume_from_checkpoint=True: {instead}")
+        return str(best)
+
+    def _rank0s(self, values: list[int]) -> list[int]:
+        """``values`` as rank 0 has them, as ``engine.comm.rank0s`` gives them, over the Trainer's process group:
+        train() reads the checkpoint it resumes from before the engine is built."""
+        if self.args.world_size > 1 and torch.distributed.is_initialized():
+            torch.distributed.broadcast_object_list(values, src=0)
+        return values
 
     # the engine -------------------------------------------------------------------------------------------------
 
@@ -571,6 +660,22 @@ class OffloadTrainer(Trainer):
         torch.save(self.args, out / _ARGS_FILE)
         return None
 
+    def _save_checkpoint(self, model: torch.nn.Module, trial: Any, *args: Any, **kwargs: Any) -> None:
+        """The Trainer's checkpoint, after rank 0 has removed the incomplete ones a killed save left (before
+        rotation counts folders, so none counts as a kept checkpoint) and the trainer_state.json of the folder it
+        writes into (an incomplete one, or an earlier run's): written last, it marks the folder complete again."""
+        if self.args.should_save:
+            run_dir = Path(self._get_output_dir(trial=trial))
+            target = run_dir / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            (target / TRAINER_STATE_NAME).unlink(missing_ok=True)
+            for _, folder in _checkpoints(run_dir):
+                missing = _lacks(folder) if folder != target else _Lacks.NOTHING
+                if missing:
+                    log.warning("offload: removing %s, an incomplete checkpoint (a save killed midway): it lacks %s",
+                                folder, missing.describe())
+                    shutil.rmtree(folder, ignore_errors=True)
+        super()._save_checkpoint(model, trial, *args, **kwargs)
+
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """The engine's checkpoint (masters, moments, counters, loss scale) and the schedule."""
         root = Path(output_dir) / STATE_DIR
@@ -592,12 +697,12 @@ class OffloadTrainer(Trainer):
     def _tune_save_checkpoint(self, checkpoint_dir: str) -> None:
         """A Ray Tune trial's checkpoint: the Trainer's, with the engine's state where it writes the optimizer's
         (``trainer.optimizer`` has no state_dict), as the save_steps checkpoints hold it."""
-        output_dir = os.path.join(checkpoint_dir, f"checkpoint-{self.state.global_step}")
+        output_dir = os.path.join(checkpoint_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         self.save_model(output_dir, _internal_call=True)
-        if self.args.should_save:
-            self.state.stateful_callbacks["TrainerControl"] = self.control.state()
-            self.state.save_to_json(os.path.join(output_dir, "trainer_state.json"))
         self._save_optimizer_and_scheduler(output_dir)
+        if self.args.should_save:  # last: it marks the folder complete (_Lacks)
+            self.state.stateful_callbacks["TrainerControl"] = self.control.state()
+            self.state.save_to_json(os.path.join(output_dir, TRAINER_STATE_NAME))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
         """Nothing before the engine exists: :meth:`_load_optimizer_and_scheduler` restores the weights too."""
