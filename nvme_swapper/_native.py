@@ -51,19 +51,30 @@ def cache_dir() -> Path:
     return Path(xdg) / "offload" if xdg else Path.home() / ".cache" / "offload"
 
 
+_FLAGS = ("-O3", "-shared", "-fPIC")
+
+
 def _build() -> ctypes.CDLL:
+    """The library from the cache, compiled first where it is not there: named after a hash of the source, the flags
+    and the compiler, so every install of the same source shares one build and a changed one never loads an old
+    one; written under a temporary name and renamed, so a concurrent or killed build never leaves a half-written
+    library under the real one. A build says so (a warning: the first run waits on it), a cache hit says nothing."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
-    source = _SOURCE.read_bytes()
-    tag = hashlib.sha256(source + compiler.encode() + sys.platform.encode()).hexdigest()[:16]
+    found = shutil.which(compiler)
+    identity = os.path.realpath(found) if found else compiler  # (/usr/bin/cc names no version; its target does)
+    tag = hashlib.sha256(b"\0".join([_SOURCE.read_bytes(), " ".join(_FLAGS).encode(), identity.encode(),
+                                      sys.platform.encode()])).hexdigest()[:16]
     target = cache_dir() / "nvme_swapper" / f"aio-{tag}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
+        log.warning("nvme_swapper: building its C helper (kernel AIO, checksums) as %s, once per source version...",
+                    target)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
         try:
-            cmd = [compiler, "-O3", "-shared", "-fPIC", "-o", tmp, str(_SOURCE)]
+            cmd = [compiler, *_FLAGS, "-o", tmp, str(_SOURCE)]
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode != 0:
                 raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()}")

@@ -24,15 +24,18 @@ import shutil
 import signal
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from nvme_swapper._owner import OWNER, remove_left_behind, write_owner
+
 from ._checkpoint import make_folder
 from ._device import default_device, fast_bf16
-from ._progress import bar
+from ._progress import bar, interactive
 from .config import OffloadConfig, is_auto, parse_bytes, read_json, without_auto
 from .memory import Tier, fmt_bytes
 
@@ -69,6 +72,9 @@ def _user_config(path: str, swap: Path) -> dict[str, Any]:
     return config
 
 
+DEMO_PREFIX = "offload-demo-"  # the demo's swap folder, marked with its owner: a later demo removes a dead one's
+
+
 def demo(args: argparse.Namespace) -> int:
     """Trains the demo model; SIGTERM (a timeout, a job scheduler) ends it like Ctrl-C, through the cleanup that
     closes the engine and removes the swap folder."""
@@ -100,14 +106,16 @@ def _demo(args: argparse.Namespace) -> int:
     n = cfg.num_parameters
     root = Path(args.swap_dir) if args.swap_dir else Path(tempfile.gettempdir())
     make_folder(root, "--swap-dir")
+    remove_left_behind(root, f"{DEMO_PREFIX}*")  # demos killed before their cleanup (SIGKILL): their space is ours
     need = 16 * n + 12 * n // 4 * 4  # state + parameters + staging spares, generously
     free = shutil.disk_usage(root).free
     if not args.config and args.placement == "nvme" and need > free * 0.9:  # (a config's NVMe: initialize checks)
         print(f"error: the demo needs about {fmt_bytes(need)} of swap space but {root} has {fmt_bytes(free)} free; "
               "pass --swap-dir on a larger disk or a smaller --layers/--width", file=sys.stderr)
         return 2
-    swap = Path(tempfile.mkdtemp(prefix="offload-demo-", dir=root))
+    swap = Path(tempfile.mkdtemp(prefix=DEMO_PREFIX, dir=root))
     try:
+        write_owner(swap)
         bf16 = fast_bf16(default_device())
         config = _user_config(args.config, swap) if args.config else _demo_config(args, swap, bf16)
         with offload.initialize(GPT(cfg), config) as engine:
@@ -159,7 +167,7 @@ def _demo(args: argparse.Namespace) -> int:
             stats, report, plan = engine.stats(), engine.memory_report(), engine.plan()
             swap_files = sum(f.stat().st_size for f in swap.rglob("swap.*"))
     finally:
-        shutil.rmtree(swap, ignore_errors=True)
+        _remove_demo_folder(swap)
     print(f"\nloss {first:.4f} -> {last:.4f} over {args.steps} steps ({total:.1f} s)")
     print("\nthe plan (sizes derived from the budgets and the model):\n  " + plan.describe().replace("\n", "\n  "))
     print("\nmemory per tier        current        peak      budget")
@@ -180,6 +188,19 @@ def _demo(args: argparse.Namespace) -> int:
     if stats["params"]:
         print(f"  parameter fetches found resident or in flight: {stats['params']['hit_rate']:.1%}")
     return 0 if last is not None and last < first else 1
+
+
+def _remove_demo_folder(swap: Path) -> None:
+    """The demo's swap folder removed, its owner record last: a demo killed midway through this leaves a folder
+    the next one still knows for a dead demo's (without the record it would never be touched)."""
+    for entry in swap.iterdir() if swap.is_dir() else ():
+        if entry.name == OWNER:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+    shutil.rmtree(swap, ignore_errors=True)
 
 
 def _load_model(spec: str) -> torch.nn.Module:
@@ -203,20 +224,22 @@ def _load_model(spec: str) -> torch.nn.Module:
         return getattr(importlib.import_module(module), name)()
 
 
-def _memory(text: str | None, flag: str) -> int | None:
-    """A machine's memory or disk from a flag; a bare number below 1 MiB is taken for a unit left out."""
+def _memory(text: str | None, flag: str, *, machine: bool = True) -> int | None:
+    """A machine's memory or disk (``machine``), or other bytes, from a flag: 0 (with a unit or without) is none of
+    it; another bare number below 1 MiB is taken for a unit left out."""
     if not text:
         return None
     n = parse_bytes(text, flag)
-    if n < 1 << 20:
+    if 0 < n < 1 << 20:
         bare = text.strip().replace(".", "", 1).isdigit()
-        raise ValueError(f"{flag} {text} is {n} bytes: " + (f"give a unit, e.g. {text}GiB" if bare else
-                                                            "a machine has at least 1 MiB; give its size"))
+        if bare or machine:
+            raise ValueError(f"{flag} {text} is {n} bytes: " + (f"give a unit, e.g. {text}GiB" if bare else
+                                                                "a machine has at least 1 MiB; give its size"))
     return n
 
 
 def estimate_command(args: argparse.Namespace) -> int:
-    from .planner import best, config_for, estimate, table
+    from .planner import DecoderShape, best, config_for, estimate, table
 
     if args.gpus < 1:
         raise ValueError(f"--gpus must be at least 1, got {args.gpus}")
@@ -230,8 +253,10 @@ def estimate_command(args: argparse.Namespace) -> int:
     if cfg is not None:  # its budgets are per rank; the flags' host and NVMe are the machine's
         budgets = cfg.offload
         gpu_mem = gpu_mem if gpu_mem is not None else budgets.device_memory_budget
-        host_mem = host_mem or (budgets.host_memory_budget * args.gpus if budgets.host_memory_budget else None)
-        nvme_free = nvme_free or (budgets.nvme_memory_budget * args.gpus if budgets.nvme_memory_budget else None)
+        if host_mem is None and budgets.host_memory_budget:
+            host_mem = budgets.host_memory_budget * args.gpus
+        if nvme_free is None and budgets.nvme_memory_budget:
+            nvme_free = budgets.nvme_memory_budget * args.gpus
         if device == "auto" and budgets.device != "auto":  # the config's device, unless --device says
             device = "cpu" if budgets.device == "cpu" else "cuda"
     cuda = device == "cuda" or (device == "auto" and (args.gpu_mem is not None or torch.cuda.is_available()))
@@ -252,15 +277,23 @@ def estimate_command(args: argparse.Namespace) -> int:
     kw = dict(gpus=args.gpus, cuda=cuda, gpu_mem=gpu_mem, host_mem=host_mem, nvme_free=nvme_free, **knobs)
     if args.largest_param is not None and args.model:
         raise ValueError("--largest-param goes with --params (a --model's parameters are known)")
+    activations = _memory(args.activations, "--activations", machine=False) or 0
     if args.model:
         model = _load_model(args.model)
-        ests = estimate(model=model, **kw)
+        ests = estimate(model=model, activations=activations, **kw)
         n = sum(p.numel() for p in model.parameters())
+        name, biggest = max(((name, p.numel()) for name, p in model.named_parameters()), key=lambda item: item[1],
+                            default=("none", 0))
+        largest, whose = biggest, f"{biggest:,} elements, the model's own ({name})"
     else:
         n = _count(args.params, "--params", 1, 10**15, "a positive number of parameters such as 7e9")
-        largest = None if args.largest_param is None else _count(
-            args.largest_param, "--largest-param", 1, n, "a number of elements in [1, --params]")
-        ests = estimate(n, largest_param=largest, **kw)
+        if args.largest_param is not None:
+            largest = _count(args.largest_param, "--largest-param", 1, n, "a number of elements in [1, --params]")
+            whose = f"{largest:,} elements, as given"
+        else:  # a common decoder's: the whole model taken as one charged the device for a gradient of all of it
+            shape = DecoderShape.typical(n)
+            largest, whose = shape.largest_param, shape.describe()
+        ests = estimate(n, largest_param=largest, activations=activations, **kw)
     ranks = f"{args.gpus} GPU(s)" if cuda else f"{args.gpus} rank(s) on the CPU"
     precision = "fp32" if knobs["dtype_bytes"] == 4 else "fp16" if knobs["fp16"] else "bf16"
     if auto:
@@ -270,13 +303,21 @@ def estimate_command(args: argparse.Namespace) -> int:
     print(f"{n / 1e9:.3g}B parameters, {precision} with fp32 Adam state, {ranks}"
           + (f", {gas} accumulation steps" if gas > 1 else "") + "; peak bytes per tier per rank:\n")
     print(table(ests))
-    print("\n(not counted: activations, the torch runtime, and a model built in RAM before initialize"
-          + ("; on the CPU they come on top of host + device)" if not cuda else ")"))
+    assumed = {
+        "the largest parameter (--largest-param)" if not args.model else "the largest parameter": whose,
+        "activations (--activations)": f"{fmt_bytes(activations)} at their peak, in the device column" if activations
+        else "not counted; give their peak on the device (it grows with batch x sequence) to plan with them",
+        "not counted": "the torch runtime, and a model built in RAM before initialize"
+                       + (" (on the CPU, on top of host + device)" if not cuda else ""),
+    }
+    print("\nassumed:")
+    for what, value in assumed.items():
+        print(textwrap.fill(f"{what}: {value}", width=118, initial_indent="  ", subsequent_indent="    "))
     if args.json:
         rows = [{"placement": e.placement, "optimizer": e.optimizer, "params": e.params, "device_bytes": e.device,
                  "host_bytes": e.host, "nvme_bytes": e.nvme, "fits": e.fits, "limiting": e.limiting} for e in ests]
-        Path(args.json).write_text(json.dumps({"params": n, "cuda": cuda, "gpus": args.gpus, "estimates": rows},
-                                              indent=2))
+        Path(args.json).write_text(json.dumps({"params": n, "cuda": cuda, "gpus": args.gpus, "largest_param": largest,
+                                               "activations_bytes": activations, "estimates": rows}, indent=2))
     choice = best(ests)
     if choice is None:
         print("\nnothing fits" if any(e.fits is not None for e in ests) else "\n(give --gpu-mem, --host-mem "
@@ -573,8 +614,10 @@ def main(argv: list[str] | None = None) -> int:
     what.add_argument("--params", help="number of parameters (e.g. 7e9)")
     what.add_argument("--model", help="a transformers config.json (or its folder), or module:callable")
     e.add_argument("--largest-param", default=None, help="with --params: elements of the largest parameter (a "
-                   "GPT's embedding, vocabulary x width: 525336576 for 128256 x 4096); default: the whole model as "
-                   "one, which charges the device for a gradient of the whole model")
+                   "GPT's embedding, vocabulary x width: 525336576 for 128256 x 4096); default: that of a decoder "
+                   "of --params shaped as Llama's (printed with the estimate)")
+    e.add_argument("--activations", default=None, help="the activations' peak on the device, e.g. 6GiB: charged "
+                   "to the device tier (default: not counted)")
     e.add_argument("--config", default=None, help="a DeepSpeed-shaped JSON config: its precision, accumulation "
                    "steps, sizes, clipping and offload budgets (per rank) are planned with; flags given win")
     e.add_argument("--gpus", type=int, default=1)
@@ -636,6 +679,9 @@ def main(argv: list[str] | None = None) -> int:
                 "export": export_command}
     try:
         return commands[args.command](args)
+    except KeyboardInterrupt:  # Ctrl-C: the command's cleanup has run as it unwound; one line, the shell's status
+        print(("\n" if interactive() else "") + f"{ap.prog} {args.command}: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
     except (ValueError, RuntimeError, OSError, TypeError, ImportError, AttributeError) as exc:
         message = str(exc)
         if args.command == "demo" and not args.config:  # the demo's own config: its flag sets that budget

@@ -13,7 +13,8 @@ from types import SimpleNamespace
 import torch
 
 from offload.cli import main
-from offload.planner import estimate, table
+from offload.planner import DecoderShape, estimate, table
+from models import make
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -51,8 +52,8 @@ def test_demo_and_export_flags_are_checked_before_any_work(tmp_path, capsys):
     assert not (tmp_path / "model.safetensors").exists()
     assert main(["estimate", "--params", "3e9", "--gpu-mem", "24"]) == 2  # 24 bytes: a unit left out
     assert "--gpu-mem 24 is 24 bytes: give a unit, e.g. 24GiB" in capsys.readouterr().err
-    assert main(["estimate", "--params", "3e9", "--host-mem", "0GiB"]) == 2  # a unit given: no unit to add
-    assert "--host-mem 0GiB is 0 bytes: a machine has at least 1 MiB; give its size" in capsys.readouterr().err
+    assert main(["estimate", "--params", "3e9", "--host-mem", "512KiB"]) == 2  # a unit given: no unit to add
+    assert "--host-mem 512KiB is 524288 bytes: a machine has at least 1 MiB; give its size" in capsys.readouterr().err
     for argv, message in ((["tune", "--nvme-path", str(tmp_path / "file"), "--quick"],
                            f"tune --nvme-path: {tmp_path / 'file'} is a file, not a folder"),
                           (["bench", "adam", "--out", str(tmp_path / "file")],
@@ -91,7 +92,8 @@ def test_estimate_command(tmp_path, capsys):
     # and 4 staging buffers: 5.6 GiB of host memory for the optimizer on NVMe where the engine takes 0.9 GiB)
     capsys.readouterr()
     assert main(["estimate", "--params", "1e9", "--gpu-mem", "8GiB", "--host-mem", "6GiB", "--nvme-free", "1TB"]) == 0
-    assert table(estimate(10**9, gpu_mem=8 << 30, host_mem=6 << 30, nvme_free=10**12)) in capsys.readouterr().out
+    assert table(estimate(10**9, gpu_mem=8 << 30, host_mem=6 << 30, nvme_free=10**12,
+                          largest_param=DecoderShape.typical(10**9).largest_param)) in capsys.readouterr().out
     assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--max-shard-size", "10XB"]) == 2
     assert "--max-shard-size must be a byte count" in capsys.readouterr().err
     # the largest parameter sets the device's room for one gradient: without it the model counts as one parameter
@@ -135,7 +137,7 @@ def test_estimate_without_cuda_plans_for_this_machine(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "planned for the CPU as the device (no CUDA here)" in out and "1 rank(s) on the CPU" in out
     assert table(estimate(6 * 10**8, largest_param=5 * 10**7, cuda=False)) in out
-    assert "not counted: activations" in out
+    assert "activations (--activations): not counted" in out and "(on the CPU, on top of host + device)" in out
 
 
 def test_estimate_plans_with_a_configs_sizes_and_the_cpus_ram_once(tmp_path, capsys):
@@ -243,3 +245,91 @@ def test_sigterm_ends_the_demo_through_its_cleanup(tmp_path):
         proc.kill()
     assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
     assert list(tmp_path.iterdir()) == []
+
+
+README_ESTIMATE = ["estimate", "--params", "7e9", "--gpu-mem", "24GiB", "--host-mem", "64GiB", "--nvme-free", "1TB"]
+
+
+def test_estimate_of_a_count_assumes_a_common_decoders_largest_parameter_and_says_so(tmp_path, capsys):
+    """The README's command: a 7B model taken as one parameter charged the device for a gradient of all of it
+    (26 GiB) and recommended the parameters on NVMe too; a 7B decoder's largest parameter is its embedding (0.5B
+    elements), with which the optimizer on NVMe fits 24 GiB. What was assumed is printed, and flags change it:
+    --largest-param, and --activations (charged to the device tier)."""
+    largest = DecoderShape.typical(7 * 10**9).largest_param
+    budgets = dict(gpu_mem=24 << 30, host_mem=64 << 30, nvme_free=10**12)
+    assert main(README_ESTIMATE + ["--json", str(tmp_path / "est.json")]) == 0
+    out = capsys.readouterr().out
+    assert "best: optimizer on nvme\n" in out and table(estimate(7 * 10**9, largest_param=largest, **budgets)) in out
+    assert f"assumed:\n  the largest parameter (--largest-param): {largest:,} elements (the embedding" in out
+    assert "activations (--activations): not counted" in out
+    saved = json.loads((tmp_path / "est.json").read_text())
+    assert saved["largest_param"] == largest and saved["activations_bytes"] == 0
+    assert main(README_ESTIMATE + ["--largest-param", "7e9"]) == 0  # the old assumption, given: it fits no more
+    out = capsys.readouterr().out
+    assert "best: optimizer + parameters on nvme\n" in out and "7,000,000,000 elements, as given" in out
+    assert main(README_ESTIMATE + ["--activations", "12GiB"]) == 0
+    out = capsys.readouterr().out
+    with_activations = estimate(7 * 10**9, largest_param=largest, activations=12 << 30, **budgets)
+    assert table(with_activations) in out and "best: optimizer + parameters on nvme\n" in out
+    assert "activations (--activations): 12.00 GiB at their peak, in the device column" in out
+    assert main(["estimate", "--model", "offload.models:GPT", "--gpu-mem", "1GiB", "--activations=-1GiB"]) == 2
+    assert "--activations must be a byte count" in capsys.readouterr().err
+    assert main(["estimate", "--model", "models:make", "--gpu-mem", "1GiB"]) == 0  # a model: its own, by name
+    name, p = max(make().named_parameters(), key=lambda item: item[1].numel())
+    assert f"the largest parameter: {p.numel():,} elements, the model's own ({name})" in capsys.readouterr().out
+
+
+def test_a_memory_of_zero_is_none_of_it(capsys):
+    """``--nvme-free 0`` (no NVMe here) and ``--host-mem 0`` are zero bytes: it answered "give a unit, e.g. 0GiB",
+    and 0GiB was refused too. With no NVMe the 3B model that fits only with its optimizer on NVMe fits nowhere."""
+    flags = ["estimate", "--params", "3e9", "--gpu-mem", "24GiB", "--host-mem", "24GiB"]
+    assert main([*flags, "--nvme-free", "0"]) == 1
+    out = capsys.readouterr().out
+    assert "nothing fits" in out and out.count("no (nvme)") == 2, out
+    assert main([*flags, "--nvme-free", "0GiB"]) == 1 and "nothing fits" in capsys.readouterr().out
+    assert main(["estimate", "--params", "1e8", "--gpu-mem", "24GiB", "--host-mem", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "best: no offload" in out and "optimizer on cpu" in out and "no (host)" in out
+
+
+def test_ctrl_c_ends_a_command_with_one_line_and_status_130(tmp_path):
+    """Ctrl-C (SIGINT) during the demo's training: the cleanup runs (the swap folder goes), then one line on stderr
+    and the shell's status for it, 130; it printed a 20-line traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "offload", "demo", "--layers", "1", "--width", "64", "--steps",
+                             "100000", "--swap-dir", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(tmp_path.glob("offload-demo-*/*/swap-*")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert list(tmp_path.glob("offload-demo-*")), "the demo did not start"
+        time.sleep(1)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err and err.splitlines()[-1] == "python -m offload demo: interrupted", err[-2000:]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_demo_killed_outright_is_cleaned_up_by_the_next(tmp_path, caplog):
+    """A SIGKILLed demo cannot remove its swap folder (300 MB at the default size, left in $TMPDIR for ever): the
+    next demo in the same place removes it, as its owner is gone, and leaves nothing itself."""
+    small = ["--layers", "1", "--width", "64", "--vocab", "128", "--swap-dir", str(tmp_path)]
+    proc = subprocess.Popen([sys.executable, "-m", "offload", "demo", *small, "--steps", "100000"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(tmp_path.glob("offload-demo-*/*/swap-*/swap.0")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(0.5)
+        proc.kill()
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    (left,) = tmp_path.glob("offload-demo-*")
+    assert any(left.rglob("swap.0")), err[-2000:]
+    assert main(["demo", *small, "--steps", "2"]) in (0, 1)  # (1: the loss did not fall in two steps)
+    assert list(tmp_path.iterdir()) == []
+    assert f"removed {left}" in caplog.text

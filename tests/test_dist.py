@@ -44,13 +44,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def launcher(world: int) -> tuple[list[str], dict[str, str]]:
+    """The command that starts a script in one process (world 1) or under ``torchrun --nproc-per-node world``, and
+    its environment, with the project importable."""
+    launch = [sys.executable] if world == 1 else [shutil.which("torchrun") or "torchrun", "--nproc-per-node",
+                                                  str(world), "--master-port", str(free_port())]
+    return launch, {**os.environ, "OMP_NUM_THREADS": "1",
+                    "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+
+
 def run_script(script: Path, world: int, *args: str, cwd: Path) -> str:
     """Runs ``script`` in one process (world 1) or under ``torchrun --nproc-per-node world`` with the project
     importable; asserts it exits 0 and returns what it printed."""
-    launch = [sys.executable] if world == 1 else [shutil.which("torchrun") or "torchrun", "--nproc-per-node",
-                                                  str(world), "--master-port", str(free_port())]
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    launch, env = launcher(world)
     done = subprocess.run([*launch, str(script), *args], capture_output=True, text=True, timeout=240, env=env,
                           cwd=cwd)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
@@ -1264,9 +1270,7 @@ def test_a_rank_that_fails_in_initialize_stops_every_rank_at_once_with_its_error
     del cfg["offload"]["comm_timeout"]
     script = tmp_path / "fails.py"
     script.write_text(START_FAILURE_SCRIPT.format(tests=str(TESTS), cfg=cfg))
-    launch = [shutil.which("torchrun") or "torchrun", "--nproc-per-node", "3", "--master-port", str(free_port())]
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    launch, env = launcher(3)
     done = subprocess.run([*launch, str(script), how, str(tmp_path)], capture_output=True, text=True, timeout=240,
                           env=env, cwd=tmp_path)
     assert done.returncode != 0
@@ -1313,9 +1317,7 @@ def test_no_swap_file_is_left_on_any_rank_after_an_uncaught_exception_or_sigterm
     nvme = tmp_path / "nvme"
     script = tmp_path / "exits.py"
     script.write_text(EXIT_CLEANUP_SCRIPT.format(tests=str(TESTS), cfg=config(3, "nvme", nvme, param="nvme")))
-    launch = [shutil.which("torchrun") or "torchrun", "--nproc-per-node", "3", "--master-port", str(free_port())]
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    launch, env = launcher(3)
     with open(tmp_path / "log", "w+") as log:
         proc = subprocess.Popen([*launch, str(script), how, str(tmp_path)], stdout=log, stderr=subprocess.STDOUT,
                                 env=env, cwd=tmp_path)

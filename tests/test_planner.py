@@ -8,7 +8,8 @@ import torch
 
 import offload
 from offload.models import GPT, GPTConfig
-from offload.planner import PLACEMENTS, best, config_for, estimate, table
+from offload.params import check_window
+from offload.planner import PLACEMENTS, DecoderShape, best, config_for, estimate, table
 from models import DEVICE
 
 CFG = GPTConfig(vocab_size=512, context=64, layers=3, heads=4, width=256)  # the demo's shape, smaller
@@ -204,3 +205,76 @@ def test_the_reduce_pool_holds_two_buckets_unless_the_model_is_one():
     assert pool_buffers(50_000, 50_000, 4096, pooled=0) == (0, 4096)
     assert pool_buffers(1000, 1000, 4096) == (1, 1000)
     assert pool_buffers(50_000, 50_000, 4096) == (2, 4096)
+
+
+def test_a_common_decoders_shape_from_its_parameter_count():
+    """Given only a count, the shape a decoder of that size commonly has: at 8B exactly Llama 3 8B's (32 layers of
+    4096, MLP 14336, 128,256 tokens), its largest parameter the embedding (0.5B elements, where the whole model as
+    one parameter charged the device for a gradient of 8B); small models get a smaller vocabulary, never a
+    parameter larger than the model."""
+    llama = DecoderShape.typical(8_030_261_248)
+    assert (llama.layers, llama.width, llama.mlp, llama.vocab) == (32, 4096, 14336, 128_256)
+    assert llama.largest_param == 128_256 * 4096 and "the embedding" in llama.describe()
+    for n in (1, 1000, 10**6, 10**8, 10**9, 7 * 10**9, 70 * 10**9, 10**12):
+        shape = DecoderShape.typical(n)
+        assert 1 <= shape.largest_param <= n and shape.layers >= 1, shape
+        if n >= 10**8:  # the embeddings and the layers add up to about the count
+            total = 2 * shape.vocab * shape.width + shape.layers * 13 * shape.width**2
+            assert 0.8 * n <= total <= 1.2 * n, (n, total, shape)
+    with pytest.raises(ValueError, match="num_params must be positive, got 0"):
+        DecoderShape.typical(0)
+
+
+def test_activations_and_zero_budgets_in_the_estimate():
+    """``activations`` are charged to the device tier (and so to what fits there); a budget of 0 is one (it was
+    taken for none given: with no NVMe, the placements on NVMe were said to fit)."""
+    n, largest = 3 * 10**9, DecoderShape.typical(3 * 10**9).largest_param
+    plain = {e.placement: e for e in estimate(n, largest_param=largest, gpu_mem=24 << 30)}
+    more = {e.placement: e for e in estimate(n, largest_param=largest, gpu_mem=24 << 30, activations=20 << 30)}
+    for name, e in plain.items():
+        assert (more[name].device, more[name].host, more[name].nvme) == (e.device + (20 << 30), e.host, e.nvme)
+    assert plain["optimizer on nvme"].fits and not more["optimizer on nvme"].fits
+    assert more["optimizer on nvme"].limiting == "device"
+    no_disk = {e.placement: e for e in estimate(n, largest_param=largest, gpu_mem=24 << 30, nvme_free=0)}
+    assert [(no_disk[p].fits, no_disk[p].limiting) for p in ("optimizer on nvme", "optimizer + parameters on nvme")] \
+        == [(False, "nvme")] * 2
+    assert no_disk["optimizer on cpu"].fits
+    with pytest.raises(ValueError, match="activations must be 0 or more bytes, got -1"):
+        estimate(n, activations=-1)
+
+
+@pytest.mark.parametrize("budget, persistent, fix", [
+    # the largest parameter (12 MiB) alone is over the budget: lowering the persistence threshold cannot help
+    (1 << 20, 1000, "raise offload.device_memory_budget to at least 12586912 B: the largest parameter (3145728 "
+                    "elements) is on the device whole while its module runs, beside 4000 B of persistent"),
+    (1 << 20, 0, "raise offload.device_memory_budget to at least 12582912 B: the largest parameter"),
+    # room for the largest, not beside the persistent ones: fewer of them helps, or a budget of both
+    ((12 << 20) + 2000, 1000, "lower zero_optimization.stage3_param_persistence_threshold (fewer of the 4000 B of "
+                              "persistent parameters kept on the device) or raise offload.device_memory_budget to "
+                              "at least 12586912 B"),
+    # room for both: a smaller window
+    (13 << 20, 1000, "lower zero_optimization.stage3_max_live_parameters to at most 3406872 or raise "
+                     "offload.device_memory_budget to at least 25169824 B"),
+], ids=["largest-over-budget", "largest-over-budget-alone", "persistent-in-the-way", "window"])
+def test_a_window_over_the_device_budget_names_the_change_that_helps(budget, persistent, fix):
+    """A 12 MiB parameter (fp32) under a 1 MiB device budget was told to lower the persistence threshold, which
+    cannot make 12 MiB fit in 1: the advice names what does, with the bytes needed."""
+    sizes = [3 << 20] + ([persistent] if persistent else [])  # elements
+    with pytest.raises(offload.BudgetExceeded) as info:
+        check_window(sizes, persistence_threshold=100_000, max_live=2 * (3 << 20), dtype=torch.float32,
+                     budget=budget)
+    assert fix in str(info.value), str(info.value)
+
+
+def test_initialize_names_the_budget_a_large_parameter_needs():
+    """The reported case end to end: initialize with a 1 MiB device budget and a 12 MiB parameter (fp32, its
+    parameters on the host) fails before anything moves, naming the device budget to raise and by how much."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(2048, 1536), torch.nn.LayerNorm(1536), torch.nn.Linear(1536, 8))
+    config = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                                    "offload_param": {"device": "cpu"}},
+              "offload": {"device_memory_budget": "1MiB"}}
+    with pytest.raises(offload.BudgetExceeded, match=r"raise offload.device_memory_budget to at least \d+ B: the "
+                       r"largest parameter \(3145728 elements\)") as info:
+        offload.initialize(model, config)
+    assert "persistence_threshold" not in str(info.value)

@@ -156,7 +156,10 @@ def test_nothing_is_written_outside_the_configured_directories(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OFFLOAD_", "TORCH_EXTENSIONS", "XDG_"))}
     env.update(HOME=str(dirs["home"]), TMPDIR=str(dirs["tmp"]), XDG_CACHE_HOME=str(dirs["xdg"]),
                OFFLOAD_CACHE_DIR=str(dirs["cache"]), PYTHONDONTWRITEBYTECODE="1",
-               CUDA_CACHE_DISABLE="1")  # CUDA's kernel JIT cache lives in ~/.nv: CUDA's, not ours
+               CUDA_CACHE_DISABLE="1",  # CUDA's kernel JIT cache lives in ~/.nv: CUDA's, not ours
+               # torch 2.13 makes $TMPDIR/torchinductor_<user> when torch._dynamo is imported, which any
+               # torch.optim.Optimizer does: torch's cache, not ours, put where torch's own variable says
+               TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "torchinductor"))
     script = ISOLATED.format(tests=str(TESTS), root=str(ROOT), nvme=str(dirs["nvme"]), ckpt=str(dirs["ckpt"]))
     done = subprocess.run([sys.executable, "-c", script], cwd=dirs["cwd"], env=env, capture_output=True, text=True,
                           timeout=600)

@@ -1,10 +1,13 @@
 """Build, load and call the fused CPU Adam kernel (``cpu_adam.cpp``), with a pure-torch fallback.
 
 The kernel is compiled on first use with ``torch.utils.cpp_extension`` for the widest instruction set this CPU has
-(AVX-512, AVX2 or plain scalar code; read with py-cpuinfo), so one wheel serves every x86 machine and no flag the
+(AVX-512, AVX2 or plain scalar code; read from /proc/cpuinfo), so one wheel serves every x86 machine and no flag the
 CPU lacks is ever compiled in. Builds live under ``$OFFLOAD_CACHE_DIR`` (default ``~/.cache/offload``) in a directory
-named after the ISA, the Python and the torch version, so they are reused across runs and never mixed; one
-process at a time builds there, under an OS lock that a killed build cannot leave held.
+named after the ISA, the Python and torch versions and a hash of the source, the flags and the compiler, so every
+install of the same source (two clones, two venvs, a checkout and a wheel) shares one build and a changed source
+never loads an old one. One process at a time builds, under an OS lock that a killed build cannot leave held, in a
+folder of its own that becomes the cached build only once whole; a build says so on the ``offload`` logger (a
+warning: it is what a first run waits on), a cache hit says nothing.
 
 Two environment variables, read on every call so tests can flip them:
 
@@ -20,10 +23,14 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
+import hashlib
+import importlib.util
 import logging
 import math
 import os
+import shutil
 import sys
+import sysconfig
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -59,21 +66,20 @@ _TORCH_CHUNK = 1 << 18
 
 @functools.lru_cache(maxsize=1)
 def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as py-cpuinfo reports them, else as Linux's /proc/cpuinfo lists them (the same
-    names), else none (the scalar kernel)."""
-    try:
-        import cpuinfo
-
-        return frozenset(cpuinfo.get_cpu_info().get("flags", ()))
-    except Exception as exc:  # py-cpuinfo shells out and parses; any failure just means "ask the kernel"
-        error: Exception = exc
+    """The CPU's feature flags as Linux's /proc/cpuinfo lists them (the flags the kernel lets programs use), else as
+    py-cpuinfo reports them (the same names; it takes over a second, every start), else none (the scalar kernel)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
                 return frozenset(line.partition(":")[2].split())
     except OSError:
         pass
-    logger.warning("offload: could not read CPU flags (%s); CPU Adam uses the scalar kernel", error)
+    try:
+        import cpuinfo
+
+        return frozenset(cpuinfo.get_cpu_info().get("flags", ()))
+    except Exception as exc:  # py-cpuinfo shells out and parses; any failure just means the scalar kernel
+        logger.warning("offload: could not read CPU flags (%s); CPU Adam uses the scalar kernel", exc)
     return frozenset()
 
 
@@ -102,31 +108,35 @@ def _requested_backend() -> str:
     return backend
 
 
+def _flags(isa: str) -> tuple[list[str], list[str]]:
+    """The compiler's and the linker's flags for ``isa``."""
+    return ["-O3", "-fopenmp", "-ffp-contract=off", *_ISA_LEVELS[isa]["cflags"]], ["-fopenmp"]
+
+
 def build_directory(isa: str) -> Path:
-    """Where the kernel for ``isa`` is built and cached, for this Python and this torch."""
+    """Where the kernel for ``isa`` is cached: named after everything the built library depends on (the source, the
+    flags, the compiler, the Python ABI and torch), so identical sources share it and any change builds anew."""
+    cflags, ldflags = _flags(isa)
+    compiler = os.environ.get("CXX", "c++")  # the one torch's build runs
+    found = shutil.which(compiler)
+    inputs = (_SOURCE.read_bytes(), " ".join(cflags).encode(), " ".join(ldflags).encode(),
+              (os.path.realpath(found) if found else compiler).encode(), sys.version.encode(),
+              str(sysconfig.get_config_var("EXT_SUFFIX")).encode(), torch.__version__.encode())
+    digest = hashlib.sha256(b"\0".join(inputs)).hexdigest()[:16]
     version_tag = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__.replace('+', '_')}"
-    return cache_dir() / "cpu_adam" / f"{isa}-{version_tag}"
+    return cache_dir() / "cpu_adam" / f"{isa}-{version_tag}-{digest}"
 
 
 @contextlib.contextmanager
 def _across_processes(build_dir: Path) -> Iterator[None]:
-    """One process at a time builds in ``build_dir``, under an OS lock the kernel drops when its holder dies.
-
-    torch serialises builds with a ``lock`` file it creates and deletes itself (``FileBaton``); a process killed
-    mid-build (a test timeout, Ctrl-C twice, an OOM kill) leaves that file behind, and every later build in the
-    directory waits for it forever. Every build here runs under this lock, so a ``lock`` file found while holding
-    it belongs to a dead process and is removed.
-    """
-    with open(build_dir / "offload-build.lock", "a") as handle:
+    """One process at a time builds ``build_dir``, under an OS lock (on a file beside it) that the kernel drops when
+    its holder dies; a process that has to wait says so, since the wait lasts as long as a build."""
+    with open(build_dir.parent / f"{build_dir.name}.lock", "a") as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            logger.info("offload: waiting for another process building the CPU Adam kernel in %s", build_dir)
+            logger.warning("offload: waiting for another process building the CPU Adam kernel in %s", build_dir)
             fcntl.flock(handle, fcntl.LOCK_EX)
-        stale = build_dir / "lock"
-        if stale.exists():
-            logger.warning("offload: removing %s, left by a CPU Adam build that was killed", stale)
-            stale.unlink(missing_ok=True)
         try:
             yield
         finally:
@@ -135,23 +145,56 @@ def _across_processes(build_dir: Path) -> Iterator[None]:
 
 @functools.lru_cache(maxsize=None)
 def _build(isa: str) -> ModuleType:
-    """Compile (or reuse the cached build of) the kernel for ``isa`` and import it. Raises on any build failure."""
-    from torch.utils import cpp_extension
-
+    """The kernel for ``isa`` imported from its cached build, built first (once, whichever processes ask at the
+    same time) where there is none. Raises on any build failure."""
     name = f"offload_cpu_adam_{isa}"
     build_dir = build_directory(isa)
-    build_dir.mkdir(parents=True, exist_ok=True)
-    cflags = ["-O3", "-fopenmp", "-ffp-contract=off", *_ISA_LEVELS[isa]["cflags"]]
-    with _across_processes(build_dir):
-        module = cpp_extension.load(
-            name=name,
-            sources=[str(_SOURCE)],
-            build_directory=str(build_dir),
-            extra_cflags=cflags,
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+    library = build_dir / f"{name}.so"
+    if library.exists():
+        module = _import(name, library)
+    else:
+        build_dir.parent.mkdir(parents=True, exist_ok=True)
+        with _across_processes(build_dir):
+            # (built meanwhile by the process this one waited for)
+            module = _import(name, library) if library.exists() else _compile(name, isa, build_dir)
     assert module.isa == isa, f"built {name} but it reports ISA {module.isa}"
+    return module
+
+
+def _import(name: str, library: Path) -> ModuleType:
+    """The extension module at ``library``, imported without a build step (no ninja run: a cache hit is free)."""
+    spec = importlib.util.spec_from_file_location(name, library)
+    assert spec is not None and spec.loader is not None, f"{library} is not an extension module"
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _compile(name: str, isa: str, build_dir: Path) -> ModuleType:
+    """Builds the kernel in a folder of this process's own and renames it to ``build_dir`` once whole, so a builder
+    killed midway (its half-written objects, torch's ``lock`` file that alone would make later builds wait forever)
+    leaves only a staging folder, which the next build removes: under the lock, no other is being written. The
+    caller holds the lock."""
+    from torch.utils import cpp_extension
+
+    for stale in build_dir.parent.glob(f".{build_dir.name}.build-*"):
+        logger.warning("offload: removing %s, left by a CPU Adam build that was killed", stale)
+        shutil.rmtree(stale, ignore_errors=True)
+    staging = build_dir.parent / f".{build_dir.name}.build-{os.getpid()}"
+    staging.mkdir()
+    cflags, ldflags = _flags(isa)
+    logger.warning("offload: building the CPU Adam kernel (%s) in %s, once per source version (up to a minute)...",
+                   isa, build_dir)
+    try:
+        module = cpp_extension.load(name=name, sources=[str(_SOURCE)], build_directory=str(staging),
+                                    extra_cflags=cflags, extra_ldflags=ldflags, verbose=False)
+        with open(staging / f"{name}.so", "rb") as built:
+            os.fsync(built.fileno())  # whole on disk before its name says so
+        shutil.rmtree(build_dir, ignore_errors=True)  # (a folder without the library: never a build of ours)
+        os.rename(staging, build_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     return module
 
 

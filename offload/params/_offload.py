@@ -140,15 +140,18 @@ def check_window(sizes: list[int], persistence_threshold: int, max_live: int, dt
         raise ValueError(f"zero_optimization.stage3_max_live_parameters ({max_live}) is smaller than the "
                          f"largest parameter ({largest} elements); raise it to at least {largest}")
     if budget is not None and max_live * size + persistent > budget:
-        if budget - persistent >= largest * size:
+        least = largest * size + persistent  # the smallest window (the largest parameter) beside the persistent
+        if budget >= least:
             fix = (f"lower zero_optimization.stage3_max_live_parameters to at most {(budget - persistent) // size} "
-                   "or raise offload.device_memory_budget")
-        elif persistent:
-            fix = ("lower zero_optimization.stage3_param_persistence_threshold (fewer parameters kept on the "
-                   "device) or raise offload.device_memory_budget")
-        else:  # nothing persists: the largest parameter alone does not fit
-            fix = (f"raise offload.device_memory_budget to at least {largest * size} B: the largest parameter "
-                   f"({largest} elements) is on the device whole while its module runs")
+                   f"or raise offload.device_memory_budget to at least {max_live * size + persistent} B")
+        elif largest * size <= budget:  # only fewer persistent parameters make room for the largest one
+            fix = (f"lower zero_optimization.stage3_param_persistence_threshold (fewer of the {persistent} B of "
+                   f"persistent parameters kept on the device) or raise offload.device_memory_budget to at least "
+                   f"{least} B")
+        else:  # the largest parameter alone does not fit: only a larger budget helps
+            fix = (f"raise offload.device_memory_budget to at least {least} B: the largest parameter ({largest} "
+                   "elements) is on the device whole while its module runs"
+                   + (f", beside {persistent} B of persistent parameters" if persistent else ""))
         raise BudgetExceeded(Tier.DEVICE, f"the parameter window (stage3_max_live_parameters {max_live} "
                              f"x {size} B) plus {persistent} B of persistent parameters",
                              max_live * size + persistent, 0, budget, fix)
