@@ -2568,7 +2568,8 @@ def test_a_step_that_raises_is_not_applied(tmp_path):
         assert engine.was_step_applied()
 
 
-@pytest.mark.parametrize("placement", ["opt-nvme", "all-nvme", "opt-host-overlap"])
+@pytest.mark.parametrize("placement", [pytest.param("opt-nvme", marks=pytest.mark.slow), "all-nvme",
+                                       pytest.param("opt-host-overlap", marks=pytest.mark.slow)])
 def test_an_engine_collected_unclosed_is_closed_with_a_resource_warning(tmp_path, placement):
     """An engine dropped without close() lived until exit with its threads, buffers and swap files (20 of them:
     1 GiB RSS, 83 threads), kept alive through the parameters' gradient hooks, which torch holds in C++ where the

@@ -182,10 +182,15 @@ class Engine:
         self._gate: UpdateGate | None = None  # plan.overlap_forward: the step's updates finish beside the forward
         self.start_sync: StartSync | None = None  # the parameters and buffers copied from rank 0 at start
         self._stop_reason: str | None = None  # why initialize failed: the other ranks' errors quote it
-        group = join(cfg.offload.comm_timeout, cfg.offload.device)
+        try:
+            group = join(cfg.offload.comm_timeout, cfg.offload.device)
+        except BaseException:
+            self.phase = Phase.CLOSED  # (nothing to close: __del__ passes it over)
+            raise
         try:
             self.comm = Comm(group)
         except BaseException:
+            self.phase = Phase.CLOSED
             group.close()
             raise
         self.world_size = group.world_size
