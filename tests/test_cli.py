@@ -227,9 +227,9 @@ def test_progress_bars_only_on_a_terminal(monkeypatch, capsys):
     assert "work" in capsys.readouterr().err
 
 
-def test_sigterm_ends_the_demo_through_its_cleanup(tmp_path):
-    """A timeout or a scheduler's SIGTERM closes the engine and removes the demo's swap folder (285 MB was left
-    behind before)."""
+def signalled_demo(tmp_path: Path, sig: int) -> tuple[int, str]:
+    """Starts a long demo with its swap folder under ``tmp_path``, sends ``sig`` once it trains, and returns its exit
+    status and stderr."""
     proc = subprocess.Popen([sys.executable, "-m", "offload", "demo", "--layers", "1", "--width", "64", "--steps",
                              "100000", "--swap-dir", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
@@ -239,11 +239,18 @@ def test_sigterm_ends_the_demo_through_its_cleanup(tmp_path):
             time.sleep(0.2)
         assert list(tmp_path.glob("offload-demo-*")), "the demo did not start"
         time.sleep(1)
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=60)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
-    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    return proc.returncode, err
+
+
+def test_sigterm_ends_the_demo_through_its_cleanup(tmp_path):
+    """A timeout or a scheduler's SIGTERM closes the engine and removes the demo's swap folder (285 MB was left
+    behind before)."""
+    code, err = signalled_demo(tmp_path, signal.SIGTERM)
+    assert code == 128 + signal.SIGTERM, err[-2000:]
     assert list(tmp_path.iterdir()) == []
 
 
@@ -295,20 +302,8 @@ def test_a_memory_of_zero_is_none_of_it(capsys):
 def test_ctrl_c_ends_a_command_with_one_line_and_status_130(tmp_path):
     """Ctrl-C (SIGINT) during the demo's training: the cleanup runs (the swap folder goes), then one line on stderr
     and the shell's status for it, 130; it printed a 20-line traceback."""
-    proc = subprocess.Popen([sys.executable, "-m", "offload", "demo", "--layers", "1", "--width", "64", "--steps",
-                             "100000", "--swap-dir", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not list(tmp_path.glob("offload-demo-*/*/swap-*")) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert list(tmp_path.glob("offload-demo-*")), "the demo did not start"
-        time.sleep(1)
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
-    assert proc.returncode == 130, err[-2000:]
+    code, err = signalled_demo(tmp_path, signal.SIGINT)
+    assert code == 130, err[-2000:]
     assert "Traceback" not in err and err.splitlines()[-1] == "python -m offload demo: interrupted", err[-2000:]
     assert list(tmp_path.iterdir()) == []
 
