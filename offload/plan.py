@@ -406,13 +406,20 @@ def expected_bytes(plan: Plan, model: ModelSizes) -> dict[Tier, int]:
 
 
 def resolve(cfg: OffloadConfig, model: ModelSizes, *, device: torch.device, world_size: int = 1, rank: int = 0,
-            local_world_size: int = 1, model_in_ram: int = 0) -> Plan:
+            local_world_size: int = 1, model_in_ram: int = 0, fetched_whole: tuple[str, ...] = ()) -> Plan:
     """The plan for ``cfg`` and ``model`` on this rank. ``model_in_ram``: bytes of the trainable parameters held
     in this process's RAM (not in ``offload.init``'s arena), which ``initialize`` frees as it moves them where the
-    parameters stay in layout order (see :func:`resolve_budgets`). Raises ValueError naming the keys of a
-    combination that cannot run."""
+    parameters stay in layout order (see :func:`resolve_budgets`). ``fetched_whole``: the names of the modules
+    whose forward reads their children's parameters itself (``nn.MultiheadAttention``). Raises ValueError naming
+    the keys of a combination that cannot run."""
     zero = cfg.zero_optimization
     why: dict[str, str] = {}
+    if fetched_whole and zero.offload_param.device != "none":
+        why["fetched whole"] = (
+            f"{len(fetched_whole)} module(s) ({', '.join(fetched_whole[:3])}{', ...' if len(fetched_whole) > 3 else ''}"
+            "): nn.MultiheadAttention's forward reads out_proj's weight and bias itself, so they are fetched with "
+            "it; any other read of a parameter outside its own module's forward is found in the first forward and "
+            "fetched with the module that makes it from then on")
     if not model.params:
         why["forward only"] = ("no parameter trains (requires_grad=False everywhere): no optimizer state beyond one "
                                "sub-group of padding, no gradients; backward and step raise")

@@ -239,8 +239,10 @@ class Engine:
                               list(self.module.buffers()))
         in_ram = sum(p.numel() * p.element_size() for g in groups for p in g
                      if p.device.type == "cpu" and arena_device(p) is None)
+        whole = tuple(name or type(m).__name__ for name, m in self.module.named_modules()
+                      if isinstance(m, torch.nn.MultiheadAttention))
         self._plan = plan = resolve(cfg, sizes, device=pg.device, world_size=pg.world_size, rank=pg.rank,
-                                    local_world_size=pg.local_world_size, model_in_ram=in_ram)
+                                    local_world_size=pg.local_world_size, model_in_ram=in_ram, fetched_whole=whole)
         self.device, self.dtype, self.stage = plan.device, plan.dtype, plan.stage
         agree_on_settings(_shared_settings(cfg, plan), self.comm)
         _warn_slow_bf16(plan.device, plan.dtype)
@@ -503,10 +505,10 @@ class Engine:
         value = loss.item()
         where = f"the loss is {value}" if not math.isfinite(value) else \
             "the loss is finite here but not on another rank"
-        cause = (" With parameters offloaded, a parameter read outside the forward of the module that owns it "
-                 "holds NaN there (released, it is a placeholder): run that code inside `with "
-                 "engine.gathered(param):`, or inside the forward of a module, declared with "
-                 "engine.register_external_parameter(module, param) when that module does not own it.") \
+        cause = (" With parameters offloaded, a parameter read outside any forward of the model (or, in a later "
+                 "forward, on a path the first forwards did not take) holds NaN there (released, it is a "
+                 "placeholder): run that code inside `with engine.gathered(param):`, or declare the read with "
+                 "engine.register_external_parameter(module, param) for the module whose forward makes it.") \
             if self.weights.params is not None else ""
         raise FloatingPointError(
             f"{where} at micro-batch {self.micro_steps} (step {self.global_steps}): its backward would train NaN into "

@@ -19,9 +19,16 @@ When parameters are needed:
   and a post-hook marks them evictable: they stay on the device, least recently used first out, until a fetch
   needs the room. Backward runs the layers in reverse, so the last layers of forward are still there when backward
   starts (DeepSpeed's reuse distance, bounded here by the window rather than by a count). So a parameter is on the
-  device while its owning module runs; a module that reads another module's parameter directly
-  (``self.sub.weight`` outside ``self.sub(...)``) must declare it with :meth:`register_external` (DeepSpeed's rule
-  too), or the read sees NaN;
+  device while its owning module runs. A module that reads another module's parameter itself (``self.sub.weight``
+  outside ``self.sub(...)``: ``nn.MultiheadAttention`` reads ``out_proj.weight``, a tied head goes through
+  ``F.linear``, a loss in the forward reads the embedding) needs no declaration: while the forward trace records
+  (the first forward, and any after one whose order departed from the trace), the model's forward runs under a
+  torch function mode (:class:`_ReadsOutside`) that sees every parameter handed to a torch function; one no running
+  module has fetched is fetched there, before the function runs, and declared for the innermost module running
+  (:meth:`register_external`, DeepSpeed's explicit rule, which still works), so later forwards fetch it in that
+  module's pre-hook, along the trace, and run without the mode. ``nn.MultiheadAttention`` modules are declared so
+  from the start (their forward always reads ``out_proj``). A read outside any forward, or one a later forward
+  makes on a path none recorded, still sees the NaN placeholder: the last line of defence;
 * backward: the model's forward runs under a saved-tensors hook that saves a *reference* (parameter, view
   geometry) instead of a parameter's device tensor, so backward fetches it again on demand at unpack time; a
   trainable parameter is released once its gradient has been accumulated (its last use in this backward), a frozen
@@ -66,6 +73,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from nvme_swapper import PAGE, AioConfig, SwapEngine, aligned_tensor, swap_file_bytes
 
@@ -196,7 +204,7 @@ class ParameterOffload:
         self._evictable: collections.OrderedDict[int, _Param] = collections.OrderedDict()  # unused, oldest first
         self.cached_numel = 0  # live + cached stays within max_live: the device window's bound
         self.counters = {"resident": 0, "in_flight": 0, "waited": 0, "fetches": 0, "released": 0,
-                         "trace_invalidations": 0, "landed": 0, "refetched": 0}
+                         "trace_invalidations": 0, "landed": 0, "refetched": 0, "read_outside": 0}
         self._may_land = land
         self._to_land: set[int] = set()  # chosen at the start of a backward an update follows
         self._landing: dict[int, _Landing] = {}  # shared with the optimizer thread, under _landing_lock
@@ -207,6 +215,9 @@ class ParameterOffload:
         self._copier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="offload-fetch",
                                                              initializer=bind_thread, initargs=(self.device,))
         self._hooks: list[Any] = []
+        self._running: list[torch.nn.Module] = []  # the modules whose forward is running, innermost last
+        self._tracing_reads = False  # the model's forward runs under _ReadsOutside
+        self._busy = 0  # fetches running: their own torch calls are not the model's reads
         self.params: list[_Param] = []
         self._by_param: dict[int, _Param] = {}
         self._by_storage: dict[int, _Param] = {}
@@ -333,12 +344,20 @@ class ParameterOffload:
             own = [self._by_param[id(p)] for p in mod.parameters(recurse=False) if id(p) in self._by_param]
             if own:
                 self._hook_module(mod, own)
+            # the modules running, innermost last: whom a read outside its owner's forward is declared for
+            self._hooks.append(mod.register_forward_pre_hook(Hook(functools.partial(self._enter, mod), _NO_COPY)))
+            self._hooks.append(mod.register_forward_hook(Hook(self._leave, _NO_COPY), always_call=True))
+        for mod in self.module.modules():
+            if isinstance(mod, torch.nn.MultiheadAttention):  # its forward reads out_proj's parameters itself
+                for p in mod.out_proj.parameters():
+                    if id(p) in self._by_param:
+                        self.register_external(mod, p)
         self._hooks.append(self.module.register_forward_hook(Hook(lambda *_: self._forward_done(), _NO_COPY)))
         original = self.module.forward
 
         @functools.wraps(original)
         def forward(*args: Any, **kwargs: Any) -> Any:
-            with self.saved_tensors():
+            with self.saved_tensors(), self._reads_outside():
                 return original(*args, **kwargs)
 
         self.module.forward = forward
@@ -359,6 +378,36 @@ class ParameterOffload:
                 self._uses[id(module)].append(rec)
         else:
             self._hook_module(module, [rec])
+
+    def _enter(self, mod: torch.nn.Module, *_: Any) -> None:
+        self._running.append(mod)
+
+    def _leave(self, *_: Any) -> None:
+        if self._running:
+            self._running.pop()
+
+    def _reads_outside(self) -> Any:
+        """The mode that fetches parameters read outside their modules' forwards (see the module docstring), while
+        the forward trace records; else nothing."""
+        if self._traces["forward"].recording and not self._tracing_reads:
+            return _ReadsOutside(self)
+        return contextlib.nullcontext()
+
+    def _fetch_read(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A torch function is about to read ``args``: each managed parameter among them that no running module
+        has fetched is fetched now and declared for the innermost module running, which counts as its user until
+        that module's forward ends (its post-hook, now covering it, releases it as its own)."""
+        for t in _tensor_args(args, kwargs):
+            rec = self._by_param.get(id(t))
+            if rec is None or rec.users or rec.persistent or rec.held:
+                continue
+            reader = self._running[-1] if self._running else self.module
+            self.register_external(reader, rec.param)
+            self.counters["read_outside"] += 1
+            self.fetch(rec)
+            rec.users += 1
+            log.debug("offload: %s's forward reads a parameter of another module (%s): fetched with it from now on",
+                      type(reader).__name__, tuple(rec.shape))
 
     def _pre_forward(self, own: list[_Param], module: torch.nn.Module, args: Any) -> None:
         for rec in own:
@@ -411,12 +460,16 @@ class ParameterOffload:
         """Makes ``rec`` AVAILABLE on the device (waiting if needed), then prefetches along the trace. A piece's
         use in a forward that trains goes into the ranks' trace (``Comm.trace``): a persistent one is gathered by
         no collective. Uses that make no gradient (a no_grad forward, a gathered() block's) may differ by rank."""
-        if rec.sharded and not rec.held and torch.is_grad_enabled():
-            self.shards.comm.note("use", rec.index)
-        self._follow_trace(rec)
-        self.counters["fetches"] += 1
-        self.counters[self._ready(rec)] += 1
-        self._prefetch()
+        self._busy += 1  # (its own torch calls are no reads for _ReadsOutside)
+        try:
+            if rec.sharded and not rec.held and torch.is_grad_enabled():
+                self.shards.comm.note("use", rec.index)
+            self._follow_trace(rec)
+            self.counters["fetches"] += 1
+            self.counters[self._ready(rec)] += 1
+            self._prefetch()
+        finally:
+            self._busy -= 1
 
     def _ready(self, rec: _Param) -> str:
         """Makes ``rec`` AVAILABLE, waiting if needed; says how it was found: resident, in_flight or waited."""
@@ -1047,3 +1100,49 @@ class ParameterOffload:
         for t in self._private:
             self.store.free(Tier.HOST, t)
         self._private = []
+
+
+# what a torch function is asked of a tensor without reading its values: the placeholder answers as the parameter
+_METADATA = frozenset((
+    torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.stride, torch.Tensor.__len__,
+    torch.Tensor.is_floating_point, torch.Tensor.is_complex, torch.Tensor.element_size, torch.Tensor.data_ptr,
+    torch.Tensor.data.__set__,
+    *(getattr(torch.Tensor, name).__get__ for name in ("shape", "dtype", "device", "ndim", "requires_grad",
+                                                       "is_cuda", "layout", "is_sparse", "grad", "data"))))
+
+
+class _ReadsOutside(TorchFunctionMode):
+    """Over the model's forward while the trace records: hands the tensors of every torch function that reads
+    values to :meth:`ParameterOffload._fetch_read` before it runs (inside the handler the mode is off, so the fetch's
+    own torch calls pass by); the offload's own work (its hooks, fetches, releases) passes through untouched."""
+
+    def __init__(self, offload: ParameterOffload) -> None:
+        super().__init__()
+        self._offload = offload
+
+    def __enter__(self) -> "_ReadsOutside":
+        self._offload._tracing_reads = True
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self._offload._tracing_reads = False
+        super().__exit__(*exc)
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func not in _METADATA and not self._offload._busy:
+            self._offload._fetch_read(args, kwargs)
+        return func(*args, **kwargs)
+
+
+def _tensor_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The tensors among a call's arguments, and in its lists and tuples (``torch.cat([...])``, an RNN's flat
+    weights), one level deep."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                if isinstance(v, torch.Tensor):
+                    yield v
