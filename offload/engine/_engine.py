@@ -1388,8 +1388,9 @@ def _to_device(value: Any, device: torch.device, cast: torch.dtype | None = None
 
 def _check_tensors(module: torch.nn.Module) -> None:
     """Refuses, before anything moves, what the engine cannot train: a tensor on the meta device (no values to
-    train from) and a float64 trainable parameter (the masters are fp32; rounding it silently would change the
-    model, and its float64 inputs would then meet fp32 weights)."""
+    train from), a float64 trainable parameter (the masters are fp32; rounding it silently would change the
+    model, and its float64 inputs would then meet fp32 weights), and a trainable embedding whose forward writes its
+    own weight (``max_norm``)."""
     for kind, named in (("parameter", module.named_parameters()), ("buffer", module.named_buffers())):
         for name, t in named:
             if t.is_meta:
@@ -1403,6 +1404,15 @@ def _check_tensors(module: torch.nn.Module) -> None:
                     f"initialize: parameter {name!r} is float64; the engine keeps fp32 master weights and computes "
                     "in bf16, fp16 or fp32 (the config's bf16/fp16 sections): convert the model first "
                     "(model.float()), and its inputs with it")
+    for name, m in module.named_modules():
+        if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.max_norm is not None \
+                and m.weight.requires_grad:
+            raise ValueError(
+                f"initialize: {type(m).__name__} {name or '(the model)'!r} has max_norm={m.max_norm}: its forward "
+                "renormalises the rows it reads in place, in the weight the forward uses, which the engine's fp32 "
+                "master copy would never see (the next step writes the rows back unrenormalised: the run drifts from "
+                "torch's without a word). Set max_norm=None, and renormalise in the loss if you need it, or freeze "
+                "the embedding (requires_grad_(False))")
 
 
 def _param_groups(module: torch.nn.Module, param_groups: Iterable[dict[str, Any]] | None

@@ -639,7 +639,8 @@ class ParameterOffload:
         self._released(rec)
 
     def _placeholder(self, rec: _Param) -> torch.Tensor:
-        return torch.full((1,), float("nan"), dtype=self.dtype, device=self.device).expand(rec.shape)
+        # one element of no dimension: it expands to any shape, a 0-d parameter's (CLIP's logit_scale) included
+        return torch.full((), float("nan"), dtype=self.dtype, device=self.device).expand(rec.shape)
 
     def _materialize(self, rec: _Param) -> None:
         """A device buffer for ``rec``: a cached one of its size (no allocation, no page faults), else a new one
