@@ -198,6 +198,23 @@ def plot_params(data: dict[str, Any], out: Path) -> list[Path]:
     return [_save(fig, out / "params_time.png")]
 
 
+def plot_reads(data: dict[str, Any], out: Path) -> list[Path]:
+    """Step time with reads outside modules' forwards found by the engine against the same reads declared by hand:
+    each round's median, and the median over rounds."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for x, (name, times) in enumerate(data["rounds"].items()):
+        ax.bar(x, data["median"][name], 0.6, color=COLORS["compute"], label=None)
+        ax.scatter([x] * len(times), times, color="black", s=10, zorder=3)
+    ax.set_xticks(range(len(data["rounds"])), [f"{name}\n{data['median'][name]:.3g} s" for name in data["rounds"]])
+    ax.set_ylabel("step time (s)")
+    cfg = data["args"]
+    ax.set_title(f"Reads outside a module's forward: GPT of nn.TransformerEncoderLayer {cfg['layers']}x"
+                 f"{cfg['width']},\nevery parameter on NVMe; undeclared / declared = {data['ratio']:.3f}", fontsize=10)
+    ax.grid(axis="y", alpha=0.3)
+    return [_save(fig, out / "reads_time.png")]
+
+
 def plot_train(data: dict[str, Any], out: Path) -> list[Path]:
     """Each training step split into compute, Adam, I/O and stalled, with the disk's floor; and the loss."""
     plt = _pyplot()
@@ -284,7 +301,7 @@ def plot_load(data: dict[str, Any], out: Path) -> list[Path]:
 
 PLOTS: dict[str, Callable[[dict[str, Any], Path], list[Path]]] = {
     "nvme": plot_nvme, "adam": plot_adam, "step": plot_step, "params": plot_params, "train": plot_train,
-    "gpu": plot_gpu, "load": plot_load,
+    "gpu": plot_gpu, "load": plot_load, "reads": plot_reads,
 }
 
 

@@ -458,7 +458,7 @@ def tune_command(args: argparse.Namespace) -> int:
 
 
 BENCHES = {"adam": "cpu_adam", "nvme": "nvme_swapper", "step": "offload_step", "params": "param_offload",
-           "train": "train", "gpu": "gpu_train", "load": "load"}
+           "reads": "param_reads", "train": "train", "gpu": "gpu_train", "load": "load"}
 
 
 def bench_command(args: argparse.Namespace) -> int:
@@ -656,9 +656,10 @@ def main(argv: list[str] | None = None) -> int:
                        description="Runs bench/<script>.py NAME with the flags after NAME (see each script's "
                        "--help), writes its JSON as OUT/<script>.json and draws PNG plots beside it.")
     b.add_argument("name", choices=sorted(BENCHES), help="adam: CPU Adam; nvme: swap engine; step: offloaded "
-                   "optimizer step; params: parameter offload; train: training steps of a GPT on NVMe; gpu: each "
-                   "placement on one GPU beside plain torch and DeepSpeed; load: a sharded safetensors checkpoint "
-                   "loaded within a host budget")
+                   "optimizer step; params: parameter offload; reads: parameters read outside their module's "
+                   "forward, found or declared; train: training steps of a GPT on NVMe; gpu: each placement on one "
+                   "GPU beside plain torch and DeepSpeed; load: a sharded safetensors checkpoint loaded within a host "
+                   "budget")
     b.add_argument("--out", default="results", help="results folder (default results/)")
     b.add_argument("--no-plot", action="store_true", help="JSON only")
     b.add_argument("args", nargs=argparse.REMAINDER, help="flags for the script")

@@ -151,7 +151,10 @@ def test_bench_reports_a_failing_script(tmp_path):
                  marks=pytest.mark.slow),
     ("load", ["--params", "5e6", "--shard-size", "4MiB", "--budget", "nvme=2,host=2.5", "--nvme-dir", "{tmp}"],
      "load", ["load_memory"]),
-], ids=["adam", "step", "nvme", "params", "load"])
+    pytest.param("reads", ["--width", "64", "--layers", "1", "--vocab", "128", "--tokens", "8", "--steps", "1",
+                           "--rounds", "2", "--nvme-dir", "{tmp}"], "param_reads", ["reads_time"],
+                 marks=pytest.mark.slow),
+], ids=["adam", "step", "nvme", "params", "load", "reads"])
 def test_bench_writes_json_and_plots(tmp_path, name, flags, json_name, pngs):
     results, scratch = tmp_path / "results", tmp_path / "scratch"
     scratch.mkdir()
