@@ -60,8 +60,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from nvme_swapper import aligned_tensor
-from nvme_swapper._native import checksum, checksum_kind, memory_at
-from nvme_swapper._owner import OWNER, alive, left_behind, write_owner
+from nvme_swapper import OWNER, alive, checksum, checksum_kind, left_behind, memory_at, write_owner
 
 from .dist import CommError
 from .optim._schedule import WarmupSchedule
@@ -122,7 +121,8 @@ def _pieces(sg, block: torch.Tensor, names: list[str]):
             yield f"{kind}/{names[seg.param]}", part[lo : lo + seg.numel], seg.param_start
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Makes ``path``'s entries (a rename, a new file) durable across a crash: what a commit relies on."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -486,11 +486,11 @@ def _commit(engine: "Engine", index: dict[str, dict[str, Any]], frozen: bool, tm
         _write_file(tmp / CLIENT_STATE, client)
         meta["client_state"] = CLIENT_STATE  # every loading rank reads it from meta, not from a folder's listing
     _write_file(tmp / "meta.json", json.dumps(meta, indent=1).encode())
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     marker = _committing(root, final.name)
     _write_file(marker, b"")  # until ``latest`` names it: a process killed in between left it uncommitted
     try:
-        _fsync_dir(root)
+        fsync_dir(root)
         os.rename(tmp, final)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -498,7 +498,7 @@ def _commit(engine: "Engine", index: dict[str, dict[str, Any]], frozen: bool, tm
         raise
     try:
         (final / OWNER).unlink(missing_ok=True)  # no save's temporary folder any more: never removed as one
-        _fsync_dir(root)
+        fsync_dir(root)
         _write_file(root / ".latest.tmp", final.name.encode())
         os.replace(root / ".latest.tmp", root / "latest")
     except BaseException:
@@ -510,7 +510,7 @@ def _commit(engine: "Engine", index: dict[str, dict[str, Any]], frozen: bool, tm
         raise
     try:
         marker.unlink()
-        _fsync_dir(root)
+        fsync_dir(root)
     except OSError as exc:  # committed: ``latest`` names it; only its durability across a crash is in doubt
         log.warning("offload: checkpoint %s is committed but %s could not be synced (%s): a crash before the "
                     "filesystem writes it back may lose it", final, root, exc)

@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 
-from nvme_swapper._owner import remove_of_dead
+from nvme_swapper import remove_of_dead
 
-from ._checkpoint import make_folder
+from ._checkpoint import fsync_dir, make_folder
 from ._convert import hub_layout
 from .config import parse_bytes
 from .dist import CommError
@@ -110,14 +110,6 @@ def _umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_safetensors(out: str | os.PathLike[str], sizes: list[tuple[str, int]],
@@ -204,17 +196,17 @@ def _commit(folder: Path, names: list[str], shards: list[list[str]], nbytes: dic
         staged.append((_write_tmp(folder, INDEX, None, index), folder / INDEX))
     if len(shards) == 1:  # model.safetensors wins over an index when both exist: replace it, then drop the index
         os.replace(*staged[0])
-        _fsync_dir(folder)
+        fsync_dir(folder)
         (folder / INDEX).unlink(missing_ok=True)
     else:
         (folder / INDEX).unlink(missing_ok=True)  # from here until the new index is in, no export loads
         (folder / SINGLE).unlink(missing_ok=True)
-        _fsync_dir(folder)
+        fsync_dir(folder)
         for tmp, final in staged:
             os.replace(tmp, final)
             if final.name != INDEX:
-                _fsync_dir(folder)  # the shards are in place before the index that names them
-    _fsync_dir(folder)
+                fsync_dir(folder)  # the shards are in place before the index that names them
+    fsync_dir(folder)
 
 
 def _ignore(nbytes: int) -> None:
@@ -294,7 +286,7 @@ def save_16bit(engine: "Engine", out: str | os.PathLike[str], filename: str, exc
                 low[k] = rounded.setdefault(id(sd[k]), v.to(engine.dtype)) if id(sd[k]) in trainable else v
             tmp = _write_tmp(folder, filename, low, torch_file=not safetensors)
             os.replace(tmp, folder / filename)
-            _fsync_dir(folder)
+            fsync_dir(folder)
         except Exception as exc:  # noqa: BLE001 - raised below, once every rank knows
             error = exc
     failed = engine.comm.vote("save_16bit_model: write the file", error) if engine.world_size > 1 else 0

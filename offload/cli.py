@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from nvme_swapper._owner import OWNER, remove_left_behind, write_owner
+from nvme_swapper import OWNER, remove_left_behind, write_owner
 
 from ._checkpoint import make_folder
 from ._device import default_device, fast_bf16
@@ -397,7 +397,7 @@ def _int_list(text: str, flag: str) -> list[int]:
 
 def tune_command(args: argparse.Namespace) -> int:
     from nvme_swapper import AioConfig, tune_aio
-    from nvme_swapper._tune import grid
+    from nvme_swapper import grid
 
     size = parse_bytes(args.size, "--size") if args.size else (64 << 20 if args.quick else 1 << 30)
     if size < 1 << 20 or size % 4096:

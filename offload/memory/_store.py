@@ -30,9 +30,8 @@ from pathlib import Path
 
 import torch
 
-from nvme_swapper import (PAGE, AioConfig, FileIO, SwapEngine, SwapHandle, aligned_tensor, cow_spare,
+from nvme_swapper import (HUGE_PAGE, PAGE, AioConfig, FileIO, SwapEngine, SwapHandle, aligned_tensor, cow_spare,
                           remove_left_behind, swap_file_bytes)
-from nvme_swapper._buffers import HUGE_PAGE
 
 from ..ops import host_stream_buffer
 

@@ -38,7 +38,7 @@ from types import ModuleType
 
 import torch
 
-from nvme_swapper._native import cache_dir  # one build cache for the distribution
+from nvme_swapper import cache_dir  # one build cache for the distribution
 
 logger = logging.getLogger(__name__)
 
@@ -417,8 +417,7 @@ def host_stream_buffer(
     state belongs to), which keeps streams apart in both the bank bits and the 4 KiB page offset. Costs up to
     2 MiB of padding per buffer. ``pin_memory``: page-locked for CUDA copies (see ``aligned_tensor``).
     """
-    from nvme_swapper import aligned_tensor
-    from nvme_swapper._buffers import HUGE_PAGE
+    from nvme_swapper import HUGE_PAGE, aligned_tensor
 
     itemsize = torch.empty((), dtype=dtype).element_size()
     base = 0 if anchor is None else anchor.data_ptr() % HUGE_PAGE
