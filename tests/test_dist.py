@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -1339,3 +1340,46 @@ def test_no_swap_file_is_left_on_any_rank_after_an_uncaught_exception_or_sigterm
     assert not [p for p in nvme.rglob("*")], (sorted(nvme.rglob("*")), output[-3000:])
     if how == "raise":
         assert "the training script failed on rank 1" in output
+
+
+PIECE_FAULT_SCRIPT = """
+import errno, os, sys
+sys.path.insert(0, {tests!r})
+sys.path.insert(0, os.path.join({tests!r}, "faults"))
+import offload
+from _faults import Faults
+from models import make, batches, lm_loss
+rank, out = int(os.environ["RANK"]), sys.argv[1]
+faults = Faults()
+engine = offload.initialize(make(), {cfg!r}, _file_io=faults)
+try:
+    for i, (x, y) in enumerate(batches(4)):
+        if i == 2 and rank == 1:
+            faults.arm("write", errno.EIO)  # the update of this step writes rank 1's pieces
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+    said = "trained"
+except Exception as exc:
+    said = f"{{type(exc).__name__}}: {{exc}}"
+with open(os.path.join(out, f"said.{{rank}}"), "w") as f:
+    f.write(said + f" (faults hit: {{faults.hits['write']}})")
+"""
+
+
+@pytest.mark.slow
+def test_a_stage3_piece_write_fails_through_the_same_seam_as_the_optimizer_state(tmp_path):
+    """Stage 3 on 2 ranks, parameters on NVMe: rank 1's pieces (ParamShards' own swap engine) are written through
+    the store's file_io, the OS-call boundary the optimizer state's faults are injected at (before, ParamShards
+    passed none, so no fault could reach a piece). An EIO in the update's piece write fails rank 1's step naming
+    the key and the file. Rank 0, waiting in the next collective, fails when comm_timeout ends: a step that fails on
+    one rank is not yet told to the others at once (initialize's failures are)."""
+    cfg = config(3, "cpu", tmp_path / "nvme", param="nvme", offload={"comm_timeout": 8})
+    script = tmp_path / "pieces.py"
+    script.write_text(PIECE_FAULT_SCRIPT.format(tests=str(TESTS), cfg=cfg))
+    launch, env = launcher(2)
+    subprocess.run([*launch, str(script), str(tmp_path)], capture_output=True, text=True, timeout=240, env=env,
+                   cwd=tmp_path)
+    said = [(tmp_path / f"said.{r}").read_text() for r in range(2)]
+    assert re.search(r"OSError: \[Errno 5\] write of key 'piece/\d+/\d+' failed: Input/output error: '.*/rank1/",
+                     said[1]), said[1]
+    assert said[0].startswith("CommError") and said[0].endswith("(faults hit: 0)"), said[0]

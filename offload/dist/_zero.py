@@ -151,7 +151,7 @@ class ParamShards:
             self._arena = StagingArena(store, staging_cap, dtype, "the staging pieces of parameters read from NVMe",
                                        "raise offload.host_memory_budget or lower "
                                        "zero_optimization.stage3_prefetch_bucket_size")
-            self._swap = SwapEngine(root, aio or AioConfig())
+            self._swap = SwapEngine(root, aio or AioConfig(), file_io=store.file_io)  # the store's fault seam
             self._swap.reserve(nvme_bytes - PAGE)  # each length's rewrites land in this room (nvme_swapper)
         except BaseException:
             self.close()
