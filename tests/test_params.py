@@ -776,3 +776,25 @@ def test_parameters_read_outside_their_own_forward_are_fetched_without_a_declara
         losses += run(engine, data[1:], reads_loss)
         assert first >= 2 and engine.stats()["params"]["read_outside"] == first  # proj's and tok's, once
     assert_same(model, ref, losses, ref_losses)
+
+
+def test_bytes_moved_per_step_count_every_home_write_and_read_of_nvme_parameter_homes(tmp_path):
+    """One rank, every parameter homed on NVMe, the optimizer state on the host: each step writes every trainable
+    parameter home once (the update), and reads what the window fetched. ``stats()["bytes_moved"]`` counted the
+    reads but none of the update's writes (the optimizer thread's ``write_home_part``); the swap engine's own
+    counters are the independent measure."""
+    model = make()
+    size = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    with offload.initialize(model, config(tmp_path, "nvme", persist=0, live=9000, bucket=4000)) as engine:
+        offloaded = engine.weights.params
+        swap = offloaded._swap
+        for batch in batches(3):
+            offloaded.finish_fetches()  # (a read is counted as it starts; the swap engine counts it once done)
+            moved, io = dict(engine.stats()["bytes_moved"]), swap.stats()
+            run(engine, [batch], gpt_loss)
+            offloaded.finish_fetches()
+            after, io_after = engine.stats()["bytes_moved"], swap.stats()
+            assert after.get("host->nvme", 0) - moved.get("host->nvme", 0) == size
+            assert after.get("host->nvme", 0) - moved.get("host->nvme", 0) == \
+                io_after["bytes_written"] - io["bytes_written"]
+            assert after.get("nvme->host", 0) - moved.get("nvme->host", 0) == io_after["bytes_read"] - io["bytes_read"]

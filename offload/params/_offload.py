@@ -958,6 +958,7 @@ class ParameterOffload:
             return DONE
         assert self._swap is not None and (start, value.numel()) in rec.parts
         write = self._swap.write(self._key(rec, start), value)
+        self.store.count(Tier.HOST, Tier.NVME, value.numel() * value.element_size())  # (as its reads are)
         with self._landing_lock:  # held while copying: a cancel on the training thread waits for this copy
             land = self._landing.get(index)
             if land is None or start not in land.left:
