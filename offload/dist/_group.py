@@ -141,7 +141,7 @@ def _torchrun_world() -> int:
 
 def _rendezvous_store(timeout: datetime.timedelta) -> Any:
     """The store behind torchrun's MASTER_ADDR:MASTER_PORT, connected once per process (a second rendezvous on
-    MASTER_PORT would race the first store's server). Sets the rank and world size it was made with."""
+    MASTER_PORT would race the first store's server)."""
     global _store
     if _store is None:
         for name in ("MASTER_ADDR", "MASTER_PORT"):
@@ -239,14 +239,18 @@ def join(timeout: float, device_spec: str = "auto") -> ProcessGroup:
         if world == 1:
             device, _ = _device_for(device_spec, _env_int("LOCAL_RANK", 0), 1)
             return ProcessGroup(Origin.SINGLE, device, timeout=timeout)
-        if os.environ.get("LOCAL_RANK"):
-            local_rank, local_world = _env_int("LOCAL_RANK"), _env_int("LOCAL_WORLD_SIZE", world)
-            device, backend = _device_for(device_spec, local_rank, local_world)
-        else:  # started without torchrun's variables: ranks fill each machine's GPUs in order
-            gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            local_rank = rank % gpus if gpus else rank
-            device, backend = _device_for(device_spec, local_rank, min(world, gpus) if gpus else world)
-            local_world = world  # how many ranks share this machine is unknown: budgets assume they all do
+        try:
+            if os.environ.get("LOCAL_RANK"):
+                local_rank, local_world = _env_int("LOCAL_RANK"), _env_int("LOCAL_WORLD_SIZE", world)
+                device, backend = _device_for(device_spec, local_rank, local_world)
+            else:  # started without torchrun's variables: ranks fill each machine's GPUs in order
+                gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+                local_rank = rank % gpus if gpus else rank
+                device, backend = _device_for(device_spec, local_rank, min(world, gpus) if gpus else world)
+                local_world = world  # how many ranks share this machine is unknown: budgets assume they all do
+        except BaseException as exc:
+            report_failed_start(exc, timeout)
+            raise
         store = _default_store()  # without it failures cannot name the rank
         if store is not None:
             _vote(store, rank, world, "ok", timeout)
