@@ -54,6 +54,14 @@ def cache_dir() -> Path:
 _FLAGS = ("-O3", "-shared", "-fPIC")
 
 
+def build_key(compiler: str, *inputs: bytes) -> str:
+    """16 hex digits naming a build in the cache: the compiler as it resolves (``/usr/bin/cc`` names no version;
+    its target does) and every input of the build (source, flags, ABI), so identical inputs share one build."""
+    found = shutil.which(compiler)
+    identity = os.path.realpath(found) if found else compiler
+    return hashlib.sha256(b"\0".join([identity.encode(), *inputs])).hexdigest()[:16]
+
+
 def _build() -> ctypes.CDLL:
     """The library from the cache, compiled first where it is not there: named after a hash of the source, the flags
     and the compiler, so every install of the same source shares one build and a changed one never loads an old
@@ -62,10 +70,7 @@ def _build() -> ctypes.CDLL:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
-    found = shutil.which(compiler)
-    identity = os.path.realpath(found) if found else compiler  # (/usr/bin/cc names no version; its target does)
-    tag = hashlib.sha256(b"\0".join([_SOURCE.read_bytes(), " ".join(_FLAGS).encode(), identity.encode(),
-                                      sys.platform.encode()])).hexdigest()[:16]
+    tag = build_key(compiler, _SOURCE.read_bytes(), " ".join(_FLAGS).encode(), sys.platform.encode())
     target = cache_dir() / "nvme_swapper" / f"aio-{tag}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)

@@ -396,8 +396,7 @@ def _int_list(text: str, flag: str) -> list[int]:
 
 
 def tune_command(args: argparse.Namespace) -> int:
-    from nvme_swapper import AioConfig, tune_aio
-    from nvme_swapper import grid
+    from nvme_swapper import AioConfig, grid, tune_aio
 
     size = parse_bytes(args.size, "--size") if args.size else (64 << 20 if args.quick else 1 << 30)
     if size < 1 << 20 or size % 4096:

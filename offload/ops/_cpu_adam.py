@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
-import hashlib
 import importlib.util
 import logging
 import math
@@ -38,7 +37,7 @@ from types import ModuleType
 
 import torch
 
-from nvme_swapper import cache_dir  # one build cache for the distribution
+from nvme_swapper import build_key, cache_dir  # one build cache for the distribution
 
 logger = logging.getLogger(__name__)
 
@@ -117,12 +116,10 @@ def build_directory(isa: str) -> Path:
     """Where the kernel for ``isa`` is cached: named after everything the built library depends on (the source, the
     flags, the compiler, the Python ABI and torch), so identical sources share it and any change builds anew."""
     cflags, ldflags = _flags(isa)
-    compiler = os.environ.get("CXX", "c++")  # the one torch's build runs
-    found = shutil.which(compiler)
-    inputs = (_SOURCE.read_bytes(), " ".join(cflags).encode(), " ".join(ldflags).encode(),
-              (os.path.realpath(found) if found else compiler).encode(), sys.version.encode(),
-              str(sysconfig.get_config_var("EXT_SUFFIX")).encode(), torch.__version__.encode())
-    digest = hashlib.sha256(b"\0".join(inputs)).hexdigest()[:16]
+    digest = build_key(os.environ.get("CXX", "c++"),  # the compiler torch's build runs
+                       _SOURCE.read_bytes(), " ".join(cflags).encode(), " ".join(ldflags).encode(),
+                       sys.version.encode(), str(sysconfig.get_config_var("EXT_SUFFIX")).encode(),
+                       torch.__version__.encode())
     version_tag = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__.replace('+', '_')}"
     return cache_dir() / "cpu_adam" / f"{isa}-{version_tag}-{digest}"
 
