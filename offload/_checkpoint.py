@@ -735,9 +735,8 @@ def committed(root: Path) -> bool:
     """Whether ``root`` holds a committed checkpoint: ``latest`` names, as a plain name, a folder with its
     meta.json (what a load of ``root`` reads; a save killed before its commit left none)."""
     try:
-        return _plain_tag(tag := os.fsdecode((root / "latest").read_bytes()).strip()) and \
-            (root / tag / "meta.json").is_file()
-    except OSError:
+        return (root / _latest(root) / "meta.json").is_file()
+    except (OSError, ValueError):  # no latest, an empty one, one naming no plain tag
         return False
 
 
