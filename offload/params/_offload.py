@@ -380,10 +380,11 @@ class ParameterOffload:
             self._hook_module(module, [rec])
 
     def _enter(self, mod: torch.nn.Module, *_: Any) -> None:
-        self._running.append(mod)
+        if self._tracing_reads:  # (kept only while the mode can ask for it)
+            self._running.append(mod)
 
     def _leave(self, *_: Any) -> None:
-        if self._running:
+        if self._tracing_reads and self._running:
             self._running.pop()
 
     def _reads_outside(self) -> Any:
@@ -854,6 +855,7 @@ class ParameterOffload:
         """Before a forward: traces restart from the top; a recorded forward (eval, no backward) stops recording.
         A landing no update completed (a skipped step) ends here."""
         self._reset_users()
+        self._running.clear()  # (a forward that raised left its modules there)
         self._to_land = set()
         self._frozen_in_backward.clear()  # a backward this object did not run (another engine's) ends here too
         for rec in self.params:
