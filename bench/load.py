@@ -48,10 +48,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from _common import byte_count, count, exit_on_sigterm, out_help, shape_for  # noqa: E402
 
-from offload._export import _unique, write_safetensors  # noqa: E402
 from offload._progress import progress  # noqa: E402
 from offload.memory import fmt_bytes  # noqa: E402
 from offload.models import GPT, GPTConfig  # noqa: E402
+from offload.persist._export import _unique, write_safetensors  # noqa: E402
 
 VOCAB, CONTEXT = 8192, 64
 LOAD_SLACK = 4 << 20  # the bound's fixed part: pages of code and libraries the load touches first (1.7-2.0 MiB)
@@ -88,7 +88,7 @@ except FileNotFoundError:  # one shard: a single model.safetensors
 names = dict(engine.module.named_parameters())
 sample = [n for n in list(index)[:: max(1, len(index) // 6)] if n in names]
 equal = True
-from offload._checkpoint import engine_tensors
+from offload.persist import engine_tensors
 got = engine_tensors(engine, sample)
 for n in sample:
     with safe_open({ckpt!r} + "/" + index[n], framework="pt") as f:

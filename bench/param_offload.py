@@ -95,7 +95,7 @@ def main() -> None:
         managed = [r for r in po.params if not r.persistent]
         param_bytes = sum(r.numel for r in managed) * 2
         bufs = [aligned_tensor(r.numel, torch.bfloat16, pin_memory=False) for r in managed]
-        parts = [(po._key(r, start), b[start : start + n]) for r, b in zip(managed, bufs) for start, n in r.parts]
+        parts = [(po.homes.key(r, start), b[start : start + n]) for r, b in zip(managed, bufs) for start, n in r.parts]
 
         def bytes_read() -> int:
             return po.stats()["nvme"]["bytes_read"]
@@ -126,7 +126,7 @@ def main() -> None:
 
         def reads() -> int:
             for one in passes:
-                for h in [po._swap.read(key, buf) for key, buf in one]:
+                for h in [po.homes.space.read(key, buf) for key, buf in one]:
                     h.wait()
             return passes_bytes
 

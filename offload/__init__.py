@@ -9,11 +9,11 @@ on the engine (imported on its own: transformers stays optional). docs/architect
 
 from ._device import default_device
 from ._init import init
-from ._load import load_state_dict
 from .config import OffloadConfig
 from .engine import Engine, Phase, initialize
 from .memory import BudgetExceeded, Tier
 from .optim import CPUAdam
+from .persist import load_state_dict
 from .plan import Plan
 from .planner import estimate
 

@@ -33,11 +33,11 @@ import torch
 
 from nvme_swapper import OWNER, remove_left_behind, write_owner
 
-from ._checkpoint import make_folder
 from ._device import default_device, fast_bf16
 from ._progress import bar, interactive
 from .config import OffloadConfig, is_auto, parse_bytes, read_json, without_auto
 from .memory import Tier, fmt_bytes
+from .persist import export, make_folder, save_checkpoint_folder
 
 
 def _demo_config(args: argparse.Namespace, swap: Path, bf16: bool) -> dict[str, Any]:
@@ -529,8 +529,6 @@ def export_command(args: argparse.Namespace) -> int:
     if parse_bytes(args.max_shard_size, "--max-shard-size") <= 0:
         raise ValueError(f"--max-shard-size must be positive, got {args.max_shard_size!r}")
     if fmt == "torch":
-        from ._checkpoint import export
-
         make_folder(out.parent, "export")
         if not os.access(out.parent, os.W_OK):
             raise PermissionError(f"export: cannot write {out}: this process may not write in {out.parent}; give a "
@@ -539,8 +537,6 @@ def export_command(args: argparse.Namespace) -> int:
         tag, count = export(Path(args.checkpoint), out, args.tag)
         print(f"wrote {out}: {count} tensors of checkpoint {tag} (torch.load({str(out)!r}, weights_only=True))")
         return 0
-    from ._export import save_checkpoint_folder
-
     if args.model:
         model, config = _load_model(args.model), _config_json(args.model)
     else:

@@ -78,15 +78,14 @@ def run(spec: dict, r: dict, rank: int, world: int, out: Path) -> None:
     engine = offload.initialize(model, r["config"])
     ref = offload.initialize(make(seed=1).requires_grad_(False), r["config"]) if r.get("reference") else None
     save_error = None
-    from offload import _checkpoint
+    from offload.persist import _export, _save, _tensors
+    from offload.persist._format import TensorFile
 
-    from offload import _export
+    rename, write, write_temp = os.rename, TensorFile.write, _export.write_temp  # put back after the run
+    aligned, host_value = _tensors.aligned_tensor, _tensors.host_value
+    from offload.params._shards import ParamShards
 
-    rename, write, write_tmp = os.rename, _checkpoint._TensorFile.write, _export._write_tmp  # put back after the run
-    aligned, host_value = _checkpoint.aligned_tensor, _checkpoint._host_value
-    from offload.dist import ParamShards
-
-    read_buffers, wait, shard_read = ParamShards._read_buffers, ParamShards._wait, ParamShards.read
+    read_buffers, wait, shard_read = ParamShards._read_buffers, ParamShards._wait_reads, ParamShards.read
     from offload.optim.offloaded import OffloadedAdam
 
     read_state = OffloadedAdam.read_state
@@ -109,7 +108,7 @@ def run(spec: dict, r: dict, rank: int, world: int, out: Path) -> None:
                 raise RuntimeError("DefaultCPUAllocator: can't allocate memory (injected)")
             return aligned(*args, **kwargs)
 
-        _checkpoint.aligned_tensor = no_room
+        _tensors.aligned_tensor = no_room
     elif (r.get("fail_save"), rank) in (("after-gather", 0), ("ckpt-after-gather", 1)):
         frozen_reads = []
 
@@ -120,7 +119,7 @@ def run(spec: dict, r: dict, rank: int, world: int, out: Path) -> None:
                 raise RuntimeError("injected after the gather")
             return value
 
-        _checkpoint._host_value = fails_after
+        _tensors.host_value = _save.host_value = fails_after  # (an export's read, a save's)
     elif r.get("fail_save") == "piece-read" and rank == 1:
         piece_reads, inside = [], []
 
@@ -131,14 +130,14 @@ def run(spec: dict, r: dict, rank: int, world: int, out: Path) -> None:
             finally:
                 inside.pop()
 
-        def failing_wait(self, handles, src, dst):  # a save's second piece read: done, then reported failed
-            wait(self, handles, src, dst)
+        def failing_wait(self, handles):  # a save's second piece read: done, then reported failed
+            wait(self, handles)
             if inside:
                 piece_reads.append(handles)
                 if len(piece_reads) == 2:
                     raise OSError(errno.EIO, "Input/output error (injected)")
 
-        ParamShards._wait, ParamShards.read = failing_wait, reading
+        ParamShards._wait_reads, ParamShards.read = failing_wait, reading
     elif r.get("fail_save") == "read-state" and rank == 1:
         state_reads = []
 
@@ -152,13 +151,13 @@ def run(spec: dict, r: dict, rank: int, world: int, out: Path) -> None:
     elif r.get("fail_save") == "safetensors" and rank == 0:
         calls = []
 
-        def failing_write_tmp(folder, name, *args):
+        def failing_write_temp(folder, name, *args):
             calls.append(name)
             if len(calls) == 2:
                 raise OSError(errno.ENOSPC, "No space left on device (injected)")
-            return write_tmp(folder, name, *args)
+            return write_temp(folder, name, *args)
 
-        _export._write_tmp = failing_write_tmp
+        _export.write_temp = failing_write_temp
     elif r.get("fail_save") == "commit" and rank == 0:
         def failing_rename(src, dst):
             raise OSError(errno.EIO, "Input/output error (injected)")
@@ -171,7 +170,7 @@ def run(spec: dict, r: dict, rank: int, world: int, out: Path) -> None:
                 raise OSError(errno.ENOSPC, "No space left on device (injected)")
             return write(self, name, *args)
 
-        _checkpoint._TensorFile.write = failing
+        TensorFile.write = failing
     try:
         if r.get("edit"):
             with engine.gathered([model.blocks[1].fc.weight, model.pos, model.blocks[0].fc.weight]):
@@ -246,10 +245,10 @@ def run(spec: dict, r: dict, rank: int, world: int, out: Path) -> None:
             (out / f"{r['name']}.groups.rank{rank}.json").write_text(json.dumps(
                 {"after_first_close": alive, "after_last_close": dist.is_initialized()}))
     finally:
-        os.rename, _checkpoint._TensorFile.write, _export._write_tmp = rename, write, write_tmp
-        _checkpoint.aligned_tensor, _checkpoint._host_value = aligned, host_value
+        os.rename, TensorFile.write, _export.write_temp = rename, write, write_temp
+        _tensors.aligned_tensor, _tensors.host_value, _save.host_value = aligned, host_value, host_value
         ParamShards._read_buffers, OffloadedAdam.read_state = read_buffers, read_state
-        ParamShards._wait, ParamShards.read = wait, shard_read
+        ParamShards._wait_reads, ParamShards.read = wait, shard_read
         engine.close()
         if ref is not None:
             ref.close()

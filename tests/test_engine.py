@@ -1705,7 +1705,7 @@ def test_a_load_that_fails_after_it_began_writing_leaves_the_engine_failed(tmp_p
     """A load whose disk fails after the checkpoint passed its checks, while the state is being overwritten
     (an EIO injected into the third tensor read): the engine refuses to go on until a good checkpoint is loaded.
     A checkpoint cut short fails the checks instead and changes nothing."""
-    from offload import _checkpoint
+    from offload.persist._reader import Checkpoint
 
     data = batches(4)
     with offload.initialize(make(), config(tmp_path, "nvme")) as engine:
@@ -1726,8 +1726,8 @@ def test_a_load_that_fails_after_it_began_writing_leaves_the_engine_failed(tmp_p
             with pytest.raises(ValueError, match=rf"checkpoint {bad}.* is damaged.*nothing was loaded"):
                 engine.load_checkpoint(tmp_path / "ckpt", tag=damage)
             assert engine.phase is offload.Phase.IDLE
-        monkeypatch.setattr(_checkpoint.Checkpoint, "read_range",
-                            fails_on_call(_checkpoint.Checkpoint.read_range, 3, OSError(5, "injected EIO")))
+        monkeypatch.setattr(Checkpoint, "read_range",
+                            fails_on_call(Checkpoint.read_range, 3, OSError(5, "injected EIO")))
         with pytest.raises(OSError, match="injected EIO"):
             engine.load_checkpoint(tmp_path / "ckpt", tag="good")
         monkeypatch.undo()
@@ -1740,7 +1740,7 @@ def test_a_checkpoint_changed_on_disk_after_the_save_fails_its_load_naming_the_e
     """One byte of a master weight, of an Adam moment or of a buffer flipped in tensors.bin after the save: the
     load (and an export) fails naming the file and the entry, where it used to load the wrong value silently; the
     engine then refuses to train until a good checkpoint is loaded, and the untouched one loads exactly."""
-    from offload import _checkpoint
+    from offload.persist import export
 
     data = batches(4)
     model = make()
@@ -1762,7 +1762,7 @@ def test_a_checkpoint_changed_on_disk_after_the_save_fails_its_load_naming_the_e
             engine.load_checkpoint(tmp_path / "ckpt", tag="bad")
         if not name.startswith("exp_avg"):  # (an export reads the weights and buffers)
             with pytest.raises(ValueError, match="does not match the checksum"):
-                _checkpoint.export(tmp_path / "ckpt", tmp_path / "out.pt", tag="bad")
+                export(tmp_path / "ckpt", tmp_path / "out.pt", tag="bad")
         engine.load_checkpoint(tmp_path / "ckpt", tag="good")
         train(engine, data[2:])
         state = engine.consolidated_state_dict()
@@ -1802,18 +1802,18 @@ def test_checkpoint_tensor_files_check_every_piece_a_read_touches(numel, cuts, r
     another layout or number of ranks cuts them): every read returns the written values, and with one byte flipped
     in one piece, exactly the reads that touch that piece fail (one covering it in part reads it whole to check).
     ``chunk``: elements per checksum within a write (the files' 64 MiB, made small)."""
-    from offload import _checkpoint
-    from offload._checkpoint import _TensorFile
+    from offload.persist import _format
+    from offload.persist._format import TensorFile
 
     values = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
-    index = _TensorFile.plan([("e", torch.float32, (numel,))])
+    index = TensorFile.plan([("e", torch.float32, (numel,))])
     bounds = sorted({0, numel, *(c % numel for c in cuts)})
     step = chunk or numel
     pieces = [(i, min(i + step, b)) for a, b in zip(bounds, bounds[1:]) for i in range(a, b, step)]
     with tempfile.TemporaryDirectory() as tmp, \
-            unittest.mock.patch.object(_checkpoint, "_SUM_BYTES", 4 * chunk if chunk else _checkpoint._SUM_BYTES):
+            unittest.mock.patch.object(_format, "_SUM_BYTES", 4 * chunk if chunk else _format._SUM_BYTES):
         path = Path(tmp) / "tensors.bin"
-        f = _TensorFile(path, index, write=True)
+        f = TensorFile(path, index, write=True)
         for a, b in zip(bounds, bounds[1:]):
             f.write("e", values[a:b], a)
         f.close()
@@ -1827,7 +1827,7 @@ def test_checkpoint_tensor_files_check_every_piece_a_read_touches(numel, cuts, r
                 byte = raw.read(1)
                 raw.seek(-1, os.SEEK_CUR)
                 raw.write(bytes([byte[0] ^ 0x10]))
-        r = _TensorFile(path, index, write=False)
+        r = TensorFile(path, index, write=False)
         try:
             for start, n in reads:
                 start %= numel

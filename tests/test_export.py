@@ -104,7 +104,7 @@ def test_export_errors(tmp_path):
 
 
 def test_tied_weights_keep_the_name_transformers_keeps():
-    from offload._export import _unique
+    from offload.persist._export import _unique
 
     assert _unique({"lm_head.weight": 1, "wte.weight": 1, "b": 2}, frozenset({"lm_head.weight"})) == \
         ["wte.weight", "b"]
@@ -114,7 +114,7 @@ def test_tied_weights_keep_the_name_transformers_keeps():
 def test_a_failed_export_leaves_the_previous_one(tmp_path):
     """An error while a new export is being written (here: reading its second shard) leaves the earlier export
     complete and loadable, and no temporary files behind."""
-    from offload._export import write_safetensors
+    from offload.persist._export import write_safetensors
 
     tensors = {f"t{i}": torch.full((1000,), float(i)) for i in range(6)}
     sizes = [(k, 4000) for k in tensors]

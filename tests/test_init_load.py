@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import offload
-import offload._load as offload_load
+import offload.persist._load as offload_load
 from nvme_swapper import in_arena
 from models import DEVICE, batches, close_enough, make, train_steps
 
@@ -650,7 +650,7 @@ def test_a_load_that_fails_midway_gives_its_staged_state_back(tmp_path, opt, mon
     headers). A read that fails midway (here the source's 6th tensor) stops the load after it has read some
     sub-groups: every staged block goes back (none stays claimed, holding an NVMe staging buffer), what was loaded
     before it is kept whole (masters and homes), nothing of it or after it is, and the engine trains on."""
-    from offload import _load
+    from offload.persist import _load
 
     cfg = config(tmp_path, opt, "none", sub_group_size=1000)
     with offload.initialize(make(), cfg) as engine:

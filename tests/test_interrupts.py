@@ -13,9 +13,10 @@ import pytest
 import torch
 
 import offload
-from offload import _checkpoint
+from offload import _state
 from offload.engine import _engine
 from offload.engine._interrupts import FORCED, HeldInterrupts
+from offload.persist import _save
 from models import (batches, close_enough, lm_loss, make, on_device, placement_config, reference_model,
                     train_steps)
 
@@ -176,7 +177,7 @@ def test_a_second_ctrl_c_inside_a_parameters_release_leaves_close_to_free_everyt
     x, y = batches(1)[0]
     engine.backward(lm_loss(engine(x), y))
     engine.step()
-    pressing_in(engine.weights.params, "_released", 2)
+    pressing_in(engine.weights.params.window, "_released", 2)
     with pytest.raises(KeyboardInterrupt):
         engine(x)
     with pytest.raises(RuntimeError, match="a second Ctrl-C cut the forward short"):
@@ -185,7 +186,7 @@ def test_a_second_ctrl_c_inside_a_parameters_release_leaves_close_to_free_everyt
         engine.close()
     except Exception as exc:  # noqa: BLE001 - a hand-back that found a half-changed record says so
         assert "a second Ctrl-C had cut the forward short" in str(exc) + "".join(getattr(exc, "__notes__", []))
-    assert engine not in _engine._unclosed
+    assert not _state.is_open(engine)
     assert not os.listdir(tmp_path / "offload_param") and not os.listdir(tmp_path / "offload_optimizer")
 
 
@@ -220,7 +221,7 @@ def test_one_ctrl_c_during_initialize_stops_the_build_and_frees_everything(tmp_p
     pressing_while_built(monkeypatch, "OffloadedAdam", 1)
     with pytest.raises(KeyboardInterrupt):
         offload.initialize(model, placement_config(tmp_path, placement))
-    assert engine_threads() == threads and _engine.holding(model) is None
+    assert engine_threads() == threads and _state.holding(model) is None
     assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
     assert all(torch.equal(p, original[n]) for n, p in model.named_parameters())
     data = batches(3)
@@ -261,7 +262,7 @@ def test_a_cleanup_of_initialize_cut_short_is_finished_by_the_next_initialize(tm
     pressing_while_built(monkeypatch, "GradientStream", 2)  # the parameters are in their homes by then
     with pytest.raises(KeyboardInterrupt):
         offload.initialize(model, placement_config(tmp_path, "all-nvme"))
-    assert _engine.holding(model) is not None  # its cleanup is kept, to be finished
+    assert _state.holding(model) is not None  # its cleanup is kept, to be finished
     data = batches(3)
     with offload.initialize(model, placement_config(tmp_path, "all-nvme")) as engine:
         train_steps(engine, data)
@@ -279,15 +280,15 @@ def test_a_close_cut_short_is_finished_by_the_next_close(tmp_path):
     x, y = batches(1)[0]
     engine.backward(lm_loss(engine(x), y))
     engine.step()
-    swap = engine.store._swap
+    swap = engine.store._nvme._swap
     pressing_in(swap._workers, "close", 2)
     with pytest.raises(KeyboardInterrupt):
         engine.close()
-    assert engine.phase is _engine.Phase.CLOSED and engine in _engine._unclosed
+    assert engine.phase is _engine.Phase.CLOSED and _state.is_open(engine)
     assert swap.directory.exists()
     assert any(t.name.startswith("nvme_swapper") for t in threading.enumerate())
     engine.close()
-    assert engine not in _engine._unclosed
+    assert not _state.is_open(engine)
     assert not swap.directory.exists() and not os.listdir(tmp_path / "offload_optimizer")
     with torch.no_grad():
         assert torch.isfinite(model(on_device(x))).all()  # the model is handed back with its trained weights
@@ -308,10 +309,10 @@ def test_a_save_interrupted_after_latest_named_it_stays_loadable(tmp_path, monke
         for x, y in data:
             engine.backward(lm_loss(engine(x), y))
             engine.step()
-        monkeypatch.setattr(_checkpoint.os, "replace", then_interrupted)
+        monkeypatch.setattr(_save.os, "replace", then_interrupted)
         with pytest.raises(KeyboardInterrupt):
             engine.save_checkpoint(tmp_path / "ckpt", tag="saved")
-        monkeypatch.setattr(_checkpoint.os, "replace", replace)
+        monkeypatch.setattr(_save.os, "replace", replace)
         saved = engine.consolidated_state_dict()
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "saved"
     with offload.initialize(make(seed=3), placement_config(tmp_path, "opt-host")) as engine:
@@ -334,9 +335,9 @@ def test_a_close_cut_short_while_handing_parameters_back_hands_them_all_back_nex
     pressing_in(engine.weights.params, "read_home", 2)
     with pytest.raises(KeyboardInterrupt):
         engine.close()
-    assert engine in _engine._unclosed
+    assert _state.is_open(engine)
     engine.close()
-    assert engine not in _engine._unclosed and not os.listdir(tmp_path / "offload_param")
+    assert not _state.is_open(engine) and not os.listdir(tmp_path / "offload_param")
     for name, p in model.named_parameters():
         assert torch.equal(p.detach().float().cpu(), want[name].cpu()), name
 

@@ -121,7 +121,7 @@ def test_nvme_reads_through_pinned_staging_as_on_cuda(tmp_path, monkeypatch, opt
     ref, ref_losses = reference(make(), data, gpt_loss)
     with offload.initialize(model, config(tmp_path, "nvme", optimizer, live=10_000, bucket=4_000)) as engine:
         losses = run(engine, data, gpt_loss)
-        arena = engine.weights.params._arena  # a prefetch bucket's reads and the largest parameter, in whole pages
+        arena = engine.weights.params.homes.arena  # a prefetch bucket's reads and the largest parameter, in whole pages
         homed = [arena_span(p.numel(), 4) for p in model.parameters() if p.numel() > 100]
         assert arena.buffer.numel() == min(arena_span(4_000, 4) + max(homed), sum(homed))
         swap = engine.stats()["params"]["nvme"]  # every read lands O_DIRECT in its piece, but for a sub-page tail
@@ -563,7 +563,7 @@ def test_gathered_keeps_every_parameter_on_the_device_for_a_generation_loop(tmp_
             assert inside["waited"] == before["waited"] and inside["in_flight"] == before["in_flight"]
             assert inside["resident"] > before["resident"]
             engine(data[0][0])
-        assert engine.weights.params.live_numel <= 8192
+        assert engine.weights.params.window.live_numel <= 8192
         with pytest.raises(ValueError, match="entry 0 of params is not a parameter"):
             with engine.gathered([torch.nn.Parameter(torch.zeros(2))]):
                 pass
@@ -787,7 +787,7 @@ def test_bytes_moved_per_step_count_every_home_write_and_read_of_nvme_parameter_
     size = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
     with offload.initialize(model, config(tmp_path, "nvme", persist=0, live=9000, bucket=4000)) as engine:
         offloaded = engine.weights.params
-        swap = offloaded._swap
+        swap = offloaded.homes.space
         for batch in batches(3):
             offloaded.finish_fetches()  # (a read is counted as it starts; the swap engine counts it once done)
             moved, io = dict(engine.stats()["bytes_moved"]), swap.stats()

@@ -254,7 +254,7 @@ def test_tiered_store_random_sequences(tmp_path):
             assert torch.equal(store.acquire(k), t)
             store.release(k)
         assert ops > 200
-        assert store._swap is not None and store._swap.stats()["keys"] == len(model)
+        assert store.swap_stats()["keys"] == len(model)
     finally:
         store.close()
     assert list(tmp_path.iterdir()) == []

@@ -25,7 +25,7 @@ pytest.importorskip("accelerate")
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
 
 import offload  # noqa: E402
-from offload._export import save_checkpoint_folder  # noqa: E402
+from offload.persist import save_checkpoint_folder  # noqa: E402
 from offload.integrations.transformers import OffloadTrainer, trainer_config  # noqa: E402
 from models import DEVICE, placement_config  # noqa: E402
 

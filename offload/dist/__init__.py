@@ -5,7 +5,8 @@
 * :mod:`._comm` runs the collectives, counts their bytes, and turns a dead or hung peer into an error naming it;
 * :mod:`._sync` makes every rank start from rank 0's parameters and buffers, copying only those that differ;
 * :mod:`._buckets` sums gradients onto their owners in buckets while backward runs (stages 1-2);
-* :mod:`._zero` holds stage 3's per-parameter pieces and reduce-scatters, and gathers updated parameters back.
+* :mod:`._zero` reduce-scatters stage 3's gradients, gathers updated parameters back, and sizes a rank's NVMe
+  pieces (the pieces themselves are where a parameter lives: :mod:`offload.params._shards`).
 
 The engine uses them on every run: with world size 1 the collectives are copies or nothing.
 """
@@ -14,7 +15,7 @@ from ._buckets import BucketState, ReduceBuckets
 from ._comm import Comm, CommError, CommState, OutOfStep
 from ._group import Origin, ProcessGroup, join
 from ._sync import StartSync, agree_on_settings, agree_with_rank0
-from ._zero import GatherRefused, GradPartition, ParamShards
+from ._zero import GradPartition
 
-__all__ = ["BucketState", "Comm", "CommError", "CommState", "GatherRefused", "GradPartition", "Origin", "OutOfStep",
-           "ParamShards", "ProcessGroup", "ReduceBuckets", "StartSync", "agree_on_settings", "agree_with_rank0", "join"]
+__all__ = ["BucketState", "Comm", "CommError", "CommState", "GradPartition", "Origin", "OutOfStep", "ProcessGroup",
+           "ReduceBuckets", "StartSync", "agree_on_settings", "agree_with_rank0", "join"]

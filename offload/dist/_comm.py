@@ -19,7 +19,8 @@ Collectives about one parameter (stage 3's all-gathers and reduce-scatters) name
 the names into ``trace`` in the order it issued them, and the parameters it used into a second trace (apart: a
 deferred gather is issued whenever its read ends, between uses): ranks that ran different modules of the same
 shapes (a branch, an MoE expert taken on some ranks only) gather each other's pieces of different parameters
-without any error, and the engine compares the traces over ranks at each backward (see ``Engine._check_finite``).
+without any error, and the engine compares the traces over ranks at each backward (``check_loss``,
+offload/engine/_norm.py).
 """
 
 from __future__ import annotations

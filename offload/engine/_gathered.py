@@ -31,8 +31,9 @@ import torch
 
 from nvme_swapper import tensor_checksum
 
-from .._load import WriteRefused, _aliases
+from .._state import WriteRefused
 from ..params import ParamState
+from ..persist import keys_by_tensor
 
 if TYPE_CHECKING:
     from ._engine import Engine
@@ -109,7 +110,7 @@ class Gathered:
         backward runs) leave it equal to its master rounded to the training dtype, so only one that differs from
         that was edited. Candidates are agreed over ranks (the masters are read collectively), edits are rank 0's."""
         engine = self.engine
-        engine._parameters_current()  # the engine's own writes are all in before the bits are compared
+        engine.parameters_current()  # the engine's own writes are all in before the bits are compared
         values: list[torch.Tensor] = [p.detach() for p in self.params]  # what each parameter holds at the end
         misfit = ""
         for i, (p, t, ptr) in enumerate(zip(self.params, self._tensors, self._ptrs)):
@@ -167,4 +168,4 @@ class Gathered:
 
     def _names(self) -> dict[int, str]:
         """Each parameter's first state_dict key: what consolidated_state_dict and load_state_dict take."""
-        return {i: keys[0] for i, keys in _aliases(self.engine.module).items()}
+        return {i: keys[0] for i, keys in keys_by_tensor(self.engine.module).items()}

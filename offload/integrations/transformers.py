@@ -81,10 +81,10 @@ from transformers import Trainer
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from .._checkpoint import committed
 from ..config import OffloadConfig, OptimizerConfig, SchedulerConfig, flat_fields, read_json
 from ..engine import Engine, Phase, initialize
 from ..optim._schedule import WarmupSchedule
+from ..persist import committed
 
 __all__ = ["ADAMW", "OffloadTrainer", "trainer_config"]
 
@@ -195,7 +195,7 @@ class _Lacks(Flag):
     """What a Trainer checkpoint folder lacks to be resumed from: what a save killed midway had not written. The
     Trainer writes trainer_state.json last (after the model, the engine's state, the schedule and RNG states), and
     the engine's state counts once committed (``latest`` names a tag whose folder holds its meta.json; see
-    offload/_checkpoint.py). A folder without ``offload_state/`` (a plain Trainer's, save_only_model) needs only
+    offload/persist/_save.py). A folder without ``offload_state/`` (a plain Trainer's, save_only_model) needs only
     trainer_state.json."""
 
     NOTHING = 0

@@ -1,8 +1,10 @@
 """TieredStore: the one component that places bytes on tiers and moves them between tiers.
 
-It owns the three tier accounts (budgets, current and peak bytes), the swap engine behind the NVME tier, the
-staging-buffer pool NVMe-homed tensors pass through, and the counters of bytes moved per tier pair and of time
-stalled waiting for I/O. Everything else (the optimizer, the engine, parameter offload) asks it.
+It owns the three tier accounts (budgets, current and peak bytes; :meth:`TieredStore.claim_nvme` holds the NVME
+budget's rules), the counters of bytes moved per tier pair and of time stalled waiting for I/O, and, for the
+optimizer state, the NVMe-homed tensors: their :class:`~._nvme.NvmeSpace` (the swap file, as every NVMe user has
+one) and the staging-buffer pool they pass through. Everything else (the optimizer, the engine, parameter offload)
+asks it.
 
 An NVMe-homed tensor has one record with an explicit residency:
 
@@ -23,6 +25,7 @@ import errno
 import os
 import shutil
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from enum import Enum
@@ -30,11 +33,12 @@ from pathlib import Path
 
 import torch
 
-from nvme_swapper import (HUGE_PAGE, PAGE, AioConfig, FileIO, SwapEngine, SwapHandle, aligned_tensor, cow_spare,
-                          remove_left_behind, swap_file_bytes)
+from nvme_swapper import (HUGE_PAGE, PAGE, AioConfig, FileIO, SwapHandle, aligned_tensor, cow_spare, remove_left_behind,
+                          swap_file_bytes)
 
 from ..ops import host_stream_buffer
 
+from ._nvme import NvmeSpace
 from ._pool import BufferPool
 from ._tiers import Tier, TierAccount, fmt_bytes
 
@@ -55,10 +59,6 @@ class _Managed:
     claimed: bool = False  # handed out by stage/acquire and not yet given back by evict/release
     slot: int | None = None
     io: SwapHandle | None = None  # the read or write in flight, cleared when waited
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
 
 
 def default_host_budget() -> int:
@@ -128,16 +128,17 @@ class TieredStore:
                  file_io: FileIO | None = None) -> None:
         """``file_io``: the OS-call boundary handed to the swap engine (tests inject faults through it)."""
         self.device = device
-        self.file_io = file_io  # every swap engine of this store's owner uses it (parameters' homes too)
+        self.file_io = file_io  # every NvmeSpace of this store's owner uses it (parameters' homes and pieces too)
         self.pin_memory = pin_memory and device.type == "cuda"
         self.accounts = {tier: TierAccount(tier, budgets.get(tier)) for tier in Tier}
         self.moved: collections.Counter[str] = collections.Counter()
+        self._moved_lock = threading.Lock()  # counted by the training, optimizer and fetch threads
         self.stall_seconds = 0.0
         self._managed: dict[str, _Managed] = {}
         self._charged: dict[int, int] = {}  # bytes charged per allocation, by address
         self._evicting: collections.deque[_Managed] = collections.deque()
         self._unwritten: list[_Managed] = []  # kept in their buffers by a failed write-back, held by no one
-        self._swap: SwapEngine | None = None
+        self._nvme: NvmeSpace | None = None  # the optimizer state's swap file (open_nvme)
         self._pool: BufferPool | None = None
         self._max_writes = 1  # write-backs in flight at once (open_nvme sets it)
         # disk bytes per filesystem (st_dev) that initialize frees as it goes: the model's construction arena
@@ -186,15 +187,17 @@ class TieredStore:
             self.accounts[tier].release(self._charged.pop(tensor.data_ptr()))
 
     def count(self, src: Tier, dst: Tier, nbytes: int) -> None:
-        """Records bytes moved between tiers by someone else's copy (the engine's device<->host copies)."""
-        self.moved[f"{src.value}->{dst.value}"] += nbytes
+        """Records bytes moved between tiers (the copies' and every NvmeSpace's reads and writes)."""
+        with self._moved_lock:
+            self.moved[f"{src.value}->{dst.value}"] += nbytes
 
     # NVMe-homed tensors ----------------------------------------------------------------------------------------
 
     def claim_nvme(self, root: Path, nbytes: int, what: str, fix: str) -> None:
         """Creates the swap directory ``root`` (0700) and charges ``nbytes`` of it to the NVME tier, whose budget
         defaults to 95% of the free space of the first filesystem claimed on, plus what ``reclaimable`` says will
-        be freed there; give the bytes back with ``accounts[Tier.NVME].release``."""
+        be freed there; give the bytes back with ``accounts[Tier.NVME].release`` (an :class:`NvmeSpace` claims
+        and gives back its own)."""
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
         account = self.accounts[Tier.NVME]
         if account.budget is None:
@@ -204,29 +207,27 @@ class TieredStore:
     def open_nvme(self, path: str | os.PathLike[str], aio: AioConfig, *, slot_bytes: int, buffer_count: int,
                   total_bytes: int, what: str, spare_writes: int | None = None, key_bytes: list[int] | None = None,
                   file_io: FileIO | None = None) -> None:
-        """Creates the swap engine and the staging pool, and claims NVME space for ``total_bytes`` of tensors plus
-        a spare extent per write allowed in flight (``spare_writes``, default one per buffer: a copy-on-write
-        write needs room beside the data it replaces; ``evict`` waits for the oldest write rather than exceed
-        them), of each length among ``key_bytes`` (the keys' sizes; default: all of ``slot_bytes``)."""
-        assert self._swap is None, "open_nvme called twice"
+        """Opens the NVMe space and the staging pool: NVME space for ``total_bytes`` of tensors plus a spare extent
+        per write allowed in flight (``spare_writes``, default one per buffer: a copy-on-write write needs room
+        beside the data it replaces; ``evict`` waits for the oldest write rather than exceed them), of each length
+        among ``key_bytes`` (the keys' sizes; default: all of ``slot_bytes``)."""
+        assert self._nvme is None, "open_nvme called twice"
         root = Path(path)
         self._max_writes = spare_writes = spare_writes or buffer_count
         claim = swap_file_bytes([[n] for n in key_bytes], spare_writes) if key_bytes is not None else \
             total_bytes + PAGE + cow_spare([[slot_bytes]] * spare_writes, spare_writes)  # (keys of slot_bytes)
-        self.claim_nvme(root, claim, f"{what} on {root}",
-                        f"free disk space at {root}, point zero_optimization.offload_optimizer.nvme_path at a larger "
-                        "filesystem, lower the state offloaded there, or raise offload.nvme_memory_budget if it is "
-                        "below the free space")
+        self._nvme = NvmeSpace(self, root, claim, f"{what} on {root}",
+                               f"free disk space at {root}, point zero_optimization.offload_optimizer.nvme_path at a "
+                               "larger filesystem, lower the state offloaded there, or raise "
+                               "offload.nvme_memory_budget if it is below the free space", aio=aio, file_io=file_io)
         # the optimizer state's staging: the disk and CPU Adam read and write it, no device copy does (unpinned)
         self._pool = BufferPool(buffer_count, slot_bytes, self.accounts[Tier.HOST], pin_memory=False,
                                 what=f"{buffer_count} NVMe staging buffers of {fmt_bytes(slot_bytes)}",
                                 fix="lower zero_optimization.sub_group_size or offload_optimizer.buffer_count, or "
                                     "raise offload.host_memory_budget")
-        self._swap = SwapEngine(root, aio, file_io=file_io if file_io is not None else self.file_io)
-        self._swap.reserve(claim - PAGE)  # written now, but the header: steady writes are overwrites, ENOSPC is now
 
     def register(self, key: str, numel: int, dtype: torch.dtype) -> None:
-        assert self._swap is not None, "register before open_nvme"
+        assert self._nvme is not None, "register before open_nvme"
         assert key not in self._managed, f"{key} registered twice"
         self._managed[key] = _Managed(key, numel, dtype)
 
@@ -266,21 +267,18 @@ class TieredStore:
             self._start_read(m, self._take_slot(block=True))
         if m.residency in (Residency.FETCHING, Residency.EVICTING):
             self._wait_or_settle(m)
-            if m.residency is Residency.FETCHING:
-                self.moved["nvme->host"] += m.nbytes
-            else:
+            if m.residency is Residency.EVICTING:
                 self._evicting.remove(m)
-                self.moved["host->nvme"] += m.nbytes
             m.residency = Residency.HOST
         return self._view(m)
 
     def evict(self, key: str) -> Transfer:
         """Starts writing ``key``'s buffer back; the buffer is reused once the write is done."""
         m = self._managed[key]
-        assert m.residency is Residency.HOST and self._swap is not None
+        assert m.residency is Residency.HOST and self._nvme is not None
         while len(self._evicting) >= self._max_writes:  # the swap file holds spare room for this many
             self._reclaim(block=True)
-        m.io = self._swap.write(key, self._view(m))
+        m.io = self._nvme.write(key, self._view(m))
         m.residency = Residency.EVICTING
         m.claimed = False
         self._evicting.append(m)
@@ -316,7 +314,6 @@ class TieredStore:
                 except Exception as exc:
                     error = error or exc
                     continue
-                self.moved["nvme->host"] += m.nbytes
                 m.residency = Residency.HOST
         if error is not None:
             raise error
@@ -340,9 +337,9 @@ class TieredStore:
         return self._pool.slot(m.slot, m.numel, m.dtype)
 
     def _start_read(self, m: _Managed, slot: int) -> None:
-        assert self._swap is not None
+        assert self._nvme is not None
         m.slot = slot
-        m.io = self._swap.read(m.key, self._view(m))
+        m.io = self._nvme.read(m.key, self._view(m))
         m.residency = Residency.FETCHING
 
     def _wait(self, m: _Managed) -> None:
@@ -423,7 +420,6 @@ class TieredStore:
             slot, m.slot, m.residency = m.slot, None, Residency.NVME  # the record, its queue and pool together
             self._evicting.popleft()
             self._pool.give(slot)
-            self.moved["host->nvme"] += m.nbytes
             freed = True
         return freed
 
@@ -433,18 +429,19 @@ class TieredStore:
         return {tier.value: account.report() for tier, account in self.accounts.items()}
 
     def swap_stats(self) -> dict | None:
-        return self._swap.stats() if self._swap is not None else None
+        return self._nvme.stats() if self._nvme is not None else None
 
     def close(self) -> None:
-        """Waits for I/O in flight, closes the swap engine (removing its files) and frees the staging pool."""
+        """Waits for I/O in flight, closes the NVMe space (removing its files, giving its claim back) and frees the
+        staging pool."""
         try:
-            if self._swap is not None:
-                self._swap.synchronize()
+            if self._nvme is not None:
+                self._nvme.synchronize()
         finally:
             self._evicting.clear()
-            if self._swap is not None:
-                self._swap.close()
-                self._swap = None
+            if self._nvme is not None:
+                self._nvme.close()
+                self._nvme = None
             if self._pool is not None:
                 self._pool.close()
                 self._pool = None

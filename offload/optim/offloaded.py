@@ -6,10 +6,10 @@ allocation on HOST, or one NVMe key read and written in a single request. Gradie
 sub-group slots when updates run during backward; fp32 when micro-batches accumulate, else the training dtype (a
 bf16 gradient widened to fp32 carries no more information, and the kernel reads bf16/fp16 directly). An update
 first waits for the handles of the copies that bring its sub-group's gradients (``grad_handles``). Updating a
-sub-group is one pass of the CPU Adam kernel, which also writes the new low-precision parameters: straight into
-their target when it is host memory (the CPU device tier, host homes, the delayed update's buffer), else into a
-pinned staging buffer whose copy to the device then runs on the host-to-device stream
-(:class:`~offload.memory.CopyStreams`) behind the point where backward stopped reading them.
+sub-group is one pass of the CPU Adam kernel, which also writes the new low-precision parameters into the buffer
+the update sink lends (:mod:`offload.params._sinks`: the target itself when it is host memory, else a staging
+buffer), and hands them to the sink, which takes them where they live: to the device on the host-to-device stream
+behind the point where backward stopped reading them, to their NVMe homes, or nowhere (written in place).
 
 All state access runs on one worker thread, the stepper, which runs jobs in submission order: the engine queues a
 sub-group as soon as its gradients are final (overlap with backward) or all remaining ones at ``step``. With
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -34,11 +34,14 @@ from nvme_swapper import evict_pages
 
 from .._worker import Worker
 from ..config import OptimizerConfig
-from ..memory import CopyStreams, StagingRing, Tier, TieredStore, fmt_bytes, wait_all
+from ..memory import CopyStreams, Tier, TieredStore, fmt_bytes, wait_all
 from ..ops import adam_step, squared_norm
 from ..plan import spare_writes
 from ._grad_buffers import GradientBuffers
 from ._layout import FlatLayout, Segment, SubGroup
+
+if TYPE_CHECKING:
+    from ..params._sinks import UpdateSink
 
 _FIX_HOST = ("lower zero_optimization.sub_group_size, offload the optimizer to nvme, or raise "
              "offload.host_memory_budget")
@@ -85,10 +88,8 @@ class OffloadedAdam(torch.optim.Optimizer):
         self.adam_seconds = 0.0
         self.adam_seconds_overlapped = 0.0
         self.sub_groups_overlapped = 0  # queued during backward (their update could start before backward ended)
-        self._device_flats: list[torch.Tensor] = []
-        self._on_updated: Any = None
-        self._updates: StagingRing | None = None  # staging of new parameters bound for their NVMe homes
-        self._uploads: StagingRing | None = None  # pinned staging of new parameters bound for a CUDA device
+        # where updates hand the new low-precision parameters (set by Weights, which owns it, before any step)
+        self.sink: UpdateSink | None = None
         self.grad_handles: Any = lambda k: ()  # what an update waits for: the copies of its gradients (engine-set)
         self._order = [sg.index for sg in reversed(layout.sub_groups)]  # backward makes gradients final in reverse
         self._done: set[int] = set()
@@ -151,7 +152,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         their current full-precision values; moments zero. The state is filled sub-group by sub-group in layout
         order, each block allocated (HOST) or staged (NVME) when its first parameter is read and finished (NVMe:
         written back) after its last one, so the caller may free each parameter's memory as soon as this returns
-        for it: :class:`~offload.engine._weights.Weights` moves the parameter to its home right after, and a model
+        for it: :class:`~offload.params._weights.Weights` moves the parameter to its home right after, and a model
         built in RAM and its optimizer state are not held whole at once. A parameter built in a file arena
         (``offload.init``) has its pages dropped again once read."""
         n = len(self.layout.params) if through is None else through
@@ -198,32 +199,6 @@ class OffloadedAdam(torch.optim.Optimizer):
         self._filling = None
         if self.placement is Tier.NVME:
             self.store.evict(self._key(sg))
-
-    def attach_device(self, flats: list[torch.Tensor], on_updated: Any = None,
-                      dtype: torch.dtype | None = None, *, owned_only: bool = False,
-                      update_buffers: int = 1, upload: bool = False) -> None:
-        """Where updates put the new low-precision parameters: ``flats`` (one flat buffer per group: the device's
-        own, host buffers copied to the device later, or the parameters' host home), or, with ``on_updated``, one of
-        ``update_buffers`` staging buffers handed to ``on_updated(sub_group, values)`` after each update (parameters
-        homed on NVMe), which starts the writes and returns their handle: the buffer is reused once that is done, so
-        the next updates run while the writes wait their turn on the disk.
-        ``owned_only``: each flat covers only this rank's range of its group (partitioned parameters, stage 3).
-        ``upload``: ``flats`` are the device's and the new values reach them through pinned staging (CUDA)."""
-        self._device_flats = flats
-        self._flat_base = [self.layout.owned[g][0] if owned_only else 0 for g in range(len(flats))]
-        self._on_updated = on_updated
-        if on_updated is not None:
-            self._updates = StagingRing(self.store, update_buffers, self.layout.max_sub_group_numel,
-                                        dtype or flats[0].dtype, "staging of updated parameters for NVMe", _FIX_HOST)
-        elif upload and flats and self.placement is not Tier.DEVICE:
-            self._uploads = StagingRing(self.store, 2, self.layout.max_sub_group_numel, flats[0].dtype,
-                                        "pinned staging of updated parameters for the device", _FIX_HOST)
-
-    @property
-    def update_staging(self) -> torch.Tensor | None:
-        """A host buffer updated parameters pass through on their way to ``on_updated`` (NVMe homes): idle until
-        the first step, so parameter offload writes the initial homes through it."""
-        return self._updates.buffers[0] if self._updates is not None else None
 
     # the step ---------------------------------------------------------------------------------------------------
 
@@ -290,8 +265,8 @@ class OffloadedAdam(torch.optim.Optimizer):
         writes."""
         try:
             self._stepper.wait_idle()
-            if self._updates is not None:  # the parameters' writes to their NVMe homes
-                self._updates.wait_all()
+            if self.sink is not None:  # the parameters' writes to their NVMe homes
+                self.sink.wait()
             if self.placement is Tier.NVME:
                 self.store.drain()
         finally:
@@ -343,9 +318,9 @@ class OffloadedAdam(torch.optim.Optimizer):
 
     def _update(self, k: int, grad_scale: float, grad: torch.Tensor, step: int, waits: tuple[Any, ...],
                 after: Any, stream: Any, group: dict[str, Any]) -> None:
-        """On the stepper: one sub-group's Adam update once its gradients have landed; ``after``: the point of the
-        compute stream (``stream``, the submitter's) after which the device no longer reads this sub-group's
-        parameters."""
+        """On the stepper: one sub-group's Adam update once its gradients have landed, its new parameters handed to
+        the sink; ``after``: the point of the compute stream (``stream``, the submitter's) after which the device
+        no longer reads this sub-group's parameters."""
         wait_all(waits)
         self._ran.append(k)
         sg = self.layout.sub_groups[k]
@@ -356,31 +331,15 @@ class OffloadedAdam(torch.optim.Optimizer):
             block = self._state[k]
         n = sg.numel
         master, exp_avg, exp_avg_sq = block[:n], block[n : 2 * n], block[2 * n :]
-        target = None
-        if self._on_updated is None:
-            base = self._flat_base[sg.group]
-            target = self._device_flats[sg.group][sg.start - base : sg.end - base]
+        sink = self.sink
+        assert sink is not None, "an update before Weights set the sink"
         t = time.perf_counter()
-        slot = None
+        out = sink.take(sg)
         if self._fused:  # state on the device (no offload): torch's fused kernel, same arithmetic
-            out = None
             with torch.cuda.stream(stream):  # ordered after the backward that wrote the gradients
                 squares = self._fused_torch(master, exp_avg, exp_avg_sq, grad, group, grad_scale, step)
-                if self._on_updated is None:
-                    target.copy_(master)
-                else:  # parameters homed on NVMe: their new values go there through a host staging buffer
-                    slot, staged = self._updates.take()
-                    out = staged[:n]
-                    self.copies.to_host(out, master.to(out.dtype)).wait()
+                sink.land(out, master)
         else:
-            if self._on_updated is not None:
-                slot, staged = self._updates.take()
-                out = staged[:n]
-            elif self._uploads is None:
-                out = target
-            else:
-                slot, staged = self._uploads.take()
-                out = staged[:n]
             lowp = out.dtype != torch.float32
             hyper = dict(step=step, lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
                          eps=group["eps"], weight_decay=group["weight_decay"], adamw_mode=group["adamw_mode"],
@@ -400,11 +359,9 @@ class OffloadedAdam(torch.optim.Optimizer):
         self.adam_seconds += elapsed
         if self._in_backward:
             self.adam_seconds_overlapped += elapsed
-        if self._on_updated is not None:
-            self._updates.used(slot, self._on_updated(sg, out))
-        elif slot is not None:
-            self._uploaded[k] = upload = self.copies.to_device(target, out, after=after)
-            self._uploads.used(slot, upload)
+        upload = sink.put(sg, out, after)
+        if upload is not None:
+            self._uploaded[k] = upload
         if self.placement is Tier.NVME:
             self.store.evict(self._key(sg))
 
@@ -516,10 +473,6 @@ class OffloadedAdam(torch.optim.Optimizer):
 
     def close(self) -> None:
         self._stepper.close()
-        for ring in (self._uploads, self._updates):
-            if ring is not None:
-                ring.close()
-        self._uploads = self._updates = None
         self.grads.close()
         for block in self._state:
             self.store.free(self.placement, block)

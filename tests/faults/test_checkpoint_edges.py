@@ -20,7 +20,7 @@ import torch
 import offload
 from models import batches, lm_loss, make
 from nvme_swapper._owner import write_owner
-from offload import _checkpoint
+from offload.persist import export
 
 
 def config(tmp_path: Path) -> dict:
@@ -56,7 +56,7 @@ def test_a_latest_naming_a_path_outside_its_folder_is_refused(tmp_path):
             with pytest.raises(ValueError, match=refused):
                 engine.load_checkpoint(root)
             with pytest.raises(ValueError, match=refused):
-                _checkpoint.export(root, tmp_path / "out.pt")
+                export(root, tmp_path / "out.pt")
             assert engine.phase is offload.Phase.IDLE
         for tag in ("../elsewhere/step4", str(elsewhere / "step4"), "..", ""):
             with pytest.raises(ValueError, match=rf"checkpoint tag {re.escape(repr(tag))} \(passed as tag\) must "
@@ -147,21 +147,21 @@ KILLED_MID_SAVE = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, {tests!r})
     import offload
-    from offload import _checkpoint
+    from offload.persist._format import TensorFile
     from models import batches, lm_loss, make
     engine = offload.initialize(make(), {cfg!r})
     x, y = batches(1)[0]
     engine.backward(lm_loss(engine(x), y))
     engine.step()
     engine.save_checkpoint({root!r}, tag="a")
-    write = _checkpoint._TensorFile.write
+    write = TensorFile.write
 
     def held(self, *args, **kwargs):  # the first tensor of the next save written: the parent kills us here
         write(self, *args, **kwargs)
         print("MID", flush=True)
         time.sleep(120)
 
-    _checkpoint._TensorFile.write = held
+    TensorFile.write = held
     engine.save_checkpoint({root!r}, tag="b")
 """)
 

@@ -97,7 +97,7 @@ def test_swap_fault_mid_step_names_key_and_file_and_loses_nothing(tmp_path, unfa
     faults = Faults()
     ckpt = tmp_path / "ckpt"
     with offload.initialize(make(), config(tmp_path, backend), _file_io=faults) as engine:
-        swap_file = str(engine.store._swap._file.path)
+        swap_file = str(engine.store._nvme._swap._file.path)
         to_checkpoint(engine, data, ckpt)
         step(engine, data[SAVED_AT])
         faults.arm(op, fault)  # until cleared: every write (or read) of the swap file fails
@@ -234,7 +234,7 @@ def test_swap_file_altered_behind_the_engine_fails_the_step_then_resumes(tmp_pat
     ckpt = tmp_path / "ckpt"
     with offload.initialize(make(), config(tmp_path)) as engine:
         to_checkpoint(engine, data, ckpt)
-        swap = engine.store._swap
+        swap = engine.store._nvme._swap
         key = swap.keys()[1]
         fd = os.open(swap._file.path, os.O_RDWR)
         try:
@@ -273,7 +273,7 @@ def test_parameter_read_fault_fails_the_forward_then_the_same_batch_trains_on(tm
     data = batches(STEPS)
     faults = Faults()
     with offload.initialize(make(), params_config(tmp_path), _file_io=faults) as engine:
-        swap_file = str(engine.weights.params._swap._file.path)
+        swap_file = str(engine.weights.params.homes.space._swap._file.path)
         for batch in data[:SAVED_AT]:
             step(engine, batch)
         faults.arm("read", errno.EIO)

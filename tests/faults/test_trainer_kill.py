@@ -55,7 +55,8 @@ CHILD = textwrap.dedent("""
     sys.path.insert(0, sys.argv[1])
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainerState, TrainingArguments
-    import offload._checkpoint as checkpoint
+    from offload.persist import _save
+    from offload.persist._format import TensorFile
     import safetensors.torch
     from offload.integrations.transformers import OffloadTrainer
     from models import DEVICE
@@ -93,9 +94,9 @@ CHILD = textwrap.dedent("""
     if point == "model-write":
         after(safetensors.torch, "save_file")
     elif point == "engine-shard":
-        after(checkpoint._TensorFile, "write", calls=2)
+        after(TensorFile, "write", calls=2)
     elif point == "engine-commit":
-        before(checkpoint, "_write_file", when=lambda path, data: pathlib.Path(path).name == ".latest.tmp")
+        before(_save, "write_file", when=lambda path, data: pathlib.Path(path).name == ".latest.tmp")
     elif point == "before-trainer-state":
         before(TrainerState, "save_to_json")
     elif point == "before-rotation":
@@ -138,7 +139,7 @@ CHILD = textwrap.dedent("""
 @pytest.fixture(scope="module")
 def forks():
     """Every run of this module forked from one process that imported torch, transformers and offload."""
-    server = Forks(["safetensors.torch", "transformers", "offload._checkpoint", "offload.integrations.transformers"])
+    server = Forks(["safetensors.torch", "transformers", "offload.persist", "offload.integrations.transformers"])
     yield server
     server.close()
 

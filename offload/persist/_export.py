@@ -15,7 +15,6 @@ live :class:`~offload.Engine` (:func:`save_engine`, the fp32 master weights) or 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
@@ -26,15 +25,15 @@ from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 
-from nvme_swapper import remove_of_dead
-
-from ._checkpoint import fsync_dir, make_folder
+from ..config import parse_bytes
+from ..dist import CommError
 from ._convert import hub_layout
-from .config import parse_bytes
-from .dist import CommError
+from ._durable import fsync_dir, make_folder, replace_file, write_temp
+from ._reader import Checkpoint
+from ._tensors import engine_tensors
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from .._state import EngineState
 
 log = logging.getLogger(__name__)
 INDEX = "model.safetensors.index.json"
@@ -53,63 +52,6 @@ def plan_shards(sizes: Iterable[tuple[str, int]], max_shard_bytes: int) -> list[
         shards[-1].append(name)
         used += nbytes
     return shards
-
-
-_TMP = re.compile(r"\..+\.tmp-(\d{1,9})")
-
-
-def _write_tmp(folder: Path, name: str, tensors: dict[str, torch.Tensor] | None, text: str = "", *,
-               torch_file: bool = False) -> Path:
-    """``name`` written and fsynced under a temporary name in ``folder``; returns that path. ``tensors`` as
-    safetensors (as a torch state dict with ``torch_file``), else ``text``. A failure removes the temporary file,
-    and an I/O error of safetensors (its own exception type) is raised as the OSError it reports, errno included,
-    so a full disk reads the same whatever the writer."""
-    from safetensors.torch import save_file
-
-    remove_of_dead(folder, _TMP)  # what a process killed while it wrote here left (any name): its space
-    tmp = folder / f".{name}.tmp-{os.getpid()}"
-    try:
-        if tensors is not None and torch_file:
-            with open(tmp, "wb") as f:  # through a file object: a full disk is the OSError of its write (in the
-                torch.save(tensors, f)  # chain of torch's container error, which has no path or errno)
-            os.chmod(tmp, 0o666 & ~_umask())
-        elif tensors is not None:
-            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
-            os.chmod(tmp, 0o666 & ~_umask())  # safetensors makes its file 0600: an export is read by others
-        else:
-            tmp.write_text(text)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except BaseException as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)  # a full disk gets its space back
-        if isinstance(exc, OSError):
-            raise
-        cause = exc.__cause__ or exc.__context__  # torch's writer: the file's OSError, under its own error
-        if isinstance(cause, OSError) and cause.errno:
-            raise OSError(cause.errno, f"writing {folder / name}: {os.strerror(cause.errno)}") from exc
-        # safetensors reports I/O errors as its own type: "os error 28" (>= 0.6), "Os { code: 28, ..." (0.4-0.5)
-        code = re.search(r"os error (\d+)|Os \{ code: (\d+)", str(exc))
-        if code is not None:
-            raise OSError(int(code.group(1) or code.group(2)), f"writing {folder / name}: {exc}") from exc
-        raise
-    return tmp
-
-
-def _umask() -> int:
-    """The process's umask, read without changing it (Linux reports it in /proc; elsewhere set and put back)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except OSError:
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 def write_safetensors(out: str | os.PathLike[str], sizes: list[tuple[str, int]],
@@ -167,7 +109,7 @@ def write_safetensors(out: str | os.PathLike[str], sizes: list[tuple[str, int]],
         for name, shard in zip(names, shards):
             got: list[dict[str, torch.Tensor]] = []
             agree(lambda: got.append(read(shard)), f"read the tensors of {name}", everyone=True)
-            agree(lambda: staged.append((_write_tmp(folder, name, got.pop()), folder / name)), f"write {name}")
+            agree(lambda: staged.append((write_temp(folder, name, got.pop()), folder / name)), f"write {name}")
             got.clear()
             report(sum(nbytes[n] for n in shard))
         agree(lambda: _commit(folder, names, shards, nbytes, staged), "commit the files")
@@ -193,7 +135,7 @@ def _commit(folder: Path, names: list[str], shards: list[list[str]], nbytes: dic
     if len(shards) > 1:
         weight_map = {n: name for name, shard in zip(names, shards) for n in shard}
         index = json.dumps({"metadata": {"total_size": sum(nbytes.values())}, "weight_map": weight_map}, indent=2)
-        staged.append((_write_tmp(folder, INDEX, None, index), folder / INDEX))
+        staged.append((write_temp(folder, INDEX, None, index), folder / INDEX))
     if len(shards) == 1:  # model.safetensors wins over an index when both exist: replace it, then drop the index
         os.replace(*staged[0])
         fsync_dir(folder)
@@ -229,15 +171,13 @@ def _tied_targets(module: torch.nn.Module) -> frozenset[str]:
     return frozenset(tied if isinstance(tied, (dict, list, tuple, set)) else ())
 
 
-def save_engine(engine: "Engine", out: str | os.PathLike[str], max_shard_size: int | str = "5GB") -> list[Path]:
+def save_engine(engine: "EngineState", out: str | os.PathLike[str], max_shard_size: int | str = "5GB") -> list[Path]:
     """The engine's model (fp32 master weights of trainable parameters, other tensors as they are) as safetensors,
     one shard in memory at a time: shards hold the trainable parameters in the optimizer's order (each shard's
     masters read, or with several ranks gathered, from as few sub-groups as hold them), then the other tensors. A
     transformers model is written in the Hub's layout, as save_pretrained writes it (:class:`_convert.HubLayout`).
     Collective with several ranks: every rank calls and takes part in the gathers, rank 0 alone holds the shard and
     writes it."""
-    from ._checkpoint import engine_tensors
-
     sd = engine.module.state_dict(keep_vars=True)
     keys = _unique({k: id(t) for k, t in sd.items()}, _tied_targets(engine.module))
     order = {id(p): i for i, p in enumerate(engine.layout.params)}
@@ -257,15 +197,13 @@ def save_engine(engine: "Engine", out: str | os.PathLike[str], max_shard_size: i
     return write_safetensors(out, sizes, read, max_shard_size, writer=writer, vote=vote)
 
 
-def save_16bit(engine: "Engine", out: str | os.PathLike[str], filename: str, exclude_frozen: bool) -> Path:
+def save_16bit(engine: "EngineState", out: str | os.PathLike[str], filename: str, exclude_frozen: bool) -> Path:
     """DeepSpeed's ``save_16bit_model``: the model's state dict with the trainable parameters in the training dtype
     (the fp32 masters rounded, as the parameters on the device are once any delayed update has landed; fp32 when
     training in fp32), frozen parameters and buffers as they are, in the one file ``out/filename``: a torch state
     dict, or safetensors for a ``.safetensors`` name (tied tensors once). Built in RAM on rank 0 as DeepSpeed's is
     (``save_engine`` streams shards instead). Written under a temporary name and renamed into place. Collective
     with several ranks."""
-    from ._checkpoint import engine_tensors
-
     sd = engine.module.state_dict(keep_vars=True)
     trainable = {id(p) for p in engine.layout.params}
     frozen = {id(p) for p in engine.module.parameters()} - trainable
@@ -284,9 +222,7 @@ def save_16bit(engine: "Engine", out: str | os.PathLike[str], filename: str, exc
             for k in list(tensors):  # each fp32 master dropped as it is rounded: the model in RAM once, not twice
                 v = tensors.pop(k)
                 low[k] = rounded.setdefault(id(sd[k]), v.to(engine.dtype)) if id(sd[k]) in trainable else v
-            tmp = _write_tmp(folder, filename, low, torch_file=not safetensors)
-            os.replace(tmp, folder / filename)
-            fsync_dir(folder)
+            replace_file(folder, filename, low, torch_file=not safetensors)
         except Exception as exc:  # noqa: BLE001 - raised below, once every rank knows
             error = exc
     failed = engine.comm.vote("save_16bit_model: write the file", error) if engine.world_size > 1 else 0
@@ -303,8 +239,6 @@ def save_checkpoint_folder(root: Path, out: Path, tag: str | None = None, max_sh
     """A checkpoint written by save_checkpoint (any world size) as a safetensors folder; returns (tag, files).
     ``module``: the model it holds (on the meta device will do): a transformers model's export is then in the
     Hub's layout, as save_pretrained writes it; a module whose names are not the checkpoint's is ignored, logged."""
-    from ._checkpoint import Checkpoint
-
     ck = Checkpoint(root, tag)
     try:
         entries = ck.state_dict_entries()
@@ -327,3 +261,22 @@ def save_checkpoint_folder(root: Path, out: Path, tag: str | None = None, max_sh
         ck.close()
     return ck.tag, files
 
+
+def export(root: Path, out: Path, tag: str | None = None) -> tuple[str, int]:
+    """The full model of a checkpoint (fp32 master weights, frozen tensors, buffers) as one file that
+    ``torch.load(out, weights_only=True)`` reads into a plain state dict; returns (tag, tensors written). Works for
+    any world size that wrote it, in one process, one tensor at a time in memory plus the result."""
+    ck = Checkpoint(root, tag)
+    try:
+        entries = ck.state_dict_entries()
+        cache: dict[str, torch.Tensor] = {}
+        state = {}
+        for key, entry in entries.items():
+            if entry not in cache:
+                cache[entry] = ck.read(entry)
+            state[key] = cache[entry]
+    finally:
+        ck.close()
+    make_folder(out.parent, "export")
+    replace_file(out.parent, out.name, state, torch_file=True)
+    return ck.tag, len(state)

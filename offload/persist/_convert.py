@@ -5,8 +5,8 @@ DeepSeek's...) experts as one fused ``gate_up_proj`` / ``down_proj`` tensor each
 ``block_sparse_moe.experts.{i}.w1/w2/w3.weight``, renamed keys (``LayerNorm.gamma``), and ``save_pretrained``
 writes the Hub's layout back. ``from_pretrained`` converts with the model's own mapping
 (``transformers.conversion_mapping.get_model_conversion_mapping``); :class:`ConvertedSource` applies the same
-mapping to a :class:`~offload._load.StateSource`, so a load into a model built under ``offload.init`` (or into an
-engine) sees the model's names. It reads one converted group at a time (one layer's experts), and the shapes that
+mapping to a :class:`~offload.persist._load.StateSource`, so a load into a model built under ``offload.init`` (or into
+an engine) sees the model's names. It reads one converted group at a time (one layer's experts), and the shapes that
 loads check before writing come from running the conversion on meta tensors, so no data is read for them.
 
 :class:`HubLayout` is the way back, as ``save_pretrained`` writes it (``revert_weight_conversion``): an export of a
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 import sys
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 

@@ -1,6 +1,6 @@
 """Streaming weights in: a state dict read tensor by tensor, never a whole checkpoint in RAM.
 
-Sources (:func:`open_state_dict`): a ``.safetensors`` file; a folder or ``*.index.json`` of sharded files as
+Sources (:class:`StateSource`): a ``.safetensors`` file; a folder or ``*.index.json`` of sharded files as
 transformers writes them (``model.safetensors.index.json``, or ``pytorch_model.bin.index.json``); a torch file
 (``.bin``/``.pt``, loaded with ``mmap=True, weights_only=True``: nothing is unpickled but tensors); or a dict of
 tensors. safetensors files are read through the ``safetensors`` library one tensor at a time, each file opened just
@@ -36,15 +36,12 @@ import torch
 
 from nvme_swapper import evict_pages
 
+from .._hooks import unwrap_compiled
+from .._state import holding, is_engine
 from ._convert import ConvertedSource, converted, prefix_side
-from ._hooks import unwrap_compiled
 
 if TYPE_CHECKING:
-    from .engine import Engine
-
-
-class WriteRefused(RuntimeError):
-    """Trainable weights written once an accumulation window's updates have started: refused before any write."""
+    from .._state import EngineState
 
 # a folder's checkpoint: transformers' names, in the order from_pretrained looks for them
 _CHECKPOINT_NAMES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -197,10 +194,6 @@ def _drop_file_pages(t: torch.Tensor) -> None:
     libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), mmap.MADV_DONTNEED)
 
 
-def open_state_dict(source: str | os.PathLike[str] | Mapping[str, torch.Tensor]) -> StateSource:
-    return StateSource(source)
-
-
 @dataclass
 class LoadResult:
     """What a load did not match: model keys the checkpoint lacks, checkpoint keys the model lacks."""
@@ -209,7 +202,7 @@ class LoadResult:
     unexpected: list[str] = field(default_factory=list)
 
 
-def _aliases(module: torch.nn.Module) -> dict[int, list[str]]:
+def keys_by_tensor(module: torch.nn.Module) -> dict[int, list[str]]:
     """Every state_dict key of each tensor (tied weights have several)."""
     out: dict[int, list[str]] = {}
     for name, t in module.state_dict(keep_vars=True).items():
@@ -228,15 +221,12 @@ def _check_shapes(found: dict[str, str], src: StateSource | ConvertedSource,
                              f"{tuple(tensors[first].shape)}; nothing was loaded")
 
 
-def load_state_dict(target: "torch.nn.Module | Engine", source: str | os.PathLike[str] | Mapping[str, torch.Tensor],
-                    *, strict: bool = True) -> LoadResult:
+def load_state_dict(target: "torch.nn.Module | EngineState",
+                    source: str | os.PathLike[str] | Mapping[str, torch.Tensor], *, strict: bool = True) -> LoadResult:
     """Loads ``source`` into ``target`` tensor by tensor (see the module docstring). With ``strict`` (the
     default) every tensor of the model must be in the checkpoint and nothing else (tied weights count as one);
     otherwise what matches is loaded and the rest reported."""
-    from .engine import Engine
-    from .engine._engine import holding
-
-    if isinstance(target, Engine):  # its checks: the phase, and a pending delayed update settled first
+    if is_engine(target):  # its checks: the phase, and a pending delayed update settled first
         return target.load_state_dict(source, strict=strict)
     if not isinstance(target, torch.nn.Module):
         raise ValueError(f"load_state_dict: target must be a torch.nn.Module or an offload Engine, got "
@@ -249,7 +239,7 @@ def load_state_dict(target: "torch.nn.Module | Engine", source: str | os.PathLik
         return _into_module(module, src, strict)
 
 
-def load_into_engine(engine: "Engine", source: str | os.PathLike[str] | Mapping[str, torch.Tensor],
+def load_into_engine(engine: "EngineState", source: str | os.PathLike[str] | Mapping[str, torch.Tensor],
                      strict: bool) -> LoadResult:
     """``Engine.load_state_dict`` once it has checked its phase: the masters, homes and device copies."""
     with _open(source, engine.module) as src:
@@ -258,7 +248,7 @@ def load_into_engine(engine: "Engine", source: str | os.PathLike[str] | Mapping[
 
 def _open(source: str | os.PathLike[str] | Mapping[str, torch.Tensor],
           module: torch.nn.Module) -> "StateSource | ConvertedSource":
-    """The source as ``module`` names its tensors (transformers' conversions: :mod:`offload._convert`)."""
+    """The source as ``module`` names its tensors (transformers' conversions: :mod:`offload.persist._convert`)."""
     src = StateSource(source)
     try:
         return converted(src, module)
@@ -269,7 +259,7 @@ def _open(source: str | os.PathLike[str] | Mapping[str, torch.Tensor],
 
 def _into_module(module: torch.nn.Module, src: StateSource | ConvertedSource, strict: bool) -> LoadResult:
     tensors = module.state_dict(keep_vars=True)
-    aliases = _aliases(module)
+    aliases = keys_by_tensor(module)
     found, result = _match_tied(module, aliases, src, strict)
     _check_shapes(found, src, tensors)
     meta = [name for name in found if tensors[name].is_meta]
@@ -362,13 +352,13 @@ def _ignored(name: str, module: torch.nn.Module, attr: str) -> bool:
     return any(re.search(pattern, name) for pattern in getattr(module, attr, None) or ())
 
 
-def _into_engine(engine: "Engine", src: StateSource | ConvertedSource, strict: bool) -> LoadResult:
+def _into_engine(engine: "EngineState", src: StateSource | ConvertedSource, strict: bool) -> LoadResult:
     """Sub-group by sub-group: each segment's fp32 master from its parameter's tensor, and each parameter's
     low-precision home once its last segment is in; frozen tensors and buffers after. One checkpoint tensor in RAM
     at a time (the current parameter's), each read once."""
     module, layout, opt = engine.module, engine.layout, engine.optimizer
     opt.wait()
-    aliases = _aliases(module)
+    aliases = keys_by_tensor(module)
     found, result = _match_tied(module, aliases, src, strict)
     _check_shapes(found, src, module.state_dict(keep_vars=True))
     key_of = {id(p): aliases[id(p)][0] for p in module.parameters()}
@@ -379,7 +369,7 @@ def _into_engine(engine: "Engine", src: StateSource | ConvertedSource, strict: b
     counted = list(left)
     given = [key_of[id(p)] in found for p in layout.params]
     trained = [key_of[id(p)] for p, g in zip(layout.params, given) if g]
-    engine._refuse_writes_over_started_updates(f"engine.load_state_dict() of trainable parameters ({trained[:3]}; the "
+    engine.refuse_writes_over_started_updates(f"engine.load_state_dict() of trainable parameters ({trained[:3]}; the "
                                                "model's load_state_dict and edits in engine.gathered() load this way)",
                                                bool(trained))
     current: tuple[int, torch.Tensor | None] = (-1, None)
@@ -387,7 +377,7 @@ def _into_engine(engine: "Engine", src: StateSource | ConvertedSource, strict: b
     def value(i: int) -> torch.Tensor | None:
         nonlocal current
         if current[0] != i:
-            p, key = layout.params[i], key_of[id(layout.params[i])]
+            key = key_of[id(layout.params[i])]
             current = (i, src.get(found[key]) if key in found else None)
         return current[1]
 

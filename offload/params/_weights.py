@@ -1,45 +1,53 @@
 """Weights: where the model's low-precision parameters live for one engine, and how new values reach them.
 
-The plan's parameter tier decides the shape:
+The plan's parameter tier decides the shape, and with it the one update sink (:mod:`._sinks`) the optimizer hands
+each sub-group's new values to:
 
 * DEVICE: one flat buffer per param group on the DEVICE tier; each trainable parameter becomes a view into it
   (``p.data = view``: the same ``nn.Parameter`` objects, so tied weights, hooks and user references survive). The
-  optimizer writes new values into it (the CPU device tier: in the kernel's own pass; CUDA: through pinned staging
-  and the host-to-device stream). With the delayed update the optimizer writes a HOST copy instead, which
-  :meth:`Weights.apply_update` copies to the device at the next step. With several ranks (stages 0-2) each rank
-  updates its range and :meth:`after_step` (delayed: :meth:`apply_update`) all-gathers the rest.
+  optimizer writes new values into it (the CPU device tier: in the kernel's own pass, :class:`~._sinks.FlatSink`;
+  CUDA: through pinned staging and the host-to-device stream, :class:`~._sinks.UploadSink`). With the delayed
+  update the optimizer writes a HOST copy instead, which :meth:`Weights.apply_update` copies to the device at the
+  next step. With several ranks (stages 0-2) each rank updates its range and :meth:`after_step` (delayed:
+  :meth:`apply_update`) all-gathers the rest.
 * HOST: flat host buffers that the optimizer updates in place (stage 3 on several ranks: this rank's pieces only,
-  :class:`~offload.dist.ParamShards`); :class:`~offload.params.ParameterOffload` fetches a window to the device.
+  :class:`~._shards.ParamShards`); :class:`~._offload.ParameterOffload` fetches a window to the device.
 * NVME: a swap key per parameter (several ranks: per piece, in the rank's own folder), rewritten from the
-  optimizer thread after each sub-group's update; a window is fetched as for HOST.
+  optimizer thread after each sub-group's update (:class:`~._sinks.HomeSink`, :class:`~._sinks.PieceSink`); a
+  window is fetched as for HOST.
 
 Frozen parameters and buffers are moved to the device once, here (floating point ones in the training dtype).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from nvme_swapper import aligned_tensor
 
 from .._cleanup import close_after_failure, run_all
-from .._convert import buffers_from_pretrained_keeps
-from ..dist import Comm, GradPartition, ParamShards
-from ..memory import AllOf, Copy, CopyStreams, Tier, TieredStore, fmt_bytes
+from ..dist import Comm, GradPartition
+from ..memory import Copy, CopyStreams, Tier, TieredStore, fmt_bytes
 from ..optim._layout import FlatLayout
-from ..optim.offloaded import OffloadedAdam
-from ..params import ParameterOffload, check_window
+from ..persist import buffers_from_pretrained_keeps
 from ..plan import UPDATE_BUFFERS, Partition, Plan
+from . import ParameterOffload, check_window
+from ._shards import ParamShards
+from ._sinks import FlatSink, HomeSink, PieceSink, UpdateSink, UploadSink
+
+if TYPE_CHECKING:
+    from ..optim.offloaded import OffloadedAdam
 
 _FIX_HOST = "raise offload.host_memory_budget or home the parameters on nvme"
 
 
 class Weights:
-    """Owns the low-precision parameters' buffers (device flats, host homes, delayed-update copies) and, with
-    parameter offload, the :class:`ParameterOffload` and :class:`ParamShards` that hold them. ``close()`` hands the
-    model back with plain tensors holding the current values."""
+    """Owns the low-precision parameters' buffers (device flats, host homes, delayed-update copies), the update sink
+    the optimizer hands new values to (set as ``optimizer.sink``) and, with parameter offload, the
+    :class:`ParameterOffload` and :class:`ParamShards` that hold them. ``close()`` hands the model back with plain
+    tensors holding the current values."""
 
     def __init__(self, plan: Plan, module: torch.nn.Module, layout: FlatLayout, store: TieredStore,
                  copies: CopyStreams, comm: Comm, optimizer: OffloadedAdam, *, aio: Any,
@@ -49,6 +57,7 @@ class Weights:
         self._host: list[torch.Tensor] = []  # HOST tier: homes, or the delayed update's copies
         self.params: ParameterOffload | None = None
         self.shards: ParamShards | None = None
+        self.sink: UpdateSink | None = None
         self.pending = False  # delayed update: the optimizer's newest values are not on the device yet
         self._reserved = 0  # bytes reserved on the DEVICE tier for the flat parameters
         # a model given with its parameters in the training dtype keeps its float buffers' dtypes: such a model
@@ -67,9 +76,12 @@ class Weights:
                     host = [self._allocate_host(f.numel(), "delayed-update parameters", "raise "
                                                 "offload.host_memory_budget or turn off "
                                                 "offload_optimizer.delayed_update") for f in self.flats]
-                    optimizer.attach_device(host)
-                else:  # CUDA: the new values reach the device through pinned staging, allocated here
-                    optimizer.attach_device(self.flats, upload=plan.cuda_path)
+                    self.sink = FlatSink(host, layout)
+                elif plan.cuda_path and plan.optimizer_tier is not Tier.DEVICE and self.flats:
+                    self.sink = UploadSink(self.flats, store, copies, layout)  # pinned staging, allocated here
+                else:
+                    self.sink = FlatSink(self.flats, layout)
+                optimizer.sink = self.sink
                 self._flatten_to_device(optimizer)
             else:
                 self._offload(comm, optimizer, aio, nvme_path)
@@ -155,6 +167,7 @@ class Weights:
         check_window([p.numel() for p in layout.params + frozen], plan.persistence_threshold, plan.max_live,
                      plan.dtype, self.store.accounts[Tier.DEVICE].budget)  # before any parameter moves
         homes: list[torch.Tensor | None] = [None] * (len(layout.params) + len(frozen))
+        home_sink: HomeSink | None = None
         if plan.partition is Partition.PER_PARAM:  # frozen parameters are partitioned too, in a layout of their own
             pieces = plan.frozen_pieces(frozen)
             if plan.param_tier is Tier.NVME:  # pieces in this rank's NVMe folder, staging for those in flight
@@ -163,8 +176,7 @@ class Weights:
                                           staging_cap=plan.read_staging(layout.piece + (pieces.piece if pieces
                                                                                         else [])),
                                           writes=UPDATE_BUFFERS)
-                optimizer.attach_device([], on_updated=self.shards.write_updated, dtype=plan.dtype,
-                                        update_buffers=UPDATE_BUFFERS)
+                self.sink = PieceSink(self.shards, self.store, self.copies, layout, plan.dtype, UPDATE_BUFFERS)
             else:  # each home holds this rank's piece of every parameter
                 fix = "raise offload.host_memory_budget or use more ranks"
                 flats = [self._allocate_host(layout.owned_numel(g), f"this rank's share of the parameters of param "
@@ -173,7 +185,7 @@ class Weights:
                                                   "parameters", fix) if pieces else None
                 self.shards = ParamShards(comm, layout, self.copies, frozen=pieces, flats=flats,
                                           frozen_flat=frozen_flat)
-                optimizer.attach_device(flats, owned_only=True)
+                self.sink = FlatSink(flats, layout, owned_only=True)
             with torch.no_grad():
                 for i, p in enumerate(layout.params):
                     optimizer.fill_masters(i + 1)
@@ -196,23 +208,25 @@ class Weights:
                     p.data = view  # the user's tensor is freed here, not after every home is written
                 for k, p in enumerate(frozen):
                     homes[len(layout.params) + k].copy_(p.detach().reshape(-1))
-            optimizer.attach_device(flats)
-        else:
-            optimizer.attach_device([], on_updated=self._write_homes, dtype=plan.dtype,
-                                    update_buffers=UPDATE_BUFFERS)
+            self.sink = FlatSink(flats, layout)
+        else:  # the homes' writes go through its staging, the initial ones too (idle until the first update)
+            self.sink = home_sink = HomeSink(self.store, self.copies, layout, plan.dtype, UPDATE_BUFFERS)
+        optimizer.sink = self.sink
         self._move_buffers()
         trainable = len(layout.params)
         self.params = ParameterOffload(
             self.module, layout.params + frozen, homes, self.store, self.copies, plan.dtype,
             persistence_threshold=plan.persistence_threshold, max_live=plan.max_live, bucket=plan.prefetch_bucket,
             nvme_path=nvme_path if plan.param_tier is Tier.NVME else None, aio=aio, shards=self.shards,
-            scratch=optimizer.update_staging, parts=self._segments(), land=not plan.delayed,
+            scratch=self.sink.scratch, parts=self._segments(), land=not plan.delayed,
             staging=plan.read_staging([p.numel() for p in layout.params + frozen if p.numel() >
                                        plan.persistence_threshold]) if plan.cuda_path and self.shards is None else 0,
             # each parameter read into the masters just before it moves to its home
             before_home=lambda i: optimizer.fill_masters(min(i + 1, trainable)),
             written_together=[[(seg.param, seg.param_start) for seg in sg.segments] for sg in layout.sub_groups],
             writes=UPDATE_BUFFERS)
+        if home_sink is not None:
+            home_sink.homes = self.params
         optimizer.fill_masters()  # the rest: sub-groups of padding alone
 
     def _segments(self) -> list[list[tuple[int, int]]]:
@@ -222,16 +236,6 @@ class Weights:
             for seg in sg.segments:
                 parts[seg.param].append((seg.param_start, seg.numel))
         return parts
-
-    def _write_homes(self, sg: Any, values: torch.Tensor) -> AllOf:
-        """On the optimizer thread, after a sub-group's update: starts writing its segments to their keys of the
-        NVMe homes; the handle completes them (``values`` stays untouched until then)."""
-        assert self.params is not None
-        handles = []
-        for seg in sg.segments:
-            lo = seg.flat_start - sg.start
-            handles.append(self.params.write_home_part(seg.param, seg.param_start, values[lo : lo + seg.numel]))
-        return AllOf(handles)
 
     # reading and writing values ---------------------------------------------------------------------------------
 
@@ -334,7 +338,13 @@ class Weights:
         """Hands the model back (parameter offload: plain device tensors with the current values) and frees the
         host buffers and the device reservation. The hand-back cut short (an interrupt) frees nothing it reads: the
         next call hands back again."""
-        run_all([self._close_params, self._free])
+        run_all([self._close_sink, self._close_params, self._free])
+
+    def _close_sink(self) -> None:
+        """Waits for the writes it still has in flight (before the homes' files close) and frees its staging."""
+        if self.sink is not None:
+            self.sink.close()
+            self.sink = None
 
     def _close_params(self) -> None:
         if self.params is not None:
