@@ -232,7 +232,7 @@ def report_failed_start(exc: BaseException, timeout: float = 1800.0) -> None:
 def join(timeout: float, device_spec: str = "auto") -> ProcessGroup:
     """The ranks to train with and this rank's device (see the module docstring). ``timeout``: seconds any
     collective may wait; ``device_spec``: the ``offload.device`` value."""
-    global _store, _ours, _world_users
+    global _ours, _world_users
     delta = datetime.timedelta(seconds=timeout)
     if dist.is_available() and dist.is_initialized():
         world, rank = dist.get_world_size(), dist.get_rank()
