@@ -87,6 +87,7 @@ def test_bench_train_writes_json_and_plots(tmp_path, capsys):
     assert "plots:" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # a process per placement: 21 s
 def test_bench_gpu_runs_each_placement_in_its_own_process(tmp_path, capsys):
     """On a CPU machine the GPU bench is a smoke run (device tier in host memory); with CUDA the same command
     measures the GPU. Every run trains the same batches; the bounds are measured beside them, and FSDP2 with CPU

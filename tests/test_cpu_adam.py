@@ -456,6 +456,7 @@ def _builds(cache: Path) -> list[Path]:
     return sorted(p for p in (cache / "cpu_adam").iterdir() if p.is_dir())
 
 
+@pytest.mark.slow  # two installs and a build: 18 s
 def test_installs_of_the_same_source_share_one_build(tmp_path: Path) -> None:
     """Two installs of the same source (here two copies of the packages) started at once build the kernel once
     between them: the one that waited loads the other's build (they rebuilt it on every start: 14 s against 3.5 s).

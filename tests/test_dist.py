@@ -816,7 +816,8 @@ def test_a_reference_engine_outlives_the_engine_that_created_the_group(tmp_path)
                 torch.testing.assert_close(y, plain(x[3 * r : 3 * (r + 1)]), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("how", ["exit", "hang", "diverge"])
+@pytest.mark.parametrize("how", ["exit", pytest.param("hang", marks=pytest.mark.slow),  # 17 s each: the timeout
+                                 pytest.param("diverge", marks=pytest.mark.slow)])
 def test_a_dead_or_hung_rank_fails_the_others_naming_it(tmp_path, how):
     """Rank 1 of 3 stops after its backward of step 2 (the engine initializes torch.distributed itself here), or
     makes a broadcast where the others step (a call on some ranks only): the others raise within the timeout, naming

@@ -416,7 +416,8 @@ def test_activation_checkpointing_through_the_trainer(tmp_path):
             assert math.isclose(a, b, rel_tol=1e-5)
 
 
-@pytest.mark.parametrize("stage,params", [(2, False), (3, True)], ids=["optimizer-nvme", "params+optimizer-nvme"])
+@pytest.mark.parametrize("stage,params", [(2, False), pytest.param(3, True, marks=pytest.mark.slow)],  # (17 s; the
+                         ids=["optimizer-nvme", "params+optimizer-nvme"])  # compiled window: test_compile.py)
 def test_torch_compile_through_the_trainer(tmp_path, stage, params):
     """TrainingArguments(torch_compile=True): the engine's forward runs compiled graphs (it was ignored before),
     losses equal the plain Trainer's compiled the same way, and the saved folder has the model's own names."""
