@@ -50,7 +50,6 @@ class ForwardTrace:
     hooks (:class:`~offload._hooks.Hook`). ``close()`` removes its hooks and pops its mode."""
 
     def __init__(self, module: torch.nn.Module, *, refuse: str | None = None) -> None:
-        self.module = module
         self.recording = True
         self.quiet = 0  # > 0 while the library's own work (a fetch) calls torch functions: none is a read
         self.order: list[int] = []  # what parameter offload noted (note()) as the forward needed it
@@ -66,13 +65,17 @@ class ForwardTrace:
         self._depth = 0  # the root's forward calls in progress on that thread
         self._again = False  # record again from the next forward (record_again)
         self._handles: list[SlotHandle] = []
-        for mod in module.modules():
-            if mod is module:
-                self._handles.append(on_forward(mod, Slot.TRACE, pre=self._start, always=self._stop,
-                                                post=self._done, refuse=refuse))
-            else:
-                self._handles.append(on_forward(mod, Slot.TRACE, pre=self._enter, always=self._leave,
-                                                refuse=refuse))
+        try:
+            for mod in module.modules():
+                if mod is module:
+                    self._handles.append(on_forward(mod, Slot.TRACE, pre=self._start, always=self._stop,
+                                                    post=self._done, refuse=refuse))
+                else:
+                    self._handles.append(on_forward(mod, Slot.TRACE, pre=self._enter, always=self._leave,
+                                                    refuse=refuse))
+        except BaseException:
+            self.close()  # (the slots taken so far: the owner never got this trace to close)
+            raise
 
     # what it recorded --------------------------------------------------------------------------------------------
 

@@ -91,7 +91,6 @@ class UpdateGate:
     def _rank_by_trace(self) -> None:
         """The trace is fixed: ranks the sub-groups in its order, gives that to the stepper, and makes each module
         whose forward read other modules' parameters wait for them too."""
-        self.trace.on_fixed.remove(self._rank_by_trace)  # the order is the first forward's
         for rank, k in enumerate(self.trace.sub_group_order(self._layout)):
             self._rank[k] = rank
         for key, pids in self.trace.reads.items():
@@ -99,6 +98,7 @@ class UpdateGate:
             if sub_groups:
                 self._read_sub_groups(self.trace.module_of(key), sub_groups)
         self._optimizer.update_order(self._rank)
+        self.trace.close()  # the order is the first forward's: its slots would run at every forward for nothing
 
     # waiting ----------------------------------------------------------------------------------------------------
 

@@ -90,7 +90,7 @@ class ParamShards:
         ``writes``: the sub-group updates whose parts are written at once (the swap file's spare room)."""
         assert layout.per_param and (flats is None) != (nvme_path is None)
         assert frozen is None or (frozen.per_param and (flats is None or frozen_flat is not None))
-        self.comm, self.layout, self.copies, self.store = comm, layout, copies, store
+        self.comm, self.layout, self.copies = comm, layout, copies
         self.device = copies.device
         # every parameter, trainable then frozen: its layout and its index there
         self._at = [(lay, j) for lay in (layout, frozen) if lay is not None for j in range(len(lay.params))]
@@ -170,15 +170,15 @@ class ParamShards:
         """Waits for a piece's reads (all of them, even after a failure, so no I/O is left on reused memory)."""
         wait_all(handles)
 
-    def fetch(self, i: int, dst: torch.Tensor, out: torch.Tensor | None = None) -> Any:
+    def fetch(self, i: int, dst: torch.Tensor) -> Any:
         """Starts gathering parameter ``i`` into ``dst`` (its device buffer); returns a handle to ``wait()`` on.
         Host pieces: the all-gather starts now. NVMe pieces: the reads of this rank's piece start now, into a
         staging piece of their own, and the all-gather is issued once they are done, in fetch order, at the
         latest when this or a later fetch is waited on or any other collective starts (``Comm.before_collective``):
         so the reads overlap the compute before the parameter is needed, and every rank issues the gathers in the
-        order it fetched, which is the same everywhere. ``out``: the all-gather's output, if already allocated."""
+        order it fetched, which is the same everywhere."""
         piece, r = self.piece[i], self.comm.rank
-        out = self._out_buffer(i) if out is None else out
+        out = self._out_buffer(i)
         inp = out[r * piece : (r + 1) * piece]  # the all-gather takes this rank's chunk of out in place
         if self._space is None:
             return self._gather(i, out, inp, self.pieces[i], dst)[0]

@@ -58,6 +58,7 @@ class Weights:
         self.params: ParameterOffload | None = None
         self.shards: ParamShards | None = None
         self.sink: UpdateSink | None = None
+        self._optimizer = optimizer  # holds the sink too (optimizer.sink), dropped with it at close
         self.pending = False  # delayed update: the optimizer's newest values are not on the device yet
         self._reserved = 0  # bytes reserved on the DEVICE tier for the flat parameters
         # a model given with its parameters in the training dtype keeps its float buffers' dtypes: such a model
@@ -345,6 +346,7 @@ class Weights:
         if self.sink is not None:
             self.sink.close()
             self.sink = None
+            self._optimizer.sink = None  # (the optimizer's reference: none left to a closed sink's buffers)
 
     def _close_params(self) -> None:
         if self.params is not None:
